@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up swarmgrad in ./.venv (idempotent): a CPU build of torch, hivemind with its p2pd, the package
+# itself with its test tools, and the offline datasets the demo and tests train on.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+    echo "error: swarmgrad needs Python >= 3.10; set PYTHON=/path/to/python3.11" >&2
+    exit 2
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv" >&2
+    "$PYTHON" -m venv .venv
+fi
+
+# Exact pins first: an unpinned torch would pull a multi-GB CUDA build.
+echo "setup: installing torch, hivemind and swarmgrad into .venv" >&2
+.venv/bin/pip install --quiet --disable-pip-version-check -r requirements-pins.txt
+.venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev]"
+echo "setup: done ($(.venv/bin/swarmgrad --version))" >&2

@@ -1,0 +1,3 @@
+from swarmgrad.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""How tensors meet: wire frames, codecs, privacy, group all-reduce, moshpit, gossip."""

@@ -1,0 +1,203 @@
+"""SwarmNode: one peer's libp2p daemon and DHT node, living in the caller's asyncio loop.
+
+hivemind's ``DHT`` class forks a process per node; we hold ``hivemind.p2p.P2P`` and
+``hivemind.dht.node.DHTNode`` directly so a peer has one event loop for everything it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pydantic
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, P2PDaemonError
+
+from swarmgrad.dht.addresses import listen_address, parse_multiaddr, parse_peer_addresses
+from swarmgrad.dht.identity import Identity
+from swarmgrad.dht.records import BodyT, RecordError, SignedRecord, SignedRecordValidator, open_envelope, seal
+from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.runtime import timeout
+
+logger = logging.getLogger(__name__)
+
+
+class NodeConfig(pydantic.BaseModel):
+    """How a node listens, whom it contacts first, and who it is."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"  # listen here; 0.0.0.0 for a public node
+    port: int = pydantic.Field(0, ge=0, le=65535)  # 0 picks a free port
+    announce_maddrs: list[str] = []  # addresses to tell others, when behind port forwarding
+    initial_peers: list[str] = []  # multiaddrs of any running nodes of the swarm
+    identity_path: Optional[Path] = None  # Ed25519 key file; created on first use; same peer id across restarts
+    client_mode: bool = False  # no inbound connections: for NATed, edge and monitoring peers
+    use_relay: bool = True  # may reach NATed peers through libp2p circuit relays
+    use_auto_relay: bool = False  # look for relays to become reachable from behind a NAT
+    bootstrap_timeout: float = pydantic.Field(20.0, gt=0)  # total seconds spent retrying initial peers
+    request_timeout: float = pydantic.Field(5.0, gt=0)  # one DHT request (store or get) at most
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> NodeConfig:
+        listen_address(self.host, self.port)
+        parse_peer_addresses(self.initial_peers)
+        for address in self.announce_maddrs:
+            parse_multiaddr(address)
+        if self.client_mode and not self.initial_peers:
+            raise ConfigError("a client-mode node accepts no connections, so it needs --initial-peers to join")
+        return self
+
+
+class SwarmNode:
+    """A libp2p daemon plus a DHT node that accepts only signed swarmgrad records.
+
+    Use as ``async with SwarmNode(config) as node:``; the daemon is gone when the block exits.
+    """
+
+    def __init__(self, config: NodeConfig | None = None, identity: Identity | None = None):
+        self.config = config or NodeConfig()
+        if identity is None and self.config.identity_path is not None:
+            identity = Identity.load_or_create(self.config.identity_path)
+        self.identity = identity or Identity.generate()
+        self.p2p: P2P | None = None
+        self.dht: DHTNode | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    async def __aenter__(self) -> SwarmNode:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        self.p2p = await self._start_daemon()
+        try:
+            self.dht = await DHTNode.create(
+                p2p=self.p2p,
+                initial_peers=self.config.initial_peers or None,
+                client_mode=self.config.client_mode,
+                record_validator=SignedRecordValidator(),
+                wait_timeout=self.config.request_timeout,
+                ensure_bootstrap_success=bool(self.config.initial_peers),
+            )
+        except BaseException as error:
+            await self.p2p.shutdown()
+            self.p2p = None
+            if isinstance(error, Exception):
+                raise StartupError(f"DHT bootstrap through {self._tried()} failed: {error}") from None
+            raise
+        logger.info("node %s up, listening on %s", self.peer_id, " ".join(self.maddrs) or "nothing (client mode)")
+
+    async def shutdown(self) -> None:
+        if self.dht is not None:
+            await self.dht.protocol.shutdown()
+            self.dht = None
+        if self.p2p is not None:
+            await self.p2p.shutdown()  # waits for p2pd to exit
+            self.p2p = None
+
+    @property
+    def maddrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<id>) others can dial; empty in client mode."""
+        if self.p2p is None or not self.p2p._visible_maddrs:
+            return []
+        return [f"{address}/p2p/{self.peer_id}" for address in self.p2p._visible_maddrs]
+
+    async def store(self, key: str, body: BodyT, expires: float) -> bool:
+        """Sign ``body`` and store it in our own slot of ``key``; False if no DHT node took it in time."""
+        envelope = seal(self.identity, key, body, expires)
+        try:
+            async with timeout(self.config.request_timeout * 2):
+                return await self._live_dht().store(key, envelope, expiration_time=expires, subkey=self.peer_id)
+        except asyncio.TimeoutError:
+            logger.warning("storing %s timed out", key)
+            return False
+
+    async def get_records(self, key: str, body_type: type[BodyT]) -> dict[str, SignedRecord[BodyT]]:
+        """The latest valid record of each owner under ``key`` (empty if none or on timeout)."""
+        try:
+            async with timeout(self.config.request_timeout * 2):
+                found = await self._live_dht().get(key, latest=True)
+        except asyncio.TimeoutError:
+            logger.warning("reading %s timed out", key)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        records: dict[str, SignedRecord[BodyT]] = {}
+        for owner, entry in found.value.items():
+            try:
+                record = open_envelope(entry.value)
+            except RecordError as error:  # the DHT validated it, but it may have expired since
+                logger.debug("skipping record of %s under %s: %s", owner, key, error)
+                continue
+            if record.key == key and isinstance(record.body, body_type):
+                records[record.owner] = record
+        return records
+
+    def _live_dht(self) -> DHTNode:
+        if self.dht is None:
+            raise RuntimeError("the node is not running; use `async with SwarmNode(...)`")
+        return self.dht
+
+    def _tried(self) -> str:
+        return ", ".join(self.config.initial_peers)
+
+    async def _start_daemon(self) -> P2P:
+        """Start p2pd, retrying while the initial peers are unreachable, up to the bootstrap timeout."""
+        config = self.config
+        deadline = time.monotonic() + config.bootstrap_timeout
+        delay = 0.25
+        with _identity_file(self.identity) as identity_path:
+            while True:
+                try:
+                    return await P2P.create(
+                        initial_peers=config.initial_peers or None,
+                        host_maddrs=[str(listen_address(config.host, config.port))],
+                        announce_maddrs=config.announce_maddrs or None,
+                        identity_path=str(identity_path),
+                        no_listen=config.client_mode,
+                        dht_mode="client" if config.client_mode else "server",
+                        use_relay=config.use_relay,
+                        use_auto_relay=config.use_auto_relay,
+                        nat_port_map=False,  # no UPnP traffic: peers announce what they are told to
+                        auto_nat=False,
+                        use_ipfs=False,
+                        check_if_identity_free=False,
+                        startup_timeout=max(1.0, min(15.0, deadline - time.monotonic())),
+                    )
+                except P2PDaemonError as error:
+                    message = str(error)
+                    if "address already in use" in message:
+                        raise ConfigError(
+                            f"port {config.port} on {config.host} is in use; "
+                            "pick another with --port, or 0 for any free port"
+                        ) from None
+                    if "failed to connect to bootstrap peers" not in message:
+                        raise StartupError(f"the libp2p daemon failed to start: {message}") from None
+                if time.monotonic() + delay >= deadline:
+                    raise StartupError(
+                        f"could not reach any initial peer within {config.bootstrap_timeout:.0f} s "
+                        f"(tried {self._tried()}); check the addresses and that a node is running there"
+                    )
+                logger.info("no initial peer answered yet; retrying in %.1f s", delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 4.0)
+
+
+@contextlib.contextmanager
+def _identity_file(identity: Identity) -> Iterator[Path]:
+    """The identity as a key file for p2pd, in a private temporary folder removed after start-up."""
+    with tempfile.TemporaryDirectory(prefix="swarmgrad-id-") as folder:
+        path = Path(folder) / "identity.key"
+        identity.save(path)
+        yield path

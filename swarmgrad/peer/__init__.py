@@ -1,0 +1,1 @@
+"""What a volunteer runs: Peer, training strategies, state sync, progress, checkpoints."""

@@ -1,0 +1,104 @@
+"""Shared helpers: run async scenarios on uvloop, start child peer processes, wait for conditions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Awaitable, Callable
+
+import pytest
+
+from swarmgrad.runtime import configure_logging, run
+
+configure_logging(20)
+
+
+def run_async(coroutine):
+    return run(coroutine)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], seconds: float, interval: float = 0.2) -> float:
+    """Poll ``check`` until it is true; returns the seconds it took, fails the test after ``seconds``."""
+    started = time.monotonic()
+    while not await check():
+        if time.monotonic() - started > seconds:
+            pytest.fail(f"condition not met within {seconds} s")
+        await asyncio.sleep(interval)
+    return time.monotonic() - started
+
+
+class MemberProcess:
+    """A demo member (real p2pd, real DHT) in its own process, for kill/restart scenarios.
+
+    Its methods never block the calling event loop, which may host the nodes the member talks to.
+    """
+
+    def __init__(self, run_id: str, initial_peers: list[str], *extra: str, ttl: float = 30.0):
+        argv = [sys.executable, "-m", "swarmgrad.demo.member", "--run-id", run_id, "--ttl", str(ttl)]
+        argv += ["--initial-peers", *initial_peers, *extra]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.peer_id = ""
+        self.maddrs: list[str] = []
+
+    async def ready(self) -> "MemberProcess":
+        line = await asyncio.to_thread(self.process.stdout.readline)
+        if not line:
+            stderr = await asyncio.to_thread(self.process.stderr.read)
+            raise RuntimeError(f"member process failed: {stderr[-2000:]}")
+        ready = json.loads(line)
+        self.peer_id, self.maddrs = ready["peer_id"], ready["maddrs"]
+        return self
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    async def stop(self) -> int:
+        """SIGTERM (a graceful leave); SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.process.wait, 15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+
+@pytest.fixture
+def member_processes():
+    """``member = await member_processes(run_id, initial_peers)``; all are killed after the test."""
+    started: list[MemberProcess] = []
+
+    async def start(*args, **kwargs) -> MemberProcess:
+        member = MemberProcess(*args, **kwargs)
+        started.append(member)
+        return await member.ready()
+
+    yield start
+    for member in started:
+        if member.process.poll() is None:
+            member.process.kill()
+            member.process.wait()
+
+
+def p2pd_pids() -> set[int]:
+    """p2pd daemons that are children of this test process (its own, not other sessions')."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:
+            continue
+        if name == "p2pd" and int(fields[1]) == os.getpid():
+            pids.add(int(entry))
+    return pids

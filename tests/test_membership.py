@@ -1,0 +1,161 @@
+"""Run membership on a real swarm: real p2pd daemons and DHT nodes on loopback."""
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+
+import msgpack
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import P2P, PeerID
+
+from conftest import eventually, p2pd_pids, run_async
+from swarmgrad.dht import Identity, Membership, NodeConfig, SwarmNode, SyncNode, list_members
+from swarmgrad.dht.membership import MemberRecord, members_key
+from swarmgrad.dht.records import seal
+
+RUN = "test-run"
+
+
+async def member_ids(node: SwarmNode, run_id: str = RUN) -> set[str]:
+    return {member.peer_id for member in await list_members(node, run_id)}
+
+
+def test_six_nodes_see_all_members_within_ten_seconds():
+    async def scenario():
+        started = time.monotonic()
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            others = await asyncio.gather(
+                *(stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs))) for _ in range(5))
+            )
+            nodes = [first, *others]
+            for node in nodes:
+                await stack.enter_async_context(Membership(node, RUN, ttl=10))
+            everyone = {node.peer_id for node in nodes}
+
+            async def all_see_everyone() -> bool:
+                views = await asyncio.gather(*(member_ids(node) for node in nodes))
+                return all(view == everyone for view in views)
+
+            await eventually(all_see_everyone, seconds=10 - (time.monotonic() - started))
+            members = await list_members(nodes[3], RUN)
+            assert {member.maddrs[0] for member in members} == {node.maddrs[0] for node in nodes}
+            assert all(member.role == "peer" and member.version for member in members)
+
+    run_async(scenario())
+
+
+def test_graceful_leave_is_immediate_and_sigkill_expires_within_ttl(member_processes):
+    ttl = 4.0
+
+    async def scenario():
+        async with SwarmNode() as observer, Membership(observer, RUN, ttl=ttl):
+            leaver, victim = await asyncio.gather(
+                member_processes(RUN, observer.maddrs, ttl=ttl), member_processes(RUN, observer.maddrs, ttl=ttl)
+            )
+
+            async def both_listed():
+                return {leaver.peer_id, victim.peer_id} <= await member_ids(observer)
+
+            await eventually(both_listed, seconds=10)
+
+            assert await leaver.stop() == 0  # SIGTERM: graceful leave
+            assert leaver.peer_id not in await member_ids(observer)
+
+            victim.kill()
+            killed_at = time.monotonic()
+
+            async def victim_gone():
+                return victim.peer_id not in await member_ids(observer)
+
+            await eventually(victim_gone, seconds=ttl + 3)
+            assert time.monotonic() - killed_at <= ttl + 3
+            assert observer.peer_id in await member_ids(observer)
+
+    run_async(scenario())
+
+
+def test_forged_malformed_and_oversized_records_are_rejected_and_node_keeps_serving():
+    async def scenario():
+        async with SwarmNode() as victim, Membership(victim, RUN, ttl=30):
+            # the attacker is a raw hivemind DHT node without our validator, talking straight to the victim
+            attacker_p2p = await P2P.create(initial_peers=victim.maddrs, nat_port_map=False, auto_nat=False)
+            attacker = await DHTNode.create(p2p=attacker_p2p, initial_peers=victim.maddrs)
+            try:
+                key = members_key(RUN)
+                key_id = DHTID.generate(source=key)
+                expires = time.time() + 30
+                victim_id = PeerID.from_base58(victim.peer_id)
+                body = MemberRecord(maddrs=[], role="peer", version="evil", step=0, samples_per_second=0.0,
+                                    updated_at=time.time())
+                forger = Identity.generate()
+                forged = seal(forger, key, body, expires)  # valid signature, but filed in the victim's slot
+                fields = msgpack.unpackb(seal(victim.identity, key, body, expires))
+                fields["body"] = msgpack.packb(body.model_copy(update={"step": 7}).model_dump())
+                tampered = msgpack.packb(fields)  # victim's signature over a different body
+                attempts = {
+                    "forged": (forged, victim.peer_id),
+                    "tampered": (tampered, victim.peer_id),
+                    "malformed": (b"\x93\x01\xff garbage", forger.peer_id),
+                    "oversized": (b"\x00" * 1_000_000, forger.peer_id),
+                }
+                for name, (value, subkey) in attempts.items():
+                    ok = await attacker.protocol.call_store(
+                        victim_id, [key_id], [attacker.protocol.serializer.dumps(value)], [expires], subkeys=[subkey]
+                    )
+                    assert ok == [False], f"{name} record was accepted: {ok}"
+
+                members = await list_members(victim, RUN)
+                assert [member.peer_id for member in members] == [victim.peer_id]
+                assert members[0].step == 0 and members[0].version != "evil"
+                # still serving: a legitimate newcomer joins and is listed
+                async with SwarmNode(NodeConfig(initial_peers=victim.maddrs)) as newcomer, Membership(newcomer, RUN):
+                    assert await member_ids(victim) == {victim.peer_id, newcomer.peer_id}
+            finally:
+                await attacker.shutdown()
+                await attacker_p2p.shutdown()
+
+    run_async(scenario())
+
+
+def test_identity_file_gives_same_peer_id_across_restarts(tmp_path):
+    async def start_and_report() -> tuple[str, str]:
+        async with SwarmNode(NodeConfig(identity_path=tmp_path / "id.key")) as node:
+            return node.peer_id, node.p2p.peer_id.to_base58()
+
+    first = run_async(start_and_report())
+    second = run_async(start_and_report())
+    assert first[0] == first[1]  # p2pd runs under the identity we sign records with
+    assert first == second
+
+
+def test_client_mode_reads_membership_but_accepts_no_connections():
+    async def scenario():
+        async with SwarmNode() as server, Membership(server, RUN):
+            client_config = NodeConfig(initial_peers=server.maddrs, client_mode=True)
+            async with SwarmNode(client_config) as client, Membership(client, RUN, role="client"):
+                assert client.maddrs == []
+                listed = {member.peer_id: member for member in await list_members(client, RUN)}
+                assert set(listed) == {server.peer_id, client.peer_id}
+                assert listed[client.peer_id].maddrs == [] and listed[client.peer_id].role == "client"
+                # a stranger that learns the client's peer id still cannot open a connection to it
+                async with SwarmNode(NodeConfig(initial_peers=server.maddrs)) as stranger:
+                    try:
+                        await asyncio.wait_for(stranger.p2p._client.connect(PeerID.from_base58(client.peer_id), []), 10)
+                        connected = True
+                    except Exception:
+                        connected = False
+                    assert not connected
+
+    run_async(scenario())
+
+
+def test_sync_facade_and_clean_shutdown():
+    before = p2pd_pids()
+    with SyncNode(run_id=RUN, ttl=10) as first:
+        with SyncNode(NodeConfig(initial_peers=first.maddrs), run_id=RUN, ttl=10) as second:
+            assert {m.peer_id for m in second.members()} == {first.peer_id, second.peer_id}
+            second.update(step=5, samples_per_second=2.0)
+        assert [m.peer_id for m in first.members()] == [first.peer_id]
+    assert p2pd_pids() == before  # no daemon left behind
