@@ -1,0 +1,324 @@
+"""Butterfly all-reduce among one agreed group, streamed chunk by chunk.
+
+Every member owns one *part* of the flat vector (a run of chunks sized by its bandwidth share).
+Each member streams its contribution to every part's owner (reduce-scatter); an owner adds the
+weighted contributions chunk by chunk as they arrive and, as soon as a chunk has everyone's
+contribution, streams the average back on the same channel (all-gather). Both phases overlap.
+
+A member's tensors are written only once every part has arrived and been checked, so a round
+that fails (deadline, crash, bad frame) changes nothing (DESIGN invariant 2). Peers that missed
+the group's deadline were already left out when the group was agreed (invariant 3); a failure
+*inside* the agreed group aborts the round for everyone, because a missing owner's part cannot
+be recovered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable
+
+import torch
+
+from swarmgrad.averaging.codecs import Codec, CodecError, ErrorFeedback, get_codec
+from swarmgrad.averaging.frames import encoded_from_frame, encoded_to_frame
+from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
+from swarmgrad.averaging.transport import Channel, Transport
+from swarmgrad.averaging.wire import Frame, FrameError, expect_kind, field as frame_field, int_field
+from swarmgrad.runtime import timeout
+
+logger = logging.getLogger(__name__)
+
+MAX_WEIGHT = 1e15
+_ELEMENTWISE_CODECS = {"none", "fp16", "bf16", "int8"}
+
+
+def gather_codec_for(codec: Codec) -> Codec:
+    """Codec for the averages an owner sends back. An average of sparse or low-rank contributions
+    is dense and of higher rank, and no peer's error feedback would own what re-encoding it with
+    topk or powersgd dropped, so those send averages as fp16."""
+    return codec if codec.name in _ELEMENTWISE_CODECS else get_codec("fp16")
+
+
+class AllReduceFailed(RuntimeError):
+    """The round did not complete; local tensors are untouched."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What a group agreed on before exchanging tensors; identical on every member."""
+
+    round_id: str
+    members: tuple[str, ...]  # peer ids, in part order
+    shares: tuple[float, ...]  # bandwidth share of each member (0: owns no part)
+    codec: str  # codec spec, e.g. "int8"
+    schema_digest: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round_id, "members": list(self.members), "shares": list(self.shares),
+                "codec": self.codec, "schema": self.schema_digest}
+
+    @classmethod
+    def from_wire(cls, data: Any, max_members: int = 256) -> GroupPlan:
+        if not isinstance(data, dict):
+            raise FrameError("group plan must be a map")
+        members = frame_field(data, "members", list)
+        shares = frame_field(data, "shares", list)
+        if not 1 <= len(members) <= max_members or len(shares) != len(members) or len(set(members)) != len(members):
+            raise FrameError("group plan has a bad member list")
+        if not all(isinstance(m, str) and len(m) < 100 for m in members):
+            raise FrameError("group plan members must be peer ids")
+        if not all(type(s) in (int, float) and math.isfinite(s) and 0 <= s <= 1e12 for s in shares) or sum(shares) <= 0:
+            raise FrameError("group plan shares must be finite, non-negative and not all zero")
+        return cls(frame_field(data, "round", str), tuple(members), tuple(float(s) for s in shares),
+                   frame_field(data, "codec", str), frame_field(data, "schema", str))
+
+
+@dataclass
+class AllReduceReport:
+    ok: bool
+    round_id: str
+    group: list[str]
+    contributors: list[str]
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    transports: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+class GroupAllReduce:
+    """One all-reduce round of one member. ``run`` drives it; ``accept`` serves incoming streams."""
+
+    def __init__(
+        self,
+        plan: GroupPlan,
+        me: str,
+        schema: Schema,
+        contribution: torch.Tensor,
+        weight: float,
+        codec: Codec,
+        transport: Transport,
+        protocol: str,
+        feedback: ErrorFeedback | None = None,
+    ):
+        if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+            raise ValueError(f"weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight}")
+        self.plan, self.me, self.schema = plan, me, schema
+        self.contribution, self.weight, self.codec = contribution, weight, codec
+        self.gather_codec = gather_codec_for(codec)
+        self.transport, self.protocol, self.feedback = transport, protocol, feedback
+        self.index = plan.members.index(me)
+        self.parts = assign_parts(schema.chunks, plan.shares)
+        self.my_chunks = [schema.chunks[c] for c in self.parts[self.index]]
+        self.others = [peer for peer in plan.members if peer != me]
+        self.result = torch.empty(schema.total, dtype=torch.float32)
+        self.max_payload = max(
+            (max(codec.encoded_nbytes(c.view), self.gather_codec.encoded_nbytes(c.view)) for c in schema.chunks),
+            default=0,
+        )
+        self._loop = asyncio.get_running_loop()
+        self._failure: asyncio.Future[None] = self._loop.create_future()
+        self._tasks: set[asyncio.Task] = set()
+        self._channels: list[Channel] = []
+        self._contributors: dict[str, float] = {}
+        # owner state for my part: weighted sums, contributions seen, averages ready to send
+        self._sums: dict[int, torch.Tensor] = {}
+        self._seen: dict[int, int] = {}
+        self._averages: list[tuple[dict, bytes]] = []
+        self._averages_changed = asyncio.Condition()
+        self._served = 0
+        self._all_served: asyncio.Future[None] = self._loop.create_future()
+        self._start_my_part()  # before any contributor's stream can arrive
+
+    # ---- driving the round ------------------------------------------------------------------
+
+    async def run(self, seconds: float) -> AllReduceReport:
+        """Exchange everything within ``seconds``; on success ``self.result`` holds the average."""
+        started = time.monotonic()
+        try:
+            async with timeout(seconds):
+                owners = [p for i, p in enumerate(self.plan.members) if p != self.me and len(self.parts[i])]
+                exchanges = [self._spawn(self._exchange_with_owner(owner)) for owner in owners]
+                finished = asyncio.gather(*exchanges, self._all_served)
+                await asyncio.wait([finished, self._failure], return_when=asyncio.FIRST_COMPLETED)
+                if self._failure.done():
+                    self._failure.result()  # raises the first failure
+                await finished
+        except (asyncio.TimeoutError, TimeoutError):
+            self._fail(AllReduceFailed(f"deadline of {seconds:.1f} s passed"))
+        except AllReduceFailed as error:
+            self._fail(error)
+        except Exception as error:
+            self._fail(AllReduceFailed(f"{type(error).__name__}: {error}"))
+        finally:
+            await self._cleanup()
+        report = AllReduceReport(
+            ok=not self._failure.done() or self._failure.exception() is None,
+            round_id=self.plan.round_id,
+            group=list(self.plan.members),
+            contributors=list(self.plan.members),  # on success every member reached every part
+            bytes_sent=sum(channel.bytes_sent for channel in self._channels),
+            bytes_received=sum(channel.bytes_received for channel in self._channels),
+            seconds=time.monotonic() - started,
+            transports={channel.peer_id: channel.transport_name for channel in self._channels},
+        )
+        if not report.ok:
+            report.error = str(self._failure.exception())
+            report.contributors = []
+        return report
+
+    def _spawn(self, coroutine: Awaitable[None], channel: Channel | None = None) -> asyncio.Task:
+        task = asyncio.ensure_future(self._guarded(coroutine, channel))
+        self._tasks.add(task)
+        return task
+
+    async def _guarded(self, coroutine: Awaitable[None], channel: Channel | None) -> None:
+        """Run one side of an exchange; any failure fails the round, and a peer that sent us
+        something invalid is told why before the channel closes."""
+        try:
+            await coroutine
+        except asyncio.CancelledError:
+            raise
+        except FrameError as error:
+            who = f" from {channel.peer_id}" if channel is not None else ""
+            logger.info("round %s: invalid frame%s: %s", self.plan.round_id, who, error)
+            if channel is not None:
+                await channel.send_error(str(error))
+            self._fail(AllReduceFailed(f"invalid frame{who}: {error}"))
+        except Exception as error:
+            self._fail(AllReduceFailed(f"{type(error).__name__}: {error}"))
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._failure.done():
+            self._failure.set_exception(error)
+            self._failure.exception()  # mark retrieved: the report carries it
+            for task in self._tasks:
+                task.cancel()
+
+    async def _cleanup(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(channel.close() for channel in self._channels), return_exceptions=True)
+
+    # ---- encoding helpers ---------------------------------------------------------------------
+
+    def _encode_contribution(self, chunk: Chunk) -> tuple[dict, bytes]:
+        values = self.contribution[chunk.start : chunk.start + chunk.length].view(chunk.view)
+        encoded = self.feedback.encode(f"c{chunk.index}", values) if self.feedback is not None else self.codec.encode(values)
+        return encoded_to_frame(encoded)
+
+    def _decode_chunk(self, frame: Frame, chunk: Chunk, codec: Codec) -> torch.Tensor:
+        encoded = encoded_from_frame(frame.header, frame.payload)
+        if encoded.shape != chunk.view or encoded.dtype != "float32" or encoded.codec != codec.name:
+            raise FrameError(
+                f"chunk {chunk.index} is {encoded.codec}/{encoded.dtype}{list(encoded.shape)}, "
+                f"expected {codec.name}/float32{list(chunk.view)}"
+            )
+        try:
+            return codec.decode(encoded, max_elements=chunk.length).reshape(-1)
+        except CodecError as error:
+            raise FrameError(f"chunk {chunk.index}: {error}") from None
+
+    def _chunk_of(self, frame: Frame, allowed: dict[int, Chunk], done: set[int]) -> Chunk:
+        index = int_field(frame.header, "c", 0, len(self.schema.chunks) - 1)
+        if index not in allowed or index in done:
+            raise FrameError(f"chunk {index} is not expected here (not in this part, or sent twice)")
+        return allowed[index]
+
+    # ---- contributor side: send my share of part j to its owner, receive its average ----------
+
+    async def _exchange_with_owner(self, owner: str) -> None:
+        owner_chunks = {c: self.schema.chunks[c] for c in self.parts[self.plan.members.index(owner)]}
+        channel = await self.transport.open(owner, self.protocol)
+        self._channels.append(channel)
+        await channel.send({"t": "part", "round": self.plan.round_id, "weight": self.weight})
+
+        async def send_all() -> None:
+            for chunk in owner_chunks.values():
+                header, payload = self._encode_contribution(chunk)
+                await channel.send({"t": "chunk", "c": chunk.index, **header}, payload)
+
+        async def receive_all() -> None:
+            done: set[int] = set()
+            while len(done) < len(owner_chunks):
+                frame = expect_kind(await channel.recv(self.max_payload), "avg")
+                chunk = self._chunk_of(frame, owner_chunks, done)
+                self.result[chunk.start : chunk.start + chunk.length] = self._decode_chunk(frame, chunk, self.gather_codec)
+                done.add(chunk.index)
+
+        try:
+            await asyncio.gather(send_all(), receive_all())
+        except FrameError as error:
+            await channel.send_error(str(error))
+            raise
+
+    # ---- owner side: reduce contributions to my part, stream averages back --------------------
+
+    def _start_my_part(self) -> None:
+        for chunk in self.my_chunks:
+            own = self.contribution[chunk.start : chunk.start + chunk.length]
+            if self.feedback is not None:  # my share goes through the codec like everyone's
+                header, payload = self._encode_contribution(chunk)
+                own = self._decode_chunk(Frame(header, payload), chunk, self.codec)
+            self._sums[chunk.index] = own * self.weight
+            self._seen[chunk.index] = 0
+        if not self.my_chunks or not self.others:
+            for chunk in self.my_chunks:
+                self._finish_chunk(chunk)
+            self._all_served.set_result(None)
+
+    async def accept(self, channel: Channel, first: Frame) -> None:
+        """Serve one contributor's stream (called by the averager's stream handler)."""
+        if channel.peer_id not in self.others or channel.peer_id in self._contributors:
+            raise FrameError(f"{channel.peer_id} is not an expected contributor of round {self.plan.round_id}")
+        if not self.my_chunks:
+            raise FrameError(f"this peer owns no part in round {self.plan.round_id}")
+        weight = frame_field(first.header, "weight", float)
+        if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+            raise FrameError(f"weight {weight} is not finite and positive")
+        self._contributors[channel.peer_id] = weight
+        self._channels.append(channel)
+        tasks = [self._spawn(self._reduce_from(channel, weight), channel), self._spawn(self._send_averages(channel))]
+        await asyncio.wait(tasks)  # the round cancels them on failure; the handler then closes the stream
+
+    async def _reduce_from(self, channel: Channel, weight: float) -> None:
+        mine = {chunk.index: chunk for chunk in self.my_chunks}
+        done: set[int] = set()
+        while len(done) < len(mine):
+            frame = expect_kind(await channel.recv(self.max_payload), "chunk")
+            chunk = self._chunk_of(frame, mine, done)
+            values = self._decode_chunk(frame, chunk, self.codec)
+            self._sums[chunk.index].add_(values, alpha=weight)
+            done.add(chunk.index)
+            self._seen[chunk.index] += 1
+            if self._seen[chunk.index] == len(self.others):
+                self._finish_chunk(chunk)
+                async with self._averages_changed:
+                    self._averages_changed.notify_all()
+
+    def _finish_chunk(self, chunk: Chunk) -> None:
+        total_weight = self.weight + sum(self._contributors.values())
+        average = self._sums.pop(chunk.index).div_(total_weight)
+        encoded = self.gather_codec.encode(average.view(chunk.view))
+        header, payload = encoded_to_frame(encoded)
+        # every member, the owner included, keeps exactly what was sent: identical results everywhere
+        decoded = average if not self.gather_codec.lossy else self.gather_codec.decode(encoded).reshape(-1)
+        self.result[chunk.start : chunk.start + chunk.length] = decoded
+        self._averages.append(({"t": "avg", "c": chunk.index, **header}, payload))
+
+    async def _send_averages(self, channel: Channel) -> None:
+        sent = 0
+        while sent < len(self.my_chunks):
+            async with self._averages_changed:
+                await self._averages_changed.wait_for(lambda: len(self._averages) > sent)
+            for header, payload in self._averages[sent:]:
+                await channel.send(header, payload)
+                sent += 1
+        self._served += 1
+        if self._served == len(self.others) and not self._all_served.done():
+            self._all_served.set_result(None)

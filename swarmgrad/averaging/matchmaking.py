@@ -1,0 +1,207 @@
+"""Matchmaking: turning "peers looking under the same DHT key" into one agreed group.
+
+1. Each peer *declares* itself under the round's key (a signed ``MatchRecord``) and waits one
+   matchmaking window, listening for invitations.
+2. At the end of its window it reads the key. The live declarations with the same schema and codec
+   are sorted by peer id and cut into balanced groups of at most ``group_size``; the first peer of
+   each group is its *leader*.
+3. A leader invites its group over the control protocol. A peer accepts the first invitation it
+   gets (so two leaders with different views never share a member), declines the rest, and a
+   leader declines every invitation. Members that do not answer within the deadline are left out:
+   stragglers are dropped, not waited for (DESIGN invariant 3).
+4. The leader sends ``begin`` with the final plan (members, shares, codec, schema) to those who
+   accepted, or ``cancel`` if fewer than ``min_group_size`` did. Everyone then runs the all-reduce
+   on exactly the same plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import pydantic
+
+from swarmgrad.averaging.allreduce import GroupPlan
+from swarmgrad.averaging.transport import Channel, Transport
+from swarmgrad.averaging.wire import FrameError, expect_kind, field
+from swarmgrad.dht.node import SwarmNode
+from swarmgrad.dht.records import RecordBody, record_kind
+from swarmgrad.runtime import timeout
+
+logger = logging.getLogger(__name__)
+
+CONTROL_REPLY_SECONDS = 2.0  # a live peer answers an invitation in milliseconds; this is generous
+
+
+@record_kind
+class MatchRecord(RecordBody):
+    kind = "match"
+    max_ttl = 600.0
+
+    ready_at: Annotated[float, pydantic.Field(allow_inf_nan=False)]
+    share: Annotated[float, pydantic.Field(ge=0, le=1e12, allow_inf_nan=False)]
+    schema_digest: Annotated[str, pydantic.Field(max_length=64)]
+    codec: Annotated[str, pydantic.Field(max_length=32)]
+    done: bool = False
+
+
+@dataclass
+class _Looking:
+    """This peer's state while it looks for a group under one key."""
+
+    key: str
+    share: float
+    committed: bool = False  # accepted an invitation, or leading: no more invitations accepted
+    plan: asyncio.Future | None = None
+
+
+def split_groups(peer_ids: list[str], group_size: int) -> list[list[str]]:
+    """Sorted ids cut into ceil(n / group_size) contiguous groups whose sizes differ by at most one."""
+    ordered = sorted(peer_ids)
+    count = max(1, math.ceil(len(ordered) / group_size))
+    base, extra = divmod(len(ordered), count)
+    groups, start = [], 0
+    for index in range(count):
+        size = base + (1 if index < extra else 0)
+        groups.append(ordered[start : start + size])
+        start += size
+    return groups
+
+
+class Matchmaker:
+    """Finds this peer's group for a key; serves other leaders' invitations."""
+
+    def __init__(self, node: SwarmNode, transport: Transport, protocol: str, *, schema_digest: str, codec: str):
+        self.node, self.transport, self.protocol = node, transport, protocol
+        self.schema_digest, self.codec = schema_digest, codec
+        self._looking: dict[str, _Looking] = {}
+
+    async def find_group(
+        self, key: str, *, group_size: int, min_group_size: int, window: float, share: float
+    ) -> GroupPlan | None:
+        """The agreed plan for this round, or None when no group of at least min_group_size formed."""
+        me = self.node.peer_id
+        looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
+        self._looking[key] = looking
+        ready_at = time.time() + window
+        try:
+            record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec)
+            await self.node.store(key, record, expires=ready_at + 2 * window + CONTROL_REPLY_SECONDS)
+            # wait out the window, unless another leader's invitation commits us earlier
+            try:
+                await asyncio.wait_for(asyncio.shield(looking.plan), timeout=max(0.0, ready_at - time.time()))
+            except asyncio.TimeoutError:
+                pass
+            if not looking.committed:
+                group = await self._my_group(key, group_size)
+                if group and group[0] == me:
+                    looking.committed = True
+                    return await self._lead(key, group, min_group_size, share)
+            # a follower: the leader we accepted (or will accept) sends the plan
+            try:
+                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * CONTROL_REPLY_SECONDS)
+            except asyncio.TimeoutError:
+                return None
+        finally:
+            self._looking.pop(key, None)
+            if not looking.plan.done():
+                looking.plan.cancel()
+
+    async def _my_group(self, key: str, group_size: int) -> list[str]:
+        records = await self.node.get_records(key, MatchRecord)
+        peers = [
+            owner
+            for owner, record in records.items()
+            if not record.body.done
+            and record.body.schema_digest == self.schema_digest
+            and record.body.codec == self.codec
+        ]
+        if self.node.peer_id not in peers:  # our own declaration may not be readable yet
+            peers.append(self.node.peer_id)
+        for group in split_groups(peers, group_size):
+            if self.node.peer_id in group:
+                return group
+        return []
+
+    async def _lead(self, key: str, group: list[str], min_group_size: int, share: float) -> GroupPlan | None:
+        me = self.node.peer_id
+        invitations = {peer: asyncio.ensure_future(self._invite(peer, key)) for peer in group if peer != me}
+        if invitations:
+            await asyncio.wait(invitations.values())
+        accepted: dict[str, tuple[Channel, float]] = {}
+        for peer, task in invitations.items():
+            if not task.cancelled() and task.exception() is None and task.result() is not None:
+                accepted[peer] = task.result()
+        members = [me, *sorted(accepted)]
+        plan = None
+        if len(members) >= min_group_size:
+            shares = [share] + [accepted[peer][1] for peer in members[1:]]
+            round_id = f"{key}#{me[-8:]}.{secrets.token_hex(4)}"
+            plan = GroupPlan(round_id, tuple(members), tuple(shares), self.codec, self.schema_digest)
+        message = {"t": "begin", "plan": plan.to_wire()} if plan else {"t": "cancel"}
+        await asyncio.gather(*(self._finish_invitation(channel, message) for channel, _ in accepted.values()))
+        return plan
+
+    async def _invite(self, peer: str, key: str) -> tuple[Channel, float] | None:
+        """Invite one peer; its open channel and share if it accepted, None otherwise."""
+        channel = None
+        try:
+            async with timeout(CONTROL_REPLY_SECONDS):
+                channel = await self.transport.open(peer, self.protocol)
+                await channel.send({"t": "invite", "key": key})
+                reply = await channel.recv(max_payload=0)
+            if reply.kind == "accept":
+                share = field(reply.header, "share", float)
+                if math.isfinite(share) and 0 <= share <= 1e12:
+                    return channel, share
+            logger.debug("%s declined the invitation for %s: %s", peer, key, reply.header.get("reason"))
+        except Exception as error:  # unreachable, slow or misbehaving: simply not in the group
+            logger.debug("invitation to %s for %s failed: %s: %s", peer, key, type(error).__name__, error)
+        if channel is not None:
+            await channel.close()
+        return None
+
+    async def _finish_invitation(self, channel: Channel, message: dict) -> None:
+        try:
+            async with timeout(CONTROL_REPLY_SECONDS):
+                await channel.send(message)
+        except Exception as error:
+            logger.debug("could not send %s to %s: %s", message["t"], channel.peer_id, error)
+        finally:
+            await channel.close()
+
+    async def serve(self, channel: Channel) -> None:
+        """Control-protocol handler: answer one invitation, then wait for the leader's decision."""
+        async with timeout(CONTROL_REPLY_SECONDS):
+            invite = expect_kind(await channel.recv(max_payload=0), "invite")
+        key = field(invite.header, "key", str)
+        looking = self._looking.get(key)
+        if looking is None or looking.committed:
+            reason = "not looking for a group under this key" if looking is None else "already in a group"
+            await channel.send({"t": "decline", "reason": reason})
+            return
+        looking.committed = True
+        await channel.send({"t": "accept", "share": looking.share})
+        try:
+            async with timeout(2 * CONTROL_REPLY_SECONDS):
+                decision = await channel.recv(max_payload=0)
+            plan = None
+            if decision.kind == "begin":
+                plan = GroupPlan.from_wire(decision.header.get("plan"))
+                if self.node.peer_id not in plan.members or plan.members[0] != channel.peer_id:
+                    raise FrameError("plan does not list this peer, or is not led by the peer that invited it")
+                if plan.schema_digest != self.schema_digest or plan.codec != self.codec:
+                    raise FrameError("plan's schema or codec differs from this peer's")
+            elif decision.kind != "cancel":
+                raise FrameError(f"expected begin or cancel, got {decision.kind!r}")
+        except BaseException:
+            if looking.plan is not None and not looking.plan.done():
+                looking.plan.set_result(None)
+            raise
+        if looking.plan is not None and not looking.plan.done():
+            looking.plan.set_result(plan)

@@ -1,0 +1,237 @@
+"""Moshpit averaging: groups that all-reduce, regrouping every round (Moshpit SGD, arXiv 2103.03239).
+
+Peers sit on a virtual d-dimensional grid with ``group_size`` cells per side. In round t a peer
+meets the peers that share its coordinates in every dimension except ``t mod d``, through a DHT
+key for that slice of the grid; after averaging it takes its position in the group as its new
+coordinate in that dimension, so the next round's groups draw one member from each of this
+round's groups and the whole swarm mixes in about log_{group_size}(N) rounds.
+
+    async with Averager(node, "my-run", model.parameters(), group_size=4, codec="int8") as averager:
+        report = await averager.step(weight=samples_since_last_round)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan
+from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
+from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.matchmaking import Matchmaker
+from swarmgrad.averaging.transport import Channel, Libp2pTransport, Transport
+from swarmgrad.averaging.wire import expect_kind, field as frame_field
+from swarmgrad.dht.membership import check_run_id, list_members
+from swarmgrad.dht.node import SwarmNode
+from swarmgrad.errors import ConfigError
+from swarmgrad.runtime import timeout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AveragingReport:
+    """What one ``step`` did: whom it met, whether the average was applied, what it cost."""
+
+    ok: bool
+    round_index: int
+    key: str
+    group: list[str] = field(default_factory=list)
+    contributors: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    transports: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+class RoundTimer:
+    """Deadlines derived from measured round times, instead of hand-tuned constants."""
+
+    def __init__(self, initial: float, minimum: float, maximum: float, slack: float = 4.0):
+        self.estimate, self.minimum, self.maximum, self.slack = None, minimum, maximum, slack
+        self.initial = initial
+
+    def deadline(self) -> float:
+        if self.estimate is None:
+            return self.initial
+        return min(self.maximum, max(self.minimum, self.slack * self.estimate))
+
+    def observe(self, seconds: float) -> None:
+        self.estimate = seconds if self.estimate is None else 0.7 * self.estimate + 0.3 * seconds
+
+
+def default_coordinates(peer_id: str, dims: int, side: int) -> list[int]:
+    digest = hashlib.sha256(peer_id.encode()).digest()
+    return [digest[i] % side for i in range(dims)]
+
+
+class Averager:
+    """Averages a fixed set of tensors in place with moshpit groups of the run's peers."""
+
+    def __init__(
+        self,
+        node: SwarmNode,
+        run_id: str,
+        tensors: Iterable[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        group_size: int = 4,
+        min_group_size: int = 2,
+        codec: str = "none",
+        grid_dims: int | None = None,
+        coordinates: Sequence[int] | None = None,
+        matchmaking_seconds: float = 1.0,
+        round_timeout: float | None = None,
+        share: float = 1.0,
+        transport: Transport | None = None,
+    ):
+        if group_size < 2 or not 2 <= min_group_size <= group_size:
+            raise ConfigError(f"need 2 <= min_group_size <= group_size, got {min_group_size} and {group_size}")
+        if not 0.05 <= matchmaking_seconds <= 600:
+            raise ConfigError(f"matchmaking_seconds must be within 0.05..600, got {matchmaking_seconds}")
+        named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
+        if not named:
+            raise ConfigError("nothing to average: no tensors given")
+        for name, tensor in named:
+            if not tensor.is_floating_point():
+                raise ConfigError(f"tensor {name!r} is {tensor.dtype}; only float tensors can be averaged")
+        self.node, self.run_id = node, check_run_id(run_id)
+        self.names, self.tensors = [name for name, _ in named], [tensor for _, tensor in named]
+        self.schema = Schema.of(named)
+        try:
+            self.codec = get_codec(codec)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self.feedback = ErrorFeedback(self.codec) if self.codec.lossy else None
+        self.group_size, self.min_group_size = group_size, min_group_size
+        self.grid_dims, self.coordinates = grid_dims, list(coordinates) if coordinates is not None else None
+        self.matchmaking_seconds, self.share = matchmaking_seconds, share
+        self.timer = RoundTimer(initial=round_timeout or 60.0, minimum=round_timeout or 5.0, maximum=round_timeout or 600.0)
+        self.transport = transport
+        self.round_index = 0
+        self._buffer = torch.empty(self.schema.total, dtype=torch.float32)
+        self._rounds: dict[str, GroupAllReduce] = {}
+        self._rounds_changed = asyncio.Condition()
+        prefix = f"swarmgrad/{self.run_id}/averaging/{self.schema.digest[:12]}"
+        self._allreduce_protocol, self._match_protocol = f"{prefix}/allreduce", f"{prefix}/match"
+        self.matchmaker: Matchmaker | None = None
+
+    async def __aenter__(self) -> Averager:
+        if self.node.p2p is None:
+            raise RuntimeError("start the SwarmNode before the Averager")
+        self.transport = self.transport or Libp2pTransport(self.node.p2p)
+        self.matchmaker = Matchmaker(
+            self.node, self.transport, self._match_protocol, schema_digest=self.schema.digest, codec=self.codec.spec
+        )
+        await self.transport.serve(self._match_protocol, self.matchmaker.serve)
+        await self.transport.serve(self._allreduce_protocol, self._serve_allreduce)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        if self.transport is not None and self.node.p2p is not None:
+            await self.transport.stop_serving(self._match_protocol)
+            await self.transport.stop_serving(self._allreduce_protocol)
+
+    # ---- one round -----------------------------------------------------------------------------
+
+    async def step(self, weight: float = 1.0, round_index: int | None = None) -> AveragingReport:
+        """Meet this round's group, average, and write the result into the tensors.
+
+        ``weight`` is the number of samples behind this peer's tensors (DESIGN invariant 5).
+        ``round_index`` lets peers that agree on a global step meet in the same round; by default
+        a local counter. The tensors are changed only when the round succeeds.
+        """
+        if self.matchmaker is None:
+            raise RuntimeError("use `async with Averager(...)` before calling step()")
+        started = time.monotonic()
+        index = self.round_index if round_index is None else round_index
+        self.round_index = index + 1
+        key = await self._round_key(index)
+        report = AveragingReport(ok=False, round_index=index, key=key)
+        if not (math.isfinite(weight) and weight > 0):
+            report.error = f"weight must be finite and positive, got {weight}"
+            return report
+        self.schema.flatten_into(self.tensors, self._buffer)
+        if not torch.isfinite(self._buffer).all():
+            report.error = "local tensors hold NaN or Inf; not sending them"
+            return report
+        plan = await self.matchmaker.find_group(
+            key, group_size=self.group_size, min_group_size=self.min_group_size,
+            window=self.matchmaking_seconds, share=self.share,
+        )
+        if plan is None:
+            report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
+        else:
+            result = await self._allreduce(plan, weight)
+            self._apply(report, result, plan)
+        report.seconds = time.monotonic() - started
+        return report
+
+    async def _allreduce(self, plan: GroupPlan, weight: float) -> tuple[AllReduceReport, GroupAllReduce]:
+        assert self.transport is not None
+        allreduce = GroupAllReduce(
+            plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
+            self.transport, self._allreduce_protocol, self.feedback,
+        )
+        async with self._rounds_changed:
+            self._rounds[plan.round_id] = allreduce
+            self._rounds_changed.notify_all()
+        try:
+            return await allreduce.run(self.timer.deadline()), allreduce
+        finally:
+            self._rounds.pop(plan.round_id, None)
+
+    def _apply(self, report: AveragingReport, outcome: tuple[AllReduceReport, GroupAllReduce], plan: GroupPlan) -> None:
+        result, allreduce = outcome
+        report.group, report.contributors, report.error = result.group, result.contributors, result.error
+        report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
+        report.allreduce_seconds, report.transports = result.seconds, result.transports
+        if not result.ok:
+            if self.feedback is not None:
+                self.feedback.discard()
+            logger.info("round %s failed: %s", plan.round_id, result.error)
+            return
+        self.schema.unflatten_into(allreduce.result, self.tensors)
+        if self.feedback is not None:
+            self.feedback.commit()
+        self.timer.observe(result.seconds)
+        if self.coordinates is not None:  # take our place in the group as the new coordinate
+            dim = report.round_index % len(self.coordinates)
+            self.coordinates[dim] = plan.members.index(self.node.peer_id) % self.group_size
+        report.ok = True
+
+    async def _round_key(self, index: int) -> str:
+        if self.coordinates is None:
+            dims = self.grid_dims or await self._auto_dims()
+            self.coordinates = default_coordinates(self.node.peer_id, dims, self.group_size)
+        dim = index % len(self.coordinates)
+        others = ".".join(str(c) if d != dim else "*" for d, c in enumerate(self.coordinates))
+        return f"swarmgrad/{self.run_id}/moshpit/{self.schema.digest[:12]}/{self.codec.spec}/r{index}/{others}"
+
+    async def _auto_dims(self) -> int:
+        """Enough grid dimensions that each slice holds about one group: log_{group_size}(members)."""
+        peers = max(1, len(await list_members(self.node, self.run_id)))
+        return max(1, math.ceil(math.log(peers) / math.log(self.group_size) - 1e-9))
+
+    # ---- incoming all-reduce streams -------------------------------------------------------------
+
+    async def _serve_allreduce(self, channel: Channel) -> None:
+        async with timeout(10.0):
+            first = expect_kind(await channel.recv(max_payload=0), "part")
+        round_id = frame_field(first.header, "round", str)
+        try:
+            # the contributor may have learnt the plan a moment before we registered the round
+            async with timeout(self.matchmaking_seconds + 5.0), self._rounds_changed:
+                await self._rounds_changed.wait_for(lambda: round_id in self._rounds)
+        except (asyncio.TimeoutError, TimeoutError):
+            await channel.send_error(f"no round {round_id!r} is running here")
+            return
+        await self._rounds[round_id].accept(channel, first)

@@ -1,0 +1,137 @@
+"""Channels: how two peers exchange frames, independent of what carries them.
+
+The averaging engine talks only to ``Channel`` (send frame, receive frame, close) and
+``Transport`` (open a channel to a peer, serve incoming channels). ``Libp2pTransport`` carries
+channels over p2pd binary streams; a direct-TCP transport can slot in beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from typing import Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+
+from swarmgrad.averaging.wire import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    PREFIX,
+    Frame,
+    FrameError,
+    check_lengths,
+    error_header,
+    pack_prefix_and_header,
+    parse_header,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Channel(ABC):
+    """A bidirectional, ordered, authenticated stream of frames with one peer."""
+
+    peer_id: str  # authenticated by the transport, never taken from a frame
+    transport_name: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @abstractmethod
+    async def send(self, header: dict, payload: bytes | memoryview = b"") -> None: ...
+
+    @abstractmethod
+    async def recv(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Frame:
+        """Next frame; FrameError if malformed, RemoteError for an error frame, EOFError when closed."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    async def send_error(self, message: str) -> None:
+        """Tell the peer why we stop talking; best effort (it may be gone already)."""
+        try:
+            await asyncio.wait_for(self.send(error_header(message)), timeout=1.0)
+        except Exception:
+            pass
+
+
+ChannelHandler = Callable[[Channel], Awaitable[None]]
+
+
+class Transport(ABC):
+    name: str
+
+    @abstractmethod
+    async def open(self, peer_id: str, protocol: str) -> Channel: ...
+
+    @abstractmethod
+    async def serve(self, protocol: str, handler: ChannelHandler) -> None: ...
+
+    @abstractmethod
+    async def stop_serving(self, protocol: str) -> None: ...
+
+
+class StreamChannel(Channel):
+    """Frames over an asyncio reader/writer pair (a p2pd stream, or a TCP connection)."""
+
+    def __init__(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport_name: str):
+        self.peer_id, self.transport_name = peer_id, transport_name
+        self._reader, self._writer = reader, writer
+        self.bytes_sent = self.bytes_received = 0
+
+    async def send(self, header: dict, payload: bytes | memoryview = b"") -> None:
+        prefix = pack_prefix_and_header(header, len(payload))
+        self._writer.write(prefix)
+        if len(payload):
+            self._writer.write(payload)
+        self.bytes_sent += len(prefix) + len(payload)
+        await self._writer.drain()
+
+    async def recv(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Frame:
+        try:
+            header_length, payload_length = PREFIX.unpack(await self._reader.readexactly(PREFIX.size))
+            check_lengths(header_length, payload_length, max_payload)
+            header = parse_header(await self._reader.readexactly(header_length))
+            payload = await self._reader.readexactly(payload_length) if payload_length else b""
+        except asyncio.IncompleteReadError:
+            raise EOFError(f"channel to {self.peer_id} closed") from None
+        self.bytes_received += PREFIX.size + header_length + payload_length
+        return Frame(header, payload)
+
+    async def close(self) -> None:
+        if not self._writer.is_closing():
+            self._writer.close()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), timeout=1.0)
+        except Exception:  # already reset by the peer, or slow to close: nothing left to do
+            pass
+
+
+class Libp2pTransport(Transport):
+    """Channels over p2pd streams: authenticated and encrypted by libp2p, through the daemon."""
+
+    name = "libp2p"
+
+    def __init__(self, p2p: P2P):
+        self.p2p = p2p
+
+    async def open(self, peer_id: str, protocol: str) -> Channel:
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+        return StreamChannel(peer_id, reader, writer, self.name)
+
+    async def serve(self, protocol: str, handler: ChannelHandler) -> None:
+        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            channel = StreamChannel(info.peer_id.to_base58(), reader, writer, self.name)
+            try:
+                await handler(channel)
+            except FrameError as error:
+                logger.info("bad frame from %s on %s: %s", channel.peer_id, protocol, error)
+                await channel.send_error(str(error))
+            except Exception as error:  # one peer's stream must never take the node down
+                logger.info("stream from %s on %s failed: %s: %s", channel.peer_id, protocol, type(error).__name__, error)
+            finally:
+                await channel.close()
+
+        await self.p2p.add_binary_stream_handler(protocol, on_stream)
+
+    async def stop_serving(self, protocol: str) -> None:
+        await self.p2p.remove_binary_stream_handler(protocol)

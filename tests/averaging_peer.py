@@ -1,0 +1,39 @@
+"""A peer process for averaging tests: joins, averages one tensor once, prints its report as JSON.
+
+    python tests/averaging_peer.py INITIAL_PEER RUN_ID VALUE NUMEL [--codec C] [--timeout S]
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+
+import torch
+
+from swarmgrad.averaging import Averager
+from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.runtime import run
+
+
+async def main(args: argparse.Namespace) -> None:
+    tensor = torch.full((args.numel,), args.value)
+    async with SwarmNode(NodeConfig(initial_peers=[args.initial_peer])) as node:
+        async with Averager(node, args.run_id, [tensor], group_size=4, grid_dims=1, codec=args.codec,
+                            matchmaking_seconds=args.window, round_timeout=args.timeout) as averager:
+            print(json.dumps({"ready": node.peer_id}), flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # the test says when to start the round
+            report = await averager.step(weight=args.weight)
+            print(json.dumps({"ok": report.ok, "error": report.error, "value": float(tensor[0])}), flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("initial_peer")
+    parser.add_argument("run_id")
+    parser.add_argument("value", type=float)
+    parser.add_argument("numel", type=int)
+    parser.add_argument("--weight", type=float, default=1.0)
+    parser.add_argument("--codec", default="none")
+    parser.add_argument("--window", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=20.0)
+    run(main(parser.parse_args()))

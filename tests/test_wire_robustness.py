@@ -1,0 +1,151 @@
+"""Malformed input never changes state and never stops a peer from serving (DESIGN invariant 4)."""
+
+import asyncio
+import math
+import struct
+from contextlib import AsyncExitStack
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from conftest import run_async
+from swarmgrad.averaging import Averager, GroupAllReduce, GroupPlan, get_codec
+from swarmgrad.averaging.frames import encoded_to_frame
+from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.transport import Libp2pTransport, StreamChannel
+from swarmgrad.averaging.wire import PREFIX, FrameError, RemoteError, expect_kind, pack_prefix_and_header
+from swarmgrad.dht import NodeConfig, SwarmNode
+
+
+def frame_bytes(header: dict, payload: bytes = b"") -> bytes:
+    return pack_prefix_and_header(header, len(payload)) + payload
+
+
+async def read_channel(data: bytes) -> StreamChannel:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return StreamChannel("peer", reader, None, "memory")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\x00\x00\x00\x05\x00\x00\x00\x00\xc1\xc1\xc1\xc1\xc1", "not msgpack"),
+    (PREFIX.pack(10**6, 0), "header"),
+    (PREFIX.pack(5, 0xFFFFFFFF) + b"x" * 5, "exceeds the limit"),
+    (PREFIX.pack(3, 0) + msgpack.packb([1, 2]), "must be a map"),
+    (PREFIX.pack(len(msgpack.packb({"t": "x", "v": 99})), 0) + msgpack.packb({"t": "x", "v": 99}), "wire version"),
+])
+def test_malformed_frames_are_rejected_before_allocation(data, message):
+    async def scenario():
+        channel = await read_channel(data)
+        with pytest.raises(FrameError, match=message):
+            await channel.recv(max_payload=1024)
+
+    run_async(scenario())
+
+
+def test_truncated_frames_and_error_frames():
+    async def scenario():
+        whole = frame_bytes({"t": "chunk", "c": 1}, b"x" * 100)
+        with pytest.raises(EOFError):
+            await (await read_channel(whole[:-10])).recv()
+        with pytest.raises(RemoteError, match="go away"):
+            await (await read_channel(frame_bytes({"t": "error", "message": "go away"}))).recv()
+        frame = await (await read_channel(whole)).recv()
+        assert frame.header["c"] == 1 and frame.payload == b"x" * 100
+
+    run_async(scenario())
+
+
+def test_garbage_on_the_averaging_protocol_gets_an_error_and_the_peer_keeps_serving():
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            tensors = [[torch.full((1000,), 1.0)], [torch.full((1000,), 3.0)]]
+            averagers = [await stack.enter_async_context(
+                Averager(node, "robust", ts, group_size=2, grid_dims=1, matchmaking_seconds=0.3))
+                for node, ts in zip([first, second], tensors)]
+            attacker = await P2P.create(initial_peers=first.maddrs, nat_port_map=False, auto_nat=False)
+            try:
+                victim = PeerID.from_base58(first.peer_id)
+                attacks = [
+                    b"\xff" * 64,  # random bytes: an absurd header length
+                    PREFIX.pack(8, 0xFFFFFFFF) + b"\x00" * 8,  # claims a 4 GiB payload
+                    frame_bytes({"t": "part", "round": "no-such-round", "weight": 1.0}),
+                    frame_bytes({"t": "chunk", "c": 0}),  # not the opening frame
+                ]
+                for data in attacks:
+                    _, reader, writer = await attacker.call_binary_stream_handler(victim, averagers[0]._allreduce_protocol)
+                    writer.write(data)
+                    await writer.drain()
+                    channel = StreamChannel(first.peer_id, reader, writer, "libp2p")
+                    with pytest.raises((RemoteError, EOFError)):
+                        await asyncio.wait_for(channel.recv(), timeout=15)
+                    await channel.close()
+                assert torch.equal(tensors[0][0], torch.full((1000,), 1.0))
+                reports = await asyncio.gather(*(a.step() for a in averagers))  # still serving
+                assert all(r.ok for r in reports), [r.error for r in reports]
+                assert torch.equal(tensors[0][0], torch.full((1000,), 2.0))
+            finally:
+                await attacker.shutdown()
+
+    run_async(scenario())
+
+
+def _chunk_frame(index: int, values: torch.Tensor, **overrides) -> tuple[dict, bytes]:
+    header, payload = encoded_to_frame(get_codec("none").encode(values))
+    header["enc"].update(overrides.pop("enc", {}))
+    header.update(overrides)
+    return {"t": "chunk", "c": index, **header}, overrides.pop("payload", payload)
+
+
+NAN = torch.tensor([math.nan] * 100)
+BAD_CHUNKS = {
+    "wrong shape": lambda: _chunk_frame(0, torch.zeros(50)),
+    "wrong dtype": lambda: _chunk_frame(0, torch.zeros(100), enc={"dtype": "int64"}),
+    "NaN values": lambda: ({"t": "chunk", "c": 0, **encoded_to_frame(get_codec("none").encode(torch.zeros(100)))[0]},
+                           NAN.numpy().tobytes()),
+    "huge declared size": lambda: _chunk_frame(0, torch.zeros(100), enc={"shape": [10**12]}),
+    "size mismatch": lambda: ({**_chunk_frame(0, torch.zeros(100))[0], "sizes": [["data", 10]]}, b"x" * 400),
+    "unknown chunk": lambda: _chunk_frame(7, torch.zeros(100)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHUNKS))
+def test_bad_contribution_inside_a_round_fails_it_cleanly(case):
+    async def scenario():
+        async with SwarmNode() as owner:
+            attacker = await P2P.create(initial_peers=owner.maddrs, nat_port_map=False, auto_nat=False)
+            try:
+                tensor = torch.arange(100, dtype=torch.float32)
+                schema = Schema.of([("w", tensor)])
+                plan = GroupPlan("round-x", (owner.peer_id, attacker.peer_id.to_base58()), (1.0, 0.0), "none",
+                                 schema.digest)
+                flat = tensor.clone()
+                transport = Libp2pTransport(owner.p2p)
+                allreduce = GroupAllReduce(plan, owner.peer_id, schema, flat, 1.0, get_codec("none"), transport,
+                                           "test/allreduce")
+
+                async def serve(channel):
+                    await allreduce.accept(channel, expect_kind(await channel.recv(0), "part"))
+
+                await transport.serve("test/allreduce", serve)
+                run = asyncio.ensure_future(allreduce.run(10.0))
+                _, reader, writer = await attacker.call_binary_stream_handler(
+                    PeerID.from_base58(owner.peer_id), "test/allreduce")
+                channel = StreamChannel(owner.peer_id, reader, writer, "libp2p")
+                await channel.send({"t": "part", "round": "round-x", "weight": 1.0})
+                header, payload = BAD_CHUNKS[case]()
+                await channel.send(header, payload)
+                with pytest.raises((RemoteError, EOFError)):
+                    await asyncio.wait_for(channel.recv(), timeout=10)
+                report = await run
+                assert not report.ok and "invalid frame" in report.error, report.error
+                assert torch.equal(flat, tensor)  # the contribution buffer is untouched
+            finally:
+                await attacker.shutdown()
+
+    run_async(scenario())
