@@ -3,8 +3,8 @@
 1. Each peer *declares* itself under the round's key (a signed ``MatchRecord``) and waits one
    matchmaking window, listening for invitations.
 2. At the end of its window it reads the key. The live declarations with the same schema and codec
-   are sorted by peer id and cut into balanced groups of at most ``group_size``; the first peer of
-   each group is its *leader*.
+   are ordered by a per-key hash and cut into balanced groups of at most ``group_size``; the first
+   peer of each group is its *leader*.
 3. A leader invites its group over the control protocol. A peer accepts the first invitation it
    gets (so two leaders with different views never share a member), declines the rest, and a
    leader declines every invitation. Members that do not answer within the deadline are left out:
@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import secrets
@@ -60,9 +61,13 @@ class _Looking:
     plan: asyncio.Future | None = None
 
 
-def split_groups(peer_ids: list[str], group_size: int) -> list[list[str]]:
-    """Sorted ids cut into ceil(n / group_size) contiguous groups whose sizes differ by at most one."""
-    ordered = sorted(peer_ids)
+def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[str]]:
+    """Peers cut into ceil(n / group_size) groups whose sizes differ by at most one.
+
+    The order is a hash of (key, peer id): the same on every peer that sees the same declarations,
+    and different every round, so crowded keys still mix instead of repeating one partition.
+    """
+    ordered = sorted(peer_ids, key=lambda peer: hashlib.sha256(f"{key}/{peer}".encode()).digest())
     count = max(1, math.ceil(len(ordered) / group_size))
     base, extra = divmod(len(ordered), count)
     groups, start = [], 0
@@ -123,7 +128,7 @@ class Matchmaker:
         ]
         if self.node.peer_id not in peers:  # our own declaration may not be readable yet
             peers.append(self.node.peer_id)
-        for group in split_groups(peers, group_size):
+        for group in split_groups(peers, group_size, key):
             if self.node.peer_id in group:
                 return group
         return []
