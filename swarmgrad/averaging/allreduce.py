@@ -24,10 +24,10 @@ from typing import Any, Awaitable
 import torch
 
 from swarmgrad.averaging.codecs import Codec, CodecError, ErrorFeedback, get_codec
-from swarmgrad.averaging.frames import encoded_from_frame, encoded_to_frame
+from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
 from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import Frame, FrameError, expect_kind, field as frame_field, int_field
+from swarmgrad.averaging.wire import Frame, FrameError, field as frame_field, int_field
 from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class GroupAllReduce:
         transport: Transport,
         protocol: str,
         feedback: ErrorFeedback | None = None,
+        contribution_checked: bool = False,
+        result: torch.Tensor | None = None,
     ):
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ValueError(f"weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight}")
@@ -111,11 +113,13 @@ class GroupAllReduce:
         self.contribution, self.weight, self.codec = contribution, weight, codec
         self.gather_codec = gather_codec_for(codec)
         self.transport, self.protocol, self.feedback = transport, protocol, feedback
+        self.contribution_checked = contribution_checked  # the caller verified it holds no NaN/Inf
         self.index = plan.members.index(me)
         self.parts = assign_parts(schema.chunks, plan.shares)
         self.my_chunks = [schema.chunks[c] for c in self.parts[self.index]]
         self.others = [peer for peer in plan.members if peer != me]
-        self.result = torch.empty(schema.total, dtype=torch.float32)
+        # a caller that averages repeatedly passes the same buffer: fresh 100 MB means page faults
+        self.result = result if result is not None else torch.empty(schema.total, dtype=torch.float32)
         self.max_payload = max(
             (max(codec.encoded_nbytes(c.view), self.gather_codec.encoded_nbytes(c.view)) for c in schema.chunks),
             default=0,
@@ -207,25 +211,20 @@ class GroupAllReduce:
 
     # ---- encoding helpers ---------------------------------------------------------------------
 
-    def _encode_contribution(self, chunk: Chunk) -> tuple[dict, bytes]:
+    def _encode_contribution(self, chunk: Chunk) -> tuple[dict, bytes | memoryview]:
         values = self.contribution[chunk.start : chunk.start + chunk.length].view(chunk.view)
-        encoded = self.feedback.encode(f"c{chunk.index}", values) if self.feedback is not None else self.codec.encode(values)
-        return encoded_to_frame(encoded)
+        if self.feedback is not None:
+            return encoded_to_frame(self.feedback.encode(f"c{chunk.index}", values))
+        return encode_chunk(self.codec, values, known_finite=self.contribution_checked)
 
-    def _decode_chunk(self, frame: Frame, chunk: Chunk, codec: Codec) -> torch.Tensor:
-        encoded = encoded_from_frame(frame.header, frame.payload)
-        if encoded.shape != chunk.view or encoded.dtype != "float32" or encoded.codec != codec.name:
-            raise FrameError(
-                f"chunk {chunk.index} is {encoded.codec}/{encoded.dtype}{list(encoded.shape)}, "
-                f"expected {codec.name}/float32{list(chunk.view)}"
-            )
+    def _decode_chunk(self, header: dict, payload: bytes | memoryview, chunk: Chunk, codec: Codec) -> torch.Tensor:
         try:
-            return codec.decode(encoded, max_elements=chunk.length).reshape(-1)
-        except CodecError as error:
+            return decode_chunk(codec, header, payload, chunk.view)
+        except FrameError as error:
             raise FrameError(f"chunk {chunk.index}: {error}") from None
 
-    def _chunk_of(self, frame: Frame, allowed: dict[int, Chunk], done: set[int]) -> Chunk:
-        index = int_field(frame.header, "c", 0, len(self.schema.chunks) - 1)
+    def _chunk_of(self, header: dict, allowed: dict[int, Chunk], done: set[int]) -> Chunk:
+        index = int_field(header, "c", 0, len(self.schema.chunks) - 1)
         if index not in allowed or index in done:
             raise FrameError(f"chunk {index} is not expected here (not in this part, or sent twice)")
         return allowed[index]
@@ -246,9 +245,18 @@ class GroupAllReduce:
         async def receive_all() -> None:
             done: set[int] = set()
             while len(done) < len(owner_chunks):
-                frame = expect_kind(await channel.recv(self.max_payload), "avg")
-                chunk = self._chunk_of(frame, owner_chunks, done)
-                self.result[chunk.start : chunk.start + chunk.length] = self._decode_chunk(frame, chunk, self.gather_codec)
+                header, length = await channel.recv_header(self.max_payload)
+                chunk = self._chunk_of(_expect(header, "avg"), owner_chunks, done)
+                target = self.result[chunk.start : chunk.start + chunk.length]
+                if self.gather_codec.name == "none":  # straight from the socket into the result
+                    check_raw_header(header, length, chunk.view)
+                    await channel.recv_payload_into(memoryview(target.numpy()).cast("B"))
+                    if not _all_finite(target):
+                        raise FrameError(f"chunk {chunk.index} holds NaN or Inf")
+                else:
+                    payload = memoryview(bytearray(length))
+                    await channel.recv_payload_into(payload)
+                    target.copy_(self._decode_chunk(header, payload, chunk, self.gather_codec))
                 done.add(chunk.index)
 
         try:
@@ -264,7 +272,7 @@ class GroupAllReduce:
             own = self.contribution[chunk.start : chunk.start + chunk.length]
             if self.feedback is not None:  # my share goes through the codec like everyone's
                 header, payload = self._encode_contribution(chunk)
-                own = self._decode_chunk(Frame(header, payload), chunk, self.codec)
+                own = self._decode_chunk(header, payload, chunk, self.codec)
             self._sums[chunk.index] = own * self.weight
             self._seen[chunk.index] = 0
         if not self.my_chunks or not self.others:
@@ -289,10 +297,12 @@ class GroupAllReduce:
     async def _reduce_from(self, channel: Channel, weight: float) -> None:
         mine = {chunk.index: chunk for chunk in self.my_chunks}
         done: set[int] = set()
+        scratch = memoryview(bytearray(self.max_payload))  # one receive buffer per contributor, reused
         while len(done) < len(mine):
-            frame = expect_kind(await channel.recv(self.max_payload), "chunk")
-            chunk = self._chunk_of(frame, mine, done)
-            values = self._decode_chunk(frame, chunk, self.codec)
+            header, length = await channel.recv_header(self.max_payload)
+            chunk = self._chunk_of(_expect(header, "chunk"), mine, done)
+            await channel.recv_payload_into(scratch[:length])
+            values = self._decode_chunk(header, scratch[:length], chunk, self.codec)
             self._sums[chunk.index].add_(values, alpha=weight)
             done.add(chunk.index)
             self._seen[chunk.index] += 1
@@ -304,11 +314,11 @@ class GroupAllReduce:
     def _finish_chunk(self, chunk: Chunk) -> None:
         total_weight = self.weight + sum(self._contributors.values())
         average = self._sums.pop(chunk.index).div_(total_weight)
-        encoded = self.gather_codec.encode(average.view(chunk.view))
-        header, payload = encoded_to_frame(encoded)
+        header, payload = encode_chunk(self.gather_codec, average.view(chunk.view))
         # every member, the owner included, keeps exactly what was sent: identical results everywhere
-        decoded = average if not self.gather_codec.lossy else self.gather_codec.decode(encoded).reshape(-1)
-        self.result[chunk.start : chunk.start + chunk.length] = decoded
+        if self.gather_codec.lossy:
+            average = decode_chunk(self.gather_codec, header, payload, chunk.view)
+        self.result[chunk.start : chunk.start + chunk.length] = average
         self._averages.append(({"t": "avg", "c": chunk.index, **header}, payload))
 
     async def _send_averages(self, channel: Channel) -> None:
@@ -322,3 +332,17 @@ class GroupAllReduce:
         self._served += 1
         if self._served == len(self.others) and not self._all_served.done():
             self._all_served.set_result(None)
+
+
+def _expect(header: dict, kind: str) -> dict:
+    if header["t"] != kind:
+        raise FrameError(f"expected a {kind!r} frame, got {header['t']!r}")
+    return header
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """One reduction, no temporary: min and max are finite only if every element is."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(low.item()) and math.isfinite(high.item())

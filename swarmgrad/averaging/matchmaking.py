@@ -1,8 +1,9 @@
 """Matchmaking: turning "peers looking under the same DHT key" into one agreed group.
 
 1. Each peer *declares* itself under the round's key (a signed ``MatchRecord``) and waits one
-   matchmaking window, listening for invitations.
-2. At the end of its window it reads the key. The live declarations with the same schema and codec
+   matchmaking window, listening for invitations; it stops waiting early once a full group
+   (``group_size`` peers) has declared.
+2. Then it reads the key. The live declarations with the same schema and codec
    are ordered by a per-key hash and cut into balanced groups of at most ``group_size``; the first
    peer of each group is its *leader*.
 3. A leader invites its group over the control protocol. A peer accepts the first invitation it
@@ -97,13 +98,9 @@ class Matchmaker:
         try:
             record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec)
             await self.node.store(key, record, expires=ready_at + 2 * window + CONTROL_REPLY_SECONDS)
-            # wait out the window, unless another leader's invitation commits us earlier
-            try:
-                await asyncio.wait_for(asyncio.shield(looking.plan), timeout=max(0.0, ready_at - time.time()))
-            except asyncio.TimeoutError:
-                pass
+            peers = await self._wait_for_peers(key, looking, ready_at, group_size, poll=min(0.02, window / 4))
             if not looking.committed:
-                group = await self._my_group(key, group_size)
+                group = self._my_group(key, peers, group_size)
                 if group and group[0] == me:
                     looking.committed = True
                     return await self._lead(key, group, min_group_size, share)
@@ -117,7 +114,22 @@ class Matchmaker:
             if not looking.plan.done():
                 looking.plan.cancel()
 
-    async def _my_group(self, key: str, group_size: int) -> list[str]:
+    async def _wait_for_peers(
+        self, key: str, looking: _Looking, ready_at: float, group_size: int, poll: float
+    ) -> list[str]:
+        """Peers declared under ``key``, read until the window ends or a full group is there
+        (no need to wait out the window then), or until an invitation commits us."""
+        while True:
+            peers = await self._declared(key)
+            remaining = ready_at - time.time()
+            if len(peers) >= group_size or remaining <= 0 or looking.committed:
+                return peers
+            try:
+                await asyncio.wait_for(asyncio.shield(looking.plan), timeout=min(poll, remaining))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)
         peers = [
             owner
@@ -128,6 +140,9 @@ class Matchmaker:
         ]
         if self.node.peer_id not in peers:  # our own declaration may not be readable yet
             peers.append(self.node.peer_id)
+        return peers
+
+    def _my_group(self, key: str, peers: list[str], group_size: int) -> list[str]:
         for group in split_groups(peers, group_size, key):
             if self.node.peer_id in group:
                 return group

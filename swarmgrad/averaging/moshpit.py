@@ -22,7 +22,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan
+from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan, _all_finite
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.matchmaking import Matchmaker
@@ -67,6 +67,17 @@ class RoundTimer:
 
     def observe(self, seconds: float) -> None:
         self.estimate = seconds if self.estimate is None else 0.7 * self.estimate + 0.3 * seconds
+
+
+def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A single contiguous float32 CPU tensor is sent from its own memory, without a copy (it is
+    only read during a round: the average lands in a separate buffer first)."""
+    if len(tensors) != 1:
+        return None
+    tensor = tensors[0]
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    return tensor.detach().view(-1)
 
 
 def default_coordinates(peer_id: str, dims: int, side: int) -> list[int]:
@@ -117,7 +128,9 @@ class Averager:
         self.timer = RoundTimer(initial=round_timeout or 60.0, minimum=round_timeout or 5.0, maximum=round_timeout or 600.0)
         self.transport = transport
         self.round_index = 0
-        self._buffer = torch.empty(self.schema.total, dtype=torch.float32)
+        flat = _flat_view(self.tensors)
+        self._buffer = flat if flat is not None else torch.empty(self.schema.total, dtype=torch.float32)
+        self._result = torch.zeros(self.schema.total, dtype=torch.float32)  # reused, touched once
         self._rounds: dict[str, GroupAllReduce] = {}
         self._rounds_changed = asyncio.Condition()
         prefix = f"swarmgrad/{self.run_id}/averaging/{self.schema.digest[:12]}"
@@ -147,7 +160,8 @@ class Averager:
 
         ``weight`` is the number of samples behind this peer's tensors (DESIGN invariant 5).
         ``round_index`` lets peers that agree on a global step meet in the same round; by default
-        a local counter. The tensors are changed only when the round succeeds.
+        a local counter. The tensors are changed only when the round succeeds, and must not be
+        changed by anyone else while the step runs.
         """
         if self.matchmaker is None:
             raise RuntimeError("use `async with Averager(...)` before calling step()")
@@ -159,8 +173,9 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             report.error = f"weight must be finite and positive, got {weight}"
             return report
-        self.schema.flatten_into(self.tensors, self._buffer)
-        if not torch.isfinite(self._buffer).all():
+        if self._buffer.data_ptr() != self.tensors[0].data_ptr():  # several tensors: gather them
+            self.schema.flatten_into(self.tensors, self._buffer)
+        if not _all_finite(self._buffer):
             report.error = "local tensors hold NaN or Inf; not sending them"
             return report
         plan = await self.matchmaker.find_group(
@@ -179,7 +194,7 @@ class Averager:
         assert self.transport is not None
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
-            self.transport, self._allreduce_protocol, self.feedback,
+            self.transport, self._allreduce_protocol, self.feedback, contribution_checked=True, result=self._result,
         )
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce

@@ -27,6 +27,10 @@ from swarmgrad.averaging.wire import (
 
 logger = logging.getLogger(__name__)
 
+# asyncio's 64 KiB defaults pause the socket every few frames; megabyte frames want deeper buffers.
+READ_BUFFER_BYTES = 4 * 1024 * 1024
+WRITE_BUFFER_BYTES = 8 * 1024 * 1024
+
 
 class Channel(ABC):
     """A bidirectional, ordered, authenticated stream of frames with one peer."""
@@ -40,8 +44,21 @@ class Channel(ABC):
     async def send(self, header: dict, payload: bytes | memoryview = b"") -> None: ...
 
     @abstractmethod
+    async def recv_header(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, int]:
+        """The next frame's header and payload length, validated; ``recv_payload_into`` must follow.
+        FrameError if malformed, RemoteError for an error frame, EOFError when closed."""
+
+    @abstractmethod
+    async def recv_payload_into(self, target: memoryview) -> None:
+        """Read the pending payload into ``target`` (exactly its length)."""
+
     async def recv(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Frame:
-        """Next frame; FrameError if malformed, RemoteError for an error frame, EOFError when closed."""
+        """Next whole frame (header and payload)."""
+        header, length = await self.recv_header(max_payload)
+        payload = bytearray(length)
+        if length:
+            await self.recv_payload_into(memoryview(payload))
+        return Frame(header, bytes(payload) if length <= 4096 else payload)  # type: ignore[arg-type]
 
     @abstractmethod
     async def close(self) -> None: ...
@@ -77,6 +94,10 @@ class StreamChannel(Channel):
         self.peer_id, self.transport_name = peer_id, transport_name
         self._reader, self._writer = reader, writer
         self.bytes_sent = self.bytes_received = 0
+        self._pending = 0
+        reader._limit = max(reader._limit, READ_BUFFER_BYTES)  # no public setter; read before the first await
+        if writer is not None and writer.transport is not None:
+            writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
 
     async def send(self, header: dict, payload: bytes | memoryview = b"") -> None:
         prefix = pack_prefix_and_header(header, len(payload))
@@ -86,16 +107,25 @@ class StreamChannel(Channel):
         self.bytes_sent += len(prefix) + len(payload)
         await self._writer.drain()
 
-    async def recv(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Frame:
+    async def recv_header(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, int]:
         try:
             header_length, payload_length = PREFIX.unpack(await self._reader.readexactly(PREFIX.size))
             check_lengths(header_length, payload_length, max_payload)
             header = parse_header(await self._reader.readexactly(header_length))
-            payload = await self._reader.readexactly(payload_length) if payload_length else b""
         except asyncio.IncompleteReadError:
             raise EOFError(f"channel to {self.peer_id} closed") from None
         self.bytes_received += PREFIX.size + header_length + payload_length
-        return Frame(header, payload)
+        self._pending = payload_length
+        return header, payload_length
+
+    async def recv_payload_into(self, target: memoryview) -> None:
+        if len(target) != self._pending:
+            raise FrameError(f"payload is {self._pending} bytes, not {len(target)}")
+        self._pending = 0
+        try:
+            target[:] = await self._reader.readexactly(len(target))
+        except asyncio.IncompleteReadError:
+            raise EOFError(f"channel to {self.peer_id} closed") from None
 
     async def close(self) -> None:
         if not self._writer.is_closing():
@@ -116,11 +146,11 @@ class Libp2pTransport(Transport):
 
     async def open(self, peer_id: str, protocol: str) -> Channel:
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
-        return StreamChannel(peer_id, reader, writer, self.name)
+        return _fast_channel(peer_id, reader, writer, self.name)
 
     async def serve(self, protocol: str, handler: ChannelHandler) -> None:
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            channel = StreamChannel(info.peer_id.to_base58(), reader, writer, self.name)
+            channel = _fast_channel(info.peer_id.to_base58(), reader, writer, self.name)
             try:
                 await handler(channel)
             except FrameError as error:
@@ -135,3 +165,9 @@ class Libp2pTransport(Transport):
 
     async def stop_serving(self, protocol: str) -> None:
         await self.p2p.remove_binary_stream_handler(protocol)
+
+
+def _fast_channel(peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str) -> Channel:
+    from swarmgrad.averaging.framestream import FastChannel  # framestream builds on this module
+
+    return FastChannel.take_over(peer_id, reader, writer, name)
