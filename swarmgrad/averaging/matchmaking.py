@@ -97,7 +97,8 @@ class Matchmaker:
         ready_at = time.time() + window
         try:
             record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec)
-            await self.node.store(key, record, expires=ready_at + 2 * window + CONTROL_REPLY_SECONDS)
+            expires = ready_at + 2 * window + CONTROL_REPLY_SECONDS
+            await self.node.store(key, record, expires=expires, all_replicas=False)
             peers = await self._wait_for_peers(key, looking, ready_at, group_size, poll=min(0.02, window / 4))
             if not looking.committed:
                 group = self._my_group(key, peers, group_size)

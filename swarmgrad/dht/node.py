@@ -113,12 +113,18 @@ class SwarmNode:
             return []
         return [f"{address}/p2p/{self.peer_id}" for address in self.p2p._visible_maddrs]
 
-    async def store(self, key: str, body: BodyT, expires: float) -> bool:
-        """Sign ``body`` and store it in our own slot of ``key``; False if no DHT node took it in time."""
+    async def store(self, key: str, body: BodyT, expires: float, *, all_replicas: bool = True) -> bool:
+        """Sign ``body`` and store it in our own slot of ``key``; False if no DHT node took it in time.
+
+        ``all_replicas=False`` returns once one replica has it (the rest finish in the background):
+        for short-lived records that latency matters more for than durability.
+        """
         envelope = seal(self.identity, key, body, expires)
         try:
             async with timeout(self.config.request_timeout * 2):
-                return await self._live_dht().store(key, envelope, expiration_time=expires, subkey=self.peer_id)
+                return await self._live_dht().store(
+                    key, envelope, expiration_time=expires, subkey=self.peer_id, await_all_replicas=all_replicas
+                )
         except asyncio.TimeoutError:
             logger.warning("storing %s timed out", key)
             return False
