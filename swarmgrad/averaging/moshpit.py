@@ -24,6 +24,7 @@ import torch
 
 from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan, _all_finite
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
+from swarmgrad.averaging.direct import DirectTransport
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.transport import Channel, Libp2pTransport, Transport
@@ -69,6 +70,19 @@ class RoundTimer:
         self.estimate = seconds if self.estimate is None else 0.7 * self.estimate + 0.3 * seconds
 
 
+def _data_hosts(node: SwarmNode) -> list[str]:
+    """Hosts to offer direct connections on: the node's own listen host, or, when it listens on
+    every interface, the addresses it announces on libp2p (announced ones first)."""
+    if node.config.host not in ("0.0.0.0", "::"):
+        return [node.config.host]
+    hosts: list[str] = []
+    for address in [*node.config.announce_maddrs, *node.maddrs]:
+        parts = address.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in hosts and parts[2] not in ("0.0.0.0", "::"):
+            hosts.append(parts[2])
+    return hosts or ["127.0.0.1"]
+
+
 def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """A single contiguous float32 CPU tensor is sent from its own memory, without a copy (it is
     only read during a round: the average lands in a separate buffer first)."""
@@ -102,6 +116,8 @@ class Averager:
         matchmaking_seconds: float = 1.0,
         round_timeout: float | None = None,
         share: float = 1.0,
+        direct: bool = True,
+        trusted_network: bool = False,
         transport: Transport | None = None,
     ):
         if group_size < 2 or not 2 <= min_group_size <= group_size:
@@ -126,7 +142,7 @@ class Averager:
         self.grid_dims, self.coordinates = grid_dims, list(coordinates) if coordinates is not None else None
         self.matchmaking_seconds, self.share = matchmaking_seconds, share
         self.timer = RoundTimer(initial=round_timeout or 60.0, minimum=round_timeout or 5.0, maximum=round_timeout or 600.0)
-        self.transport = transport
+        self.transport, self.direct, self.trusted_network = transport, direct, trusted_network
         self.round_index = 0
         flat = _flat_view(self.tensors)
         self._buffer = flat if flat is not None else torch.empty(self.schema.total, dtype=torch.float32)
@@ -140,7 +156,14 @@ class Averager:
     async def __aenter__(self) -> Averager:
         if self.node.p2p is None:
             raise RuntimeError("start the SwarmNode before the Averager")
-        self.transport = self.transport or Libp2pTransport(self.node.p2p)
+        if self.transport is None:
+            self.transport = Libp2pTransport(self.node.p2p)
+            if self.direct:
+                self.transport = DirectTransport(
+                    self.transport, host=self.node.config.host, advertise_hosts=_data_hosts(self.node),
+                    trusted_network=self.trusted_network,
+                )
+        await self.transport.start()
         self.matchmaker = Matchmaker(
             self.node, self.transport, self._match_protocol, schema_digest=self.schema.digest, codec=self.codec.spec
         )
@@ -152,6 +175,7 @@ class Averager:
         if self.transport is not None and self.node.p2p is not None:
             await self.transport.stop_serving(self._match_protocol)
             await self.transport.stop_serving(self._allreduce_protocol)
+            await self.transport.stop()
 
     # ---- one round -----------------------------------------------------------------------------
 

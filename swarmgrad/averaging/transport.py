@@ -77,6 +77,12 @@ ChannelHandler = Callable[[Channel], Awaitable[None]]
 class Transport(ABC):
     name: str
 
+    async def start(self) -> None:
+        """Bring up whatever the transport listens on (nothing for libp2p: p2pd already listens)."""
+
+    async def stop(self) -> None:
+        """Release what ``start`` took."""
+
     @abstractmethod
     async def open(self, peer_id: str, protocol: str) -> Channel: ...
 

@@ -1,0 +1,106 @@
+"""The privacy budget: counts releases with an Opacus accountant and refuses the one that would pass the limit."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from swarmgrad.errors import SwarmgradError
+
+from .settings import PrivacyError
+
+logger = logging.getLogger(__name__)
+
+
+class BudgetExhausted(SwarmgradError, RuntimeError):
+    """Releasing one more update would push epsilon past max_epsilon; nothing was released or counted."""
+
+
+class PrivacyBudget:
+    """One accountant for one stream of releases, all at the same noise multiplier and sample rate.
+
+    ``check()`` before a release (raises BudgetExhausted), ``commit()`` after it: splitting the two lets the
+    caller count only a release that really happened.
+    """
+
+    def __init__(self, noise_multiplier: float, sample_rate: float, delta: float, limit: float | None,
+                 mechanism: str = "rdp", what: str = "update") -> None:
+        from opacus.accountants import create_accountant  # opacus takes ~1 s to import: only when privacy is on
+
+        self.noise_multiplier = noise_multiplier
+        self.sample_rate = sample_rate
+        self.delta = delta
+        self.limit = limit
+        self.what = what  # "update" or "step", for messages
+        self._accountant = create_accountant(mechanism)
+        self._releases = 0
+        self._refused = False
+        self._epsilon = 0.0  # valid for self._releases releases
+        self._next: tuple[int, float] | None = None  # (releases, epsilon after one more), computed at most once
+
+    @property
+    def releases(self) -> int:
+        return self._releases
+
+    @property
+    def epsilon(self) -> float:
+        return self._epsilon
+
+    @property
+    def exhausted(self) -> bool:
+        return self._refused or (self.limit is not None and self._next_epsilon() > self.limit)
+
+    def check(self) -> None:
+        """Raise BudgetExhausted if counting one more release would pass the limit; changes no accounting."""
+        if self.limit is None:
+            return
+        after = self._next_epsilon()
+        if after <= self.limit:
+            return
+        message = (f"privacy budget spent: {self.what} {self._releases + 1} would raise epsilon from "
+                   f"{self._epsilon:.4g} to {after:.4g}, past max_epsilon={self.limit:g} (delta={self.delta:g}); "
+                   f"this peer stops releasing")
+        if not self._refused:  # one line in the log, however often the caller retries
+            logger.warning(message)
+        self._refused = True
+        raise BudgetExhausted(message)
+
+    def commit(self) -> None:
+        """Count one release that happened."""
+        after = self._next_epsilon()
+        self._accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        self._releases += 1
+        self._epsilon = after
+
+    def _next_epsilon(self) -> float:
+        # epsilon with one more release, from a copy of the history so a refused release leaves no trace
+        if self._next is None or self._next[0] != self._releases:
+            trial = copy.deepcopy(self._accountant)
+            trial.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+            self._next = (self._releases, float(trial.get_epsilon(delta=self.delta)))
+        return self._next[1]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep: a restarted peer that forgot its releases would overspend its budget."""
+        return {"mechanism": self._accountant.mechanism(), "history": copy.deepcopy(self._accountant.history),
+                "releases": self._releases, "refused": self._refused}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("mechanism") != self._accountant.mechanism():
+            raise PrivacyError(f"accountant: checkpoint was kept with {state.get('mechanism')!r}, "
+                               f"this peer uses {self._accountant.mechanism()!r}")
+        try:
+            history = [(float(nm), float(q), int(n)) for nm, q, n in state["history"]]
+            releases = int(state["releases"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise PrivacyError(f"accountant: malformed privacy state in checkpoint ({error!r})") from None
+        self._accountant.history = history
+        self._releases = releases
+        self._refused = bool(state.get("refused", False))
+        self._epsilon = float(self._accountant.get_epsilon(delta=self.delta)) if history else 0.0
+        self._next = None
+
+    def status(self, clip_norm: float) -> dict[str, Any]:
+        return {"epsilon": self.epsilon, "delta": self.delta, "releases": self.releases,
+                "noise_multiplier": self.noise_multiplier, "clip_norm": clip_norm, "exhausted": self.exhausted}
