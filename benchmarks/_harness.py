@@ -340,6 +340,69 @@ async def all_to_all_rounds(ctx: PeerContext, cfg: TrafficConfig, inflow: Inflow
     return {"seconds": seconds[1:], "ok": complete, "rel_error": None}
 
 
+def tcp_aes_peer(ctx: PeerContext, cfg: TrafficConfig) -> dict:
+    return run_async(_tcp_aes_rounds(ctx, cfg))
+
+
+async def _tcp_aes_rounds(ctx: PeerContext, cfg: TrafficConfig) -> dict:
+    """asyncio TCP with every chunk sealed by AES-256-GCM (the cipher swarmgrad's direct plane uses)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(bytes(32))  # a fixed key: this measures the cipher's cost, not key exchange
+    nonce = bytes(12)  # reusing a nonce is insecure, and irrelevant to the cost being measured
+
+    class SealedInflow(Inflow):
+        async def consume(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sealed = bytearray(self.chunk_bytes + 16)
+            plain = bytearray(self.chunk_bytes)
+            while True:
+                try:
+                    size = int.from_bytes(await reader.readexactly(4), "big")
+                    data = await reader.readexactly(size)
+                except asyncio.IncompleteReadError:
+                    break
+                aead.decrypt_into(nonce, data, None, memoryview(plain)[: size - 16])
+                self.received += size - 16
+            writer.close()
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+
+    inflow = SealedInflow(cfg.chunk_bytes)
+    server = await asyncio.start_server(inflow.consume, "127.0.0.1", 0)
+    try:
+        ports = await ctx.async_exchange(server.sockets[0].getsockname()[1])
+
+        async def open_stream(rank: int) -> asyncio.StreamWriter:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", ports[rank])
+            return _SealingWriter(writer, aead, nonce)  # type: ignore[return-value]
+
+        return await all_to_all_rounds(ctx, cfg, inflow, open_stream)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+class _SealingWriter:
+    """Looks enough like a StreamWriter for ``push``: seals each chunk, length-prefixed."""
+
+    def __init__(self, writer: asyncio.StreamWriter, aead, nonce: bytes):
+        self.writer, self.aead, self.nonce = writer, aead, nonce
+
+    def write(self, chunk) -> None:
+        sealed = self.aead.encrypt(self.nonce, chunk, None)
+        self.writer.writelines((len(sealed).to_bytes(4, "big"), sealed))
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    async def wait_closed(self) -> None:
+        await self.writer.wait_closed()
+
+
 def p2pd_peer(ctx: PeerContext, cfg: TrafficConfig) -> dict:
     return run_async(_p2pd_rounds(ctx, cfg))
 

@@ -51,17 +51,21 @@ from _harness import (
     start_hivemind_dht,
     start_swarm_node,
     target_cell,
+    tcp_aes_peer,
     tcp_peer,
     verdict,
 )
 
 CODEC_SYSTEMS = ("hivemind", "swarmgrad")  # systems that average, once per codec
-RAW_SYSTEMS = ("raw-p2pd", "raw-tcp")  # traffic only, codec-independent
+RAW_SYSTEMS = ("raw-p2pd", "raw-tcp", "raw-tcp-aes")  # traffic only, codec-independent
+TRANSPORTS = ("libp2p", "direct", "direct-plain")  # swarmgrad's data planes
+# per swarmgrad transport: the raw reference it is compared with, and its targets (issues 3 and 4)
+REFERENCE = {"libp2p": "raw-p2pd", "direct": "raw-tcp-aes", "direct-plain": "raw-tcp"}
+TIME_RATIO_TARGETS = {"libp2p": 1.0, "direct": 2.0, "direct-plain": 3.5}  # hivemind s / swarmgrad s
+BANDWIDTH_TARGETS = {"libp2p": 0.8, "direct": 0.6, "direct-plain": 0.6}  # fraction of the raw reference
 CODEC_FACTOR = {"none": 1.0, "fp16": 0.5, "int8": 0.25}  # bytes on the wire per fp32 byte
 # relative L2 error ||avg - mean|| / ||mean|| a correct round stays under, per codec
 TOLERANCE = {"none": 1e-5, "fp16": 2e-3, "int8": 5e-2}
-TIME_RATIO_TARGET = 1.0  # hivemind seconds / swarmgrad seconds, per codec
-BANDWIDTH_TARGET = 0.8  # swarmgrad effective aggregate bandwidth / raw p2pd aggregate
 
 
 @dataclass
@@ -74,6 +78,7 @@ class BenchConfig:
     codec: str
     round_timeout: float
     chunk_bytes: int
+    transport: str = "libp2p"  # swarmgrad only: libp2p | direct | direct-plain
 
     @property
     def numel(self) -> int:
@@ -89,6 +94,7 @@ class BenchConfig:
 class Row:
     system: str
     codec: str
+    transport: str = "-"  # swarmgrad rows: which data plane
     median_s: float | None = None
     min_s: float | None = None
     max_s: float | None = None
@@ -200,7 +206,8 @@ async def _swarmgrad_rounds(ctx: PeerContext, cfg: BenchConfig) -> dict:
         node = await start_swarm_node(ctx, stack)
         averager = await stack.enter_async_context(
             Averager(node, run_id="bench", tensors=[tensor], group_size=cfg.peers,
-                     min_group_size=cfg.peers, codec=cfg.codec)
+                     min_group_size=cfg.peers, codec=cfg.codec, direct=cfg.transport != "libp2p",
+                     trusted_network=cfg.transport == "direct-plain")
         )  # fmt: skip
         await ctx.async_sync()
         seconds, oks, errors, sent, received, transports, transfer = [], [], [], [], [], set(), []
@@ -242,13 +249,16 @@ def swarmgrad_missing() -> str | None:
 
 # ---------------------------------------------------------------- running systems, building rows
 
-PEER_TARGETS = {"hivemind": hivemind_peer, "swarmgrad": swarmgrad_peer, "raw-p2pd": p2pd_peer, "raw-tcp": tcp_peer}
+PEER_TARGETS = {
+    "hivemind": hivemind_peer, "swarmgrad": swarmgrad_peer, "raw-p2pd": p2pd_peer, "raw-tcp": tcp_peer,
+    "raw-tcp-aes": tcp_aes_peer,
+}
 
 
 def run_system(system: str, codec: str, cfg: BenchConfig) -> Row:
     """One system with one codec in fresh processes; failures end up in the row, never in an exception."""
     factor = CODEC_FACTOR.get(codec, 1.0)
-    row = Row(system, codec, mb_per_peer=2 * (cfg.peers - 1) / cfg.peers * cfg.size_bytes * factor / MB)
+    row = Row(system, codec, cfg.transport if system == "swarmgrad" else "-", mb_per_peer=2 * (cfg.peers - 1) / cfg.peers * cfg.size_bytes * factor / MB)
     if system == "swarmgrad" and (missing := swarmgrad_missing()):
         row.error = missing
         return row
@@ -257,7 +267,8 @@ def run_system(system: str, codec: str, cfg: BenchConfig) -> Row:
         config = TrafficConfig(cfg.peers, cfg.rounds, cfg.share_bytes, cfg.chunk_bytes, cfg.round_timeout)
     wait_s = cfg.round_timeout + 120  # a barrier also waits out others' start-up and correctness checks
     deadline_s = 180 + (cfg.rounds + 1) * (cfg.round_timeout + 30)
-    log(f"{system}/{codec}: {cfg.peers} peers x {cfg.size_bytes / MB:g} MB, {cfg.rounds} rounds + warm-up")
+    label = f"{system}[{cfg.transport}]" if system == "swarmgrad" else system
+    log(f"{label}/{codec}: {cfg.peers} peers x {cfg.size_bytes / MB:g} MB, {cfg.rounds} rounds + warm-up")
     started = time.monotonic()
     try:
         results = run_group(PEER_TARGETS[system], config, cfg.peers, deadline_s, wait_s)
@@ -289,27 +300,29 @@ def fill_row(row: Row, results: list[dict], peers: int) -> None:
 
 
 def add_ratios(rows: list[Row], codecs: list[str]) -> dict[str, dict]:
-    """Fill the swarmgrad rows' comparison columns; return the same numbers keyed by codec for --json."""
-    by_key = {(row.system, row.codec): row for row in rows}
-    raw_p2pd = by_key.get(("raw-p2pd", "-"))
+    """Fill the swarmgrad rows' comparison columns; return the same numbers keyed by transport and codec."""
+    by_key = {(row.system, row.codec): row for row in rows if row.system != "swarmgrad"}
     ratios: dict[str, dict] = {}
-    for codec in codecs:
-        ours, theirs = by_key.get(("swarmgrad", codec)), by_key.get(("hivemind", codec))
-        if ours is None or ours.median_s is None:
-            continue
+    for ours in (row for row in rows if row.system == "swarmgrad" and row.median_s is not None):
+        theirs = by_key.get(("hivemind", ours.codec))
+        reference = by_key.get((REFERENCE[ours.transport], "-"))
         if theirs is not None and theirs.median_s is not None:
             ours.time_ratio = theirs.median_s / ours.median_s
-        if raw_p2pd is not None and raw_p2pd.agg_mbps:
-            ours.bandwidth_fraction = ours.effective_mbps / raw_p2pd.agg_mbps
+        if reference is not None and reference.agg_mbps:
+            ours.bandwidth_fraction = ours.effective_mbps / reference.agg_mbps
             if ours.transfer_s:
                 ours.transfer_fraction = ours.bandwidth_fraction * ours.median_s / ours.transfer_s
-        ratios[codec] = {
+        time_target, bandwidth_target = TIME_RATIO_TARGETS[ours.transport], BANDWIDTH_TARGETS[ours.transport]
+        ratios.setdefault(ours.transport, {})[ours.codec] = {
+            "reference": REFERENCE[ours.transport],
             "hivemind_over_swarmgrad": ours.time_ratio,
-            "time_ratio_pass": _passes(ours.time_ratio, TIME_RATIO_TARGET),
-            "bandwidth_fraction_of_raw_p2pd": ours.bandwidth_fraction,
-            "bandwidth_pass": _passes(ours.bandwidth_fraction, BANDWIDTH_TARGET),
-            "transfer_phase_fraction_of_raw_p2pd": ours.transfer_fraction,
-            "transfer_phase_pass": _passes(ours.transfer_fraction, BANDWIDTH_TARGET),
+            "time_ratio_target": time_target,
+            "time_ratio_pass": _passes(ours.time_ratio, time_target),
+            "bandwidth_fraction_of_reference": ours.bandwidth_fraction,
+            "bandwidth_target": bandwidth_target,
+            "bandwidth_pass": _passes(ours.bandwidth_fraction, bandwidth_target),
+            "transfer_phase_fraction_of_reference": ours.transfer_fraction,
+            "transfer_phase_pass": _passes(ours.transfer_fraction, bandwidth_target),
         }
     return ratios
 
@@ -325,10 +338,11 @@ CAPTION = (
     "MB/peer = 2(N-1)/N x tensor size after codec (butterfly: reduce-scatter + all-gather), MB = 10^6 bytes. "
     "agg MB/s = peers x MB/peer / median seconds (bytes on the wire; raw rows: total bytes moved / time). "
     "Effective MB/s = the same with the fp32 size (what averaging delivers; equal to agg for codec none). "
-    "bw / raw p2pd = effective MB/s / raw p2pd aggregate, timed on the whole round (matchmaking included) and "
-    "on the all-reduce phase alone (swarmgrad's report.allreduce_seconds; the raw rows have no matchmaking). "
-    f"Targets: hivemind/swarmgrad time >= {TIME_RATIO_TARGET} per codec; "
-    f"swarmgrad bandwidth / raw p2pd >= {BANDWIDTH_TARGET}."
+    "bw / raw = effective MB/s / the aggregate of the matching raw reference (libp2p: raw-p2pd, direct: "
+    "raw-tcp-aes, direct-plain: raw-tcp), timed on the whole round (matchmaking included) and on the all-reduce "
+    "phase alone (swarmgrad's report.allreduce_seconds; the raw rows have no matchmaking). Targets, per transport "
+    f"(hivemind/swarmgrad time; bw / raw): " + "; ".join(
+        f"{t}: >= {TIME_RATIO_TARGETS[t]}, >= {BANDWIDTH_TARGETS[t]}" for t in TRANSPORTS) + "."
 )
 
 
@@ -339,16 +353,17 @@ def render(rows: list[Row], cfg: BenchConfig, wall_s: float) -> Table:
     )
     for header in ("system", "codec", "median s", "min s", "max s", "MB/peer", "agg MB/s", "effective MB/s", "correct"):
         table.add_column(header, justify="left" if header in ("system", "codec") else "right")
-    table.add_column(f"hivemind/swarmgrad\n(>= {TIME_RATIO_TARGET})", justify="right")
-    table.add_column(f"bw / raw p2pd\nwhole round\n(>= {BANDWIDTH_TARGET})", justify="right")
-    table.add_column(f"bw / raw p2pd\nall-reduce phase\n(>= {BANDWIDTH_TARGET})", justify="right")
+    table.add_column("hivemind/\nswarmgrad", justify="right")
+    table.add_column("bw / raw\nwhole round", justify="right")
+    table.add_column("bw / raw\nall-reduce\nphase", justify="right")
     table.add_column("note", overflow="fold", max_width=60)
     for row in rows:
         table.add_row(
-            row.system, row.codec, fmt(row.median_s, 3), fmt(row.min_s, 3), fmt(row.max_s, 3),
+            row.system if row.system != "swarmgrad" else f"swarmgrad {row.transport}", row.codec, fmt(row.median_s, 3), fmt(row.min_s, 3), fmt(row.max_s, 3),
             fmt(row.mb_per_peer, 1), fmt(row.agg_mbps, 0), fmt(row.effective_mbps, 0), verdict(row.correct, "yes", "NO"),
-            target_cell(row.time_ratio, TIME_RATIO_TARGET), target_cell(row.bandwidth_fraction, BANDWIDTH_TARGET),
-            target_cell(row.transfer_fraction, BANDWIDTH_TARGET),
+            target_cell(row.time_ratio, TIME_RATIO_TARGETS.get(row.transport, 1.0)),
+            target_cell(row.bandwidth_fraction, BANDWIDTH_TARGETS.get(row.transport, 0.8)),
+            target_cell(row.transfer_fraction, BANDWIDTH_TARGETS.get(row.transport, 0.8)),
             f"[red]{row.error}[/red]" if row.error else _error_note(row),
         )  # fmt: skip
     return table
@@ -369,12 +384,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size-mb", type=float, default=100.0, help="fp32 tensor per peer, MB = 10^6 bytes")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds, after one warm-up round")
     parser.add_argument("--codecs", default="none,fp16,int8")
-    parser.add_argument("--systems", default="hivemind,raw-p2pd,raw-tcp,swarmgrad")
+    parser.add_argument("--systems", default="hivemind,raw-p2pd,raw-tcp,raw-tcp-aes,swarmgrad")
+    parser.add_argument("--transport", default="libp2p,direct,direct-plain",
+                        help="swarmgrad data planes to measure, comma-separated: " + ", ".join(TRANSPORTS))
     parser.add_argument("--chunk-mib", type=float, default=2.0, help="write size of the raw references")
     parser.add_argument("--round-timeout", type=float, default=None, help="seconds; default 30 + 0.6 s per MB")
     args = parser.parse_args(argv)
     args.codecs = [codec for codec in args.codecs.split(",") if codec]
     args.systems = [system for system in args.systems.split(",") if system]
+    args.transports = [transport for transport in args.transport.split(",") if transport]
+    for transport in args.transports:
+        if transport not in TRANSPORTS:
+            parser.error(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
     for codec in args.codecs:
         if codec not in CODEC_FACTOR:
             parser.error(f"unknown codec {codec!r}; choose from {', '.join(CODEC_FACTOR)}")
@@ -395,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rows = []
     for system in args.systems:
-        for codec in args.codecs if system in CODEC_SYSTEMS else ["-"]:
-            rows.append(run_system(system, codec, BenchConfig(**{**asdict(base), "codec": codec})))
+        for transport in args.transports if system == "swarmgrad" else ["-"]:
+            for codec in args.codecs if system in CODEC_SYSTEMS else ["-"]:
+                config = BenchConfig(**{**asdict(base), "codec": codec, "transport": transport})
+                rows.append(run_system(system, codec, config))
     ratios = add_ratios(rows, args.codecs)
     wall_s = time.monotonic() - started
     if args.json:

@@ -52,7 +52,11 @@ class FrameCipher:
 
     def open_into(self, ciphertext: memoryview, target: memoryview) -> None:
         """Decrypt into ``target`` (exactly the plaintext length), with no intermediate copy."""
-        self._aead.decrypt_into(self._next_receive_nonce(), ciphertext, None, target)
+        nonce = self._next_receive_nonce()
+        if hasattr(self._aead, "decrypt_into"):  # cryptography >= 45
+            self._aead.decrypt_into(nonce, ciphertext, None, target)
+        else:
+            target[:] = self._aead.decrypt(nonce, bytes(ciphertext), None)
 
     def _next_receive_nonce(self) -> bytes:
         nonce = _NONCE.pack(self._receive_direction, self._received)

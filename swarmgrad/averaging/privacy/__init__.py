@@ -11,7 +11,7 @@ This package knows tensors and budgets only: no models beyond per-sample gradien
 
 from .budget import BudgetExhausted, PrivacyBudget
 from .per_sample import PerSamplePrivacy, make_per_sample_private
-from .release import PrivateReleaser, total_norm
+from .release import PrivateReleaser, private_generator, total_norm
 from .settings import Privacy, PrivacyError
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "PrivacyError",
     "PrivateReleaser",
     "make_per_sample_private",
+    "private_generator",
     "total_norm",
 ]

@@ -32,12 +32,13 @@ class PrivacyBudget:
         self.sample_rate = sample_rate
         self.delta = delta
         self.limit = limit
-        self.what = what  # "update" or "step", for messages
+        self.what = what  # what one count is ("release", "step"), for messages
         self._accountant = create_accountant(mechanism)
         self._releases = 0
         self._refused = False
-        self._epsilon = 0.0  # valid for self._releases releases
-        self._next: tuple[int, float] | None = None  # (releases, epsilon after one more), computed at most once
+        # (releases, epsilon) pairs, each computed at most once: RDP at q < 1 or PRV costs ~10-100 ms
+        self._current: tuple[int, float] = (0, 0.0)
+        self._next: tuple[int, float] | None = None  # epsilon after one more release
 
     @property
     def releases(self) -> int:
@@ -45,7 +46,9 @@ class PrivacyBudget:
 
     @property
     def epsilon(self) -> float:
-        return self._epsilon
+        if self._current[0] != self._releases:
+            self._current = (self._releases, float(self._accountant.get_epsilon(delta=self.delta)))
+        return self._current[1]
 
     @property
     def exhausted(self) -> bool:
@@ -59,7 +62,7 @@ class PrivacyBudget:
         if after <= self.limit:
             return
         message = (f"privacy budget spent: {self.what} {self._releases + 1} would raise epsilon from "
-                   f"{self._epsilon:.4g} to {after:.4g}, past max_epsilon={self.limit:g} (delta={self.delta:g}); "
+                   f"{self.epsilon:.4g} to {after:.4g}, past max_epsilon={self.limit:g} (delta={self.delta:g}); "
                    f"this peer stops releasing")
         if not self._refused:  # one line in the log, however often the caller retries
             logger.warning(message)
@@ -68,10 +71,10 @@ class PrivacyBudget:
 
     def commit(self) -> None:
         """Count one release that happened."""
-        after = self._next_epsilon()
         self._accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
         self._releases += 1
-        self._epsilon = after
+        if self._next is not None and self._next[0] == self._releases - 1:
+            self._current = (self._releases, self._next[1])  # check() already computed it
 
     def _next_epsilon(self) -> float:
         # epsilon with one more release, from a copy of the history so a refused release leaves no trace
@@ -84,7 +87,7 @@ class PrivacyBudget:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep: a restarted peer that forgot its releases would overspend its budget."""
         return {"mechanism": self._accountant.mechanism(), "history": copy.deepcopy(self._accountant.history),
-                "releases": self._releases, "refused": self._refused}
+                "releases": self._releases}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("mechanism") != self._accountant.mechanism():
@@ -97,8 +100,8 @@ class PrivacyBudget:
             raise PrivacyError(f"accountant: malformed privacy state in checkpoint ({error!r})") from None
         self._accountant.history = history
         self._releases = releases
-        self._refused = bool(state.get("refused", False))
-        self._epsilon = float(self._accountant.get_epsilon(delta=self.delta)) if history else 0.0
+        self._refused = False  # re-derived from the limit, which a restart may have changed
+        self._current = (0, 0.0) if not history else (-1, 0.0)  # recomputed on first read
         self._next = None
 
     def status(self, clip_norm: float) -> dict[str, Any]:

@@ -33,8 +33,8 @@ def total_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 def add_gaussian_noise(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """tensor += N(0, std^2) independently per element, drawn on the generator's device."""
-    noise = torch.empty(tensor.shape, dtype=tensor.dtype, device=generator.device).normal_(0.0, std, generator=generator)
-    tensor.add_(noise.to(tensor.device))
+    noise = torch.empty(tensor.shape, dtype=tensor.dtype, device=generator.device)
+    tensor.add_(noise.normal_(0.0, std, generator=generator).to(tensor.device))
 
 
 class PrivateReleaser:

@@ -103,7 +103,8 @@ class Privacy(BaseModel):
         if given is not None and abs(given - derived) > _CONSISTENCY * derived:
             raise PrivacyError(
                 f"noise_multiplier={given} and target_epsilon={self.target_epsilon} disagree: "
-                f"{self.expected_releases} releases at epsilon {self.target_epsilon} need noise_multiplier ~{derived:.4g}; "
+                f"{self.expected_releases} releases at epsilon {self.target_epsilon} need "
+                f"noise_multiplier ~{derived:.4g}; "
                 "give only one of them"
             )
         self._derived_noise_multiplier = derived
