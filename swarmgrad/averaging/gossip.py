@@ -1,0 +1,300 @@
+"""Asynchronous gossip: push-sum averaging with no rounds and no barrier (SGP, arXiv 1811.10792).
+
+Each peer holds its tensors x and a weight w (the samples behind them); x is its estimate of the
+swarm's weighted mean. A push sends half the weight with the current estimate to one or a few
+peers, picked from a time-varying exponential graph over the sorted live members (peer i talks to
+i + 1, i + 2, i + 4, ... in turn). The receiver checks the push completely, queues it, and merges
+everything queued at its next ``step``: x <- (w x + sum w_k x_k) / (w + sum w_k), w <- w + sum w_k.
+
+Why push-sum and not pairwise averaging: a push needs no reply from the receiver's training loop,
+so a slow peer never holds up a fast one, and weights make uneven peers mix fairly (DESIGN
+invariant 5).
+
+Mass accounting (DESIGN "Gossip"): the sender gives its half away *before* sending, so a push that
+may have arrived is never counted twice; only an explicit refusal from the receiver gives it back.
+
+Compression: a push carries x relative to a *reference* both ends of that edge hold (the last value
+that crossed it, versioned), so as the swarm agrees the differences, and with them the codec's
+error, shrink to zero (as in CHOCO-gossip). The receiver gets x^ = reference + decode(x - reference);
+the sender keeps exactly what it did not give away, x' = (w x - given x^) / (w - given), so the
+total sum of w x is conserved exactly and the compression error stays with the sender (error
+feedback by construction). A reference that went out of step (a lost acknowledgement) is refused
+explicitly and the edge starts over from zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+from swarmgrad.averaging.allreduce import _all_finite
+from swarmgrad.averaging.codecs import get_codec
+from swarmgrad.averaging.frames import decode_chunk, encode_chunk
+from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.transport import Channel, Libp2pTransport, Transport
+from swarmgrad.averaging.direct import DirectTransport
+from swarmgrad.averaging.wire import FrameError, RemoteError, field as frame_field, int_field
+from swarmgrad.dht.membership import check_run_id, list_members
+from swarmgrad.dht.node import SwarmNode
+from swarmgrad.errors import ConfigError
+from swarmgrad.runtime import timeout
+
+logger = logging.getLogger(__name__)
+
+MAX_WEIGHT = 1e15
+MAX_RECEIVE_REFERENCES = 32  # per-sender references kept; an evicted sender starts over from zero
+
+
+@dataclass
+class GossipReport:
+    """What one ``step`` did."""
+
+    step: int
+    merged: int = 0  # pushes merged into the local tensors
+    pushed_to: list[str] = field(default_factory=list)  # peers that accepted our push
+    failed: list[str] = field(default_factory=list)  # peers we could not push to (mass lost or returned)
+    weight: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Push:
+    weight: float
+    values: torch.Tensor  # decoded estimate of the sender, flat float32
+
+
+def exponential_neighbors(members: list[str], me: str, step: int, fanout: int) -> list[str]:
+    """Time-varying exponential graph over sorted ids: offsets 2^(step mod log2 n), and the next ones."""
+    ordered = sorted(set(members) | {me})
+    n = len(ordered)
+    if n < 2:
+        return []
+    exponents = max(1, math.ceil(math.log2(n)))
+    index = ordered.index(me)
+    picked: list[str] = []
+    for k in range(fanout):
+        offset = 2 ** ((step + k) % exponents) % n or 1
+        peer = ordered[(index + offset) % n]
+        if peer != me and peer not in picked:
+            picked.append(peer)
+    return picked
+
+
+class GossipAverager:
+    """Keeps ``tensors`` moving toward the swarm's weighted mean by push-sum gossip.
+
+        async with GossipAverager(node, "my-run", model.parameters(), weight=len(shard)) as gossip:
+            for batch in loader:
+                train_step(batch)
+                await gossip.step()        # merge what arrived, push half our weight onwards
+    """
+
+    def __init__(
+        self,
+        node: SwarmNode,
+        run_id: str,
+        tensors: Iterable[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        weight: float = 1.0,
+        codec: str = "none",
+        fanout: int = 1,
+        members_refresh_seconds: float = 5.0,
+        push_timeout: float = 30.0,
+        max_pending: int = 16,
+        direct: bool = True,
+        trusted_network: bool = False,
+        transport: Transport | None = None,
+    ):
+        named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
+        if not named or not all(t.is_floating_point() for _, t in named):
+            raise ConfigError("gossip needs at least one tensor, all of them floating point")
+        if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+            raise ConfigError(f"weight must be finite and positive, got {weight}")
+        if not 1 <= fanout <= 16:
+            raise ConfigError(f"fanout must be within 1..16, got {fanout}")
+        try:
+            self.codec = get_codec(codec)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self.node, self.run_id = node, check_run_id(run_id)
+        self.tensors = [t for _, t in named]
+        self.schema = Schema.of(named)
+        self.weight, self.fanout = float(weight), fanout
+        self.members_refresh_seconds, self.push_timeout, self.max_pending = members_refresh_seconds, push_timeout, max_pending
+        self.transport, self.direct, self.trusted_network = transport, direct, trusted_network
+        self.protocol = f"swarmgrad/{self.run_id}/gossip/{self.schema.digest[:12]}/{self.codec.spec}"
+        self.step_index = 0
+        self._values = torch.empty(self.schema.total, dtype=torch.float32)
+        self._pending: list[_Push] = []
+        self._members: list[str] = []
+        self._members_read_at = -math.inf
+        self._received_bytes = 0
+        self._sent_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per receiver: version, last x^ sent
+        self._received_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per sender: version, last x^ received
+        self.max_payload = max(self.codec.encoded_nbytes(chunk.view) for chunk in self.schema.chunks)
+
+    async def __aenter__(self) -> GossipAverager:
+        if self.transport is None:
+            self.transport = Libp2pTransport(self.node.p2p)
+            if self.direct:
+                self.transport = DirectTransport(self.transport, host=self.node.config.host,
+                                                 trusted_network=self.trusted_network)
+        await self.transport.start()
+        await self.transport.serve(self.protocol, self._receive)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        if self.transport is not None and self.node.p2p is not None:
+            await self.transport.stop_serving(self.protocol)
+            await self.transport.stop()
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    async def step(self) -> GossipReport:
+        """Merge the pushes that arrived, then push half of our weight to this step's neighbours."""
+        started = time.monotonic()
+        report = GossipReport(step=self.step_index)
+        report.merged = self._merge()
+        neighbors = exponential_neighbors(await self._live_members(), self.node.peer_id, self.step_index, self.fanout)
+        self.step_index += 1
+        self.schema.flatten_into(self.tensors, self._values)
+        if neighbors and _all_finite(self._values):
+            outcomes = await asyncio.gather(*(self._push(peer, len(neighbors)) for peer in neighbors))
+            for peer, (accepted, sent) in zip(neighbors, outcomes):
+                (report.pushed_to if accepted else report.failed).append(peer)
+                report.bytes_sent += sent
+        report.weight = self.weight
+        report.bytes_received, self._received_bytes = self._received_bytes, 0
+        report.seconds = time.monotonic() - started
+        return report
+
+    def _merge(self) -> int:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return 0
+        self.schema.flatten_into(self.tensors, self._values)
+        total = self._values.mul_(self.weight)
+        for push in pending:
+            total.add_(push.values, alpha=push.weight)
+        self.weight += sum(push.weight for push in pending)
+        self.schema.unflatten_into(total.div_(self.weight), self.tensors)
+        return len(pending)
+
+    async def _live_members(self) -> list[str]:
+        if time.monotonic() - self._members_read_at > self.members_refresh_seconds:
+            self._members = [m.peer_id for m in await list_members(self.node, self.run_id) if m.role == "peer"]
+            self._members_read_at = time.monotonic()
+        return self._members
+
+    async def _push(self, peer: str, neighbors: int) -> tuple[bool, int]:
+        """Give ``weight / (neighbors + 1)`` away to ``peer``; True if it took it."""
+        assert self.transport is not None
+        given = self.weight / (neighbors + 1)
+        version, reference = self._sent_refs.get(peer, (0, None))
+        difference = self._values if reference is None else self._values - reference
+        frames = [encode_chunk(self.codec, difference[c.start : c.start + c.length].view(c.view))
+                  for c in self.schema.chunks]
+        arrives = self._decoded(frames, reference)  # exactly what the receiver will compute
+        before = [t.detach().clone() for t in self.tensors]
+        self._give(given, arrives)  # give the mass away first: a push that may have arrived is never counted twice
+        channel = None
+        try:
+            async with timeout(self.push_timeout):
+                channel = await self.transport.open(peer, self.protocol)
+                await channel.send({"t": "push", "weight": given, "chunks": len(frames), "ref": version})
+                for chunk, (header, payload) in zip(self.schema.chunks, frames):
+                    await channel.send({"t": "chunk", "c": chunk.index, **header}, payload)
+                reply = await channel.recv(max_payload=0)
+            if reply.kind != "ack":
+                raise RemoteError(f"unexpected reply {reply.kind!r}")
+            self._sent_refs[peer] = (version + 1, arrives)
+            return True, channel.bytes_sent
+        except RemoteError as error:  # refused with a reason, before merging: take the mass back
+            logger.info("push to %s refused: %s", peer, error)
+            self._take_back(given, before)
+            self._sent_refs.pop(peer, None)  # start this edge over from zero
+            return False, channel.bytes_sent if channel else 0
+        except Exception as error:  # may or may not have arrived: the share is lost, never doubled
+            logger.info("push to %s failed (%s: %s); its share is lost", peer, type(error).__name__, error)
+            self._sent_refs.pop(peer, None)
+            return False, channel.bytes_sent if channel else 0
+        finally:
+            if channel is not None:
+                await channel.close()
+
+    def _decoded(self, frames: list[tuple[dict, bytes | memoryview]], reference: torch.Tensor | None) -> torch.Tensor:
+        """reference + decode(frames): what the receiver of these frames ends up with."""
+        if not self.codec.lossy and reference is None:
+            return self._values.clone()
+        decoded = torch.empty_like(self._values)
+        for chunk, (header, payload) in zip(self.schema.chunks, frames):
+            decoded[chunk.start : chunk.start + chunk.length] = decode_chunk(self.codec, header, payload, chunk.view)
+        return decoded if reference is None else decoded.add_(reference)
+
+    def _give(self, given: float, arrives: torch.Tensor) -> None:
+        """Keep exactly what was not given away: w x - given x^ = (w - given) x'."""
+        kept = self.weight - given
+        if not torch.equal(arrives, self._values):
+            kept_values = self._values.mul(self.weight).sub_(arrives, alpha=given).div_(kept)
+            self.schema.unflatten_into(kept_values, self.tensors)
+        self.weight = kept
+
+    def _take_back(self, given: float, before: list[torch.Tensor]) -> None:
+        self.weight += given
+        with torch.no_grad():
+            for tensor, old in zip(self.tensors, before):
+                tensor.copy_(old)
+
+    # ---- receiving ----------------------------------------------------------------------------
+
+    async def _receive(self, channel: Channel) -> None:
+        """Validate a whole push into a private buffer, queue it, acknowledge. State is untouched."""
+        async with timeout(self.push_timeout):
+            header, _ = await channel.recv_header(max_payload=0)
+            if header["t"] != "push":
+                raise FrameError(f"expected a 'push' frame, got {header['t']!r}")
+            weight = frame_field(header, "weight", float)
+            if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+                raise FrameError(f"push weight {weight} is not finite and positive")
+            int_field(header, "chunks", len(self.schema.chunks), len(self.schema.chunks))
+            version = int_field(header, "ref", 0, 2**62)
+            base = None
+            if version:
+                known_version, base = self._received_refs.get(channel.peer_id, (-1, None))
+                if known_version != version:
+                    await channel.send_error(f"reference {version} is out of step here; start over from 0")
+                    return
+            if len(self._pending) >= self.max_pending:
+                await channel.send_error("busy: too many pushes waiting to be merged; try another peer")
+                return
+            values = torch.empty(self.schema.total, dtype=torch.float32)
+            scratch = memoryview(bytearray(self.max_payload))
+            for expected in self.schema.chunks:
+                header, length = await channel.recv_header(self.max_payload)
+                if header["t"] != "chunk" or int_field(header, "c", 0, len(self.schema.chunks)) != expected.index:
+                    raise FrameError(f"expected chunk {expected.index}")
+                await channel.recv_payload_into(scratch[:length])
+                decoded = decode_chunk(self.codec, header, scratch[:length], expected.view)
+                values[expected.start : expected.start + expected.length] = decoded
+            if base is not None:
+                values.add_(base)
+            if not _all_finite(values):
+                raise FrameError("push holds NaN or Inf once decoded")
+            if len(self._pending) >= self.max_pending:
+                await channel.send_error("busy: too many pushes waiting to be merged; try another peer")
+                return
+            self._pending.append(_Push(weight, values))
+            self._received_refs.pop(channel.peer_id, None)
+            self._received_refs[channel.peer_id] = (version + 1, values)
+            while len(self._received_refs) > MAX_RECEIVE_REFERENCES:  # forget the longest-silent sender
+                del self._received_refs[next(iter(self._received_refs))]
+            self._received_bytes += channel.bytes_received
+            await channel.send({"t": "ack"})
