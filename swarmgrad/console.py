@@ -33,8 +33,8 @@ def ago(timestamp: float, now: float | None = None) -> str:
 
 def members_table(members: Iterable[Member], title: str | None = None) -> Table:
     table = Table(title=title)
-    for column in ("peer", "address", "role", "step", "samples/s", "last seen"):
-        table.add_column(column, justify="right" if column in ("step", "samples/s") else "left")
+    for column in ("peer", "address", "role", "step", "samples/s", "epsilon", "last seen"):
+        table.add_column(column, justify="right" if column in ("step", "samples/s", "epsilon") else "left")
     now = time.time()
     for member in members:
         table.add_row(
@@ -43,6 +43,7 @@ def members_table(members: Iterable[Member], title: str | None = None) -> Table:
             member.role,
             str(member.step),
             f"{member.samples_per_second:.1f}",
+            "-" if member.epsilon is None else f"{member.epsilon:.2f}",
             ago(member.last_seen, now),
         )
     return table

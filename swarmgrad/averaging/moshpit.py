@@ -25,6 +25,7 @@ import torch
 from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan, _all_finite
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.direct import DirectTransport
+from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.transport import Channel, Libp2pTransport, Transport
@@ -51,6 +52,7 @@ class AveragingReport:
     seconds: float = 0.0
     allreduce_seconds: float = 0.0
     transports: dict[str, str] = field(default_factory=dict)
+    privacy: dict | None = None  # epsilon spent so far etc., when privacy is on
     error: str | None = None
 
 
@@ -118,6 +120,7 @@ class Averager:
         share: float = 1.0,
         direct: bool = True,
         trusted_network: bool = False,
+        privacy: Privacy | None = None,
         transport: Transport | None = None,
     ):
         if group_size < 2 or not 2 <= min_group_size <= group_size:
@@ -144,7 +147,9 @@ class Averager:
         self.timer = RoundTimer(initial=round_timeout or 60.0, minimum=round_timeout or 5.0, maximum=round_timeout or 600.0)
         self.transport, self.direct, self.trusted_network = transport, direct, trusted_network
         self.round_index = 0
-        flat = _flat_view(self.tensors)
+        # with privacy the contribution is a released copy, never the tensors themselves
+        self.releaser = PrivateReleaser(privacy) if privacy is not None else None
+        flat = _flat_view(self.tensors) if self.releaser is None else None
         self._buffer = flat if flat is not None else torch.empty(self.schema.total, dtype=torch.float32)
         self._result = torch.zeros(self.schema.total, dtype=torch.float32)  # reused, touched once
         self._rounds: dict[str, GroupAllReduce] = {}
@@ -184,7 +189,9 @@ class Averager:
 
         ``weight`` is the number of samples behind this peer's tensors (DESIGN invariant 5).
         ``round_index`` lets peers that agree on a global step meet in the same round; by default
-        a local counter. The tensors are changed only when the round succeeds, and must not be
+        a local counter. With ``privacy`` the tensors must be an *update* (a gradient or
+        pseudo-gradient): it is clipped and noised before it leaves; past the budget the peer stops
+        releasing and the report says so. The tensors are changed only when the round succeeds, and must not be
         changed by anyone else while the step runs.
         """
         if self.matchmaker is None:
@@ -197,10 +204,7 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             report.error = f"weight must be finite and positive, got {weight}"
             return report
-        if self._buffer.data_ptr() != self.tensors[0].data_ptr():  # several tensors: gather them
-            self.schema.flatten_into(self.tensors, self._buffer)
-        if not _all_finite(self._buffer):
-            report.error = "local tensors hold NaN or Inf; not sending them"
+        if not self._prepare_contribution(report):
             return report
         plan = await self.matchmaker.find_group(
             key, group_size=self.group_size, min_group_size=self.min_group_size,
@@ -213,6 +217,27 @@ class Averager:
             self._apply(report, result, plan)
         report.seconds = time.monotonic() - started
         return report
+
+    def _prepare_contribution(self, report: AveragingReport) -> bool:
+        """Fill the contribution buffer: the tensors, or their private release (DESIGN invariant 6)."""
+        tensors = self.tensors
+        if self.releaser is not None:
+            try:
+                tensors = self.releaser.release(self.tensors)  # clip, noise, count: before anything leaves
+            except BudgetExhausted as error:
+                report.error = f"privacy budget exhausted, not releasing: {error}"
+                return False
+            except ValueError as error:  # NaN/Inf in the update
+                report.error = f"cannot release the update: {error}"
+                return False
+            finally:
+                report.privacy = self.releaser.status()
+        if self._buffer.data_ptr() != tensors[0].data_ptr():  # several tensors, or a release: gather them
+            self.schema.flatten_into(tensors, self._buffer)
+        if not _all_finite(self._buffer):
+            report.error = "local tensors hold NaN or Inf; not sending them"
+            return False
+        return True
 
     async def _allreduce(self, plan: GroupPlan, weight: float) -> tuple[AllReduceReport, GroupAllReduce]:
         assert self.transport is not None

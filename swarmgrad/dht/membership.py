@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +54,7 @@ class MemberRecord(RecordBody):
     samples_per_second: Annotated[float, pydantic.Field(ge=0, allow_inf_nan=False)]
     updated_at: Annotated[float, pydantic.Field(allow_inf_nan=False)]
     state: Literal["alive", "left"] = "alive"
+    epsilon: Annotated[float, pydantic.Field(ge=0)] | None = None  # privacy spent so far; inf without noise
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,13 @@ class Member:
     samples_per_second: float
     last_seen: float  # unix time of the member's latest heartbeat
     expires: float
+    epsilon: float | None = None  # differential privacy spent so far, when the member releases privately
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["epsilon"] is not None and not math.isfinite(data["epsilon"]):
+            data["epsilon"] = "inf"  # JSON has no infinity
+        return data
 
 
 async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
@@ -85,6 +91,7 @@ async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
             samples_per_second=record.body.samples_per_second,
             last_seen=record.body.updated_at,
             expires=record.expires,
+            epsilon=record.body.epsilon,
         )
         for owner, record in records.items()
         if record.body.state == "alive"
@@ -105,15 +112,20 @@ class Membership:
         self.key = members_key(run_id)
         self.step = 0
         self.samples_per_second = 0.0
+        self.epsilon: float | None = None
         self._last_expires = 0.0
         self._heartbeat: asyncio.Task | None = None
 
-    def update(self, *, step: int | None = None, samples_per_second: float | None = None) -> None:
+    def update(
+        self, *, step: int | None = None, samples_per_second: float | None = None, epsilon: float | None = None
+    ) -> None:
         """Change what the next heartbeat announces."""
         if step is not None:
             self.step = step
         if samples_per_second is not None:
             self.samples_per_second = samples_per_second
+        if epsilon is not None:
+            self.epsilon = epsilon
 
     async def __aenter__(self) -> Membership:
         await self.announce()
@@ -138,6 +150,7 @@ class Membership:
             samples_per_second=float(self.samples_per_second),
             updated_at=now,
             state=state,
+            epsilon=self.epsilon,
         )
         stored = await self.node.store(self.key, body, expires)
         if stored:

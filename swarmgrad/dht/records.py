@@ -36,9 +36,10 @@ MAX_CLOCK_SKEW = 60.0  # seconds a record's expiry may exceed its kind's TTL lim
 
 
 class RecordBody(pydantic.BaseModel):
-    """Base of every record schema: unknown fields and wrong types are errors."""
+    """Base of every record schema."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", strict=True, frozen=True)
+    # wrong types are errors; unknown fields are ignored so newer peers can add fields older ones skip
+    model_config = pydantic.ConfigDict(extra="ignore", strict=True, frozen=True)
 
     kind: ClassVar[str]
     max_ttl: ClassVar[float] = 3600.0

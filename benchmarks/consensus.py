@@ -1,0 +1,466 @@
+"""Consensus on loopback: seconds and bytes per peer until every peer is within --target of the mean.
+
+    python benchmarks/consensus.py [--json] [--peers 8,16] [--numel 1000000] [--codecs none,int8]
+                                   [--target 1e-3] [--time-limit 120]
+
+Every peer (one spawned process each) holds one float32 tensor, torch.randn(numel) seeded by its
+rank, and the weight rank + 1. Error of a peer = ||x_i - mean|| / ||mean||, computed in every peer.
+
+- gossip: swarmgrad's GossipAverager, push-sum with the weights; target = the weighted mean. Each peer
+  loops step() on its own clock and reports its error through a queue; a coordinator thread in this
+  process stops everyone (an Event per configuration) once all are within target.
+- moshpit: swarmgrad's Averager, groups of 4 (at least 2), lockstep rounds (an all-gather of the
+  errors after each round doubles as the barrier before the next). Every peer passes weight=1.0:
+  moshpit mixes in the weights of each round only, so the target is the *unweighted* mean.
+
+One process group per peer count runs every configuration in turn (16 processes with a p2pd each
+take tens of seconds to start on 2 cores); a configuration that fails gets an error row, its group
+is removed, and the configurations after it run in a fresh group. Also measured, in the first
+group: the cost of privacy on a 4-peer moshpit step.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads; inherited by every peer
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import json
+import multiprocessing as mp
+import queue
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from _harness import MB, GroupFailed, PeerContext, fmt, log, run_group, start_swarm_node, verdict
+
+GROUP_SIZE = 4
+PRIVACY_PEERS, PRIVACY_ROUNDS = 4, 6  # one warm-up round, then the median of the rest
+STALL_ROUNDS, STALL_SECONDS = 10, 15.0  # no 10% progress for this long: stop, report "stalled"
+
+
+@dataclass
+class Job:
+    method: str  # gossip | moshpit | privacy
+    codec: str
+
+
+@dataclass
+class GroupConfig:
+    """What every peer of one group needs; picklable (queue and events travel as Process arguments)."""
+
+    peers: int
+    numel: int
+    target: float
+    time_limit: float
+    jobs: list[Job]
+    progress: Any  # peer -> coordinator: ("progress" | "done", job, rank, payload)
+    stops: list[Any]  # one Event per job: the coordinator tells gossip peers to stop
+
+
+@dataclass
+class Row:
+    method: str
+    codec: str
+    peers: int
+    seconds: float | None = None  # until every peer was within target
+    steps: float | None = None  # gossip: mean steps per peer; moshpit: rounds
+    mb_per_peer: float | None = None  # bytes sent until convergence (or until stopped), mean over peers
+    max_error: float | None = None  # final, over peers
+    converged: bool | None = None
+    note: str = ""
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- in every peer
+
+
+def peer_tensor(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def means(peers: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean with weights rank + 1, unweighted mean) of the initial tensors."""
+    weighted, plain = torch.zeros(numel), torch.zeros(numel)
+    for rank in range(peers):
+        tensor = peer_tensor(rank, numel)
+        weighted.add_(tensor, alpha=rank + 1)
+        plain.add_(tensor)
+    return weighted / (peers * (peers + 1) / 2), plain / peers
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+async def wait_for_members(node: Any, run_id: str, count: int, timeout_s: float) -> None:
+    """The clock starts only once this peer sees the whole run (gossip picks neighbours from it)."""
+    from swarmgrad.dht import list_members
+
+    deadline = time.monotonic() + timeout_s
+    while len(await list_members(node, run_id)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"saw fewer than {count} members of {run_id} after {timeout_s:.0f} s")
+        await asyncio.sleep(0.3)
+
+
+def consensus_peer(ctx: PeerContext, cfg: GroupConfig) -> dict:
+    from swarmgrad.runtime import run
+
+    return run(_run_jobs(ctx, cfg))
+
+
+async def _run_jobs(ctx: PeerContext, cfg: GroupConfig) -> dict:
+    weighted, plain = means(cfg.peers, cfg.numel)
+    async with contextlib.AsyncExitStack() as stack:
+        node = await start_swarm_node(ctx, stack)
+        for index, job in enumerate(cfg.jobs):
+            if job.method == "gossip":
+                result = await gossip_job(ctx, cfg, node, index, job, weighted)
+            elif job.method == "moshpit":
+                result = await moshpit_job(ctx, cfg, node, index, job, plain)
+            else:
+                result = await privacy_job(ctx, cfg, node, index)
+            cfg.progress.put(("done", index, ctx.rank, result))
+            await ctx.async_sync()  # nobody starts the next job while another still serves this one
+    return {}
+
+
+async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
+    from swarmgrad.averaging import GossipAverager
+    from swarmgrad.dht import Membership
+
+    run_id, tensor, stop = f"consensus-{index}-gossip-{job.codec}", peer_tensor(ctx.rank, cfg.numel), cfg.stops[index]
+    async with Membership(node, run_id, ttl=10):
+        async with GossipAverager(node, run_id, [tensor], weight=ctx.rank + 1.0, codec=job.codec) as gossip:
+            await wait_for_members(node, run_id, cfg.peers, 60.0)
+            await ctx.async_sync()
+            start, steps, sent = time.monotonic(), 0, 0
+            error = rel_error(tensor, mean)
+            while not stop.is_set() and (left := cfg.time_limit - (time.monotonic() - start)) > 0:
+                report = await asyncio.wait_for(gossip.step(), left)
+                steps, sent = steps + 1, sent + report.bytes_sent
+                error = rel_error(tensor, mean)
+                cfg.progress.put(("progress", index, ctx.rank, (steps, error, time.monotonic() - start, sent)))
+            elapsed = time.monotonic() - start
+            await ctx.async_sync()  # keep serving pushes until every peer has stopped pushing
+            return {"steps": steps, "bytes": sent, "error": error, "seconds": elapsed}
+
+
+async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
+    from swarmgrad.averaging import Averager
+    from swarmgrad.dht import Membership
+
+    run_id, tensor = f"consensus-{index}-moshpit-{job.codec}", peer_tensor(ctx.rank, cfg.numel)
+    async with Membership(node, run_id, ttl=10):
+        async with Averager(node, run_id, [tensor], group_size=GROUP_SIZE, min_group_size=2, codec=job.codec) as averager:
+            await wait_for_members(node, run_id, cfg.peers, 60.0)  # the grid's dimensions come from the member count
+            await ctx.async_sync()
+            start, sent, failed, history = time.monotonic(), 0, 0, []
+            result: dict = {"converged": False, "stalled": False}
+            for round_index in range(10_000):
+                left = max(1.0, cfg.time_limit - (time.monotonic() - start))
+                report = await asyncio.wait_for(averager.step(weight=1.0, round_index=round_index), left)
+                sent, failed = sent + report.bytes_sent, failed + (not report.ok)
+                done_at, error = time.monotonic() - start, rel_error(tensor, mean)
+                everyone = await ctx.async_exchange((error, done_at, sent))  # every peer decides alike
+                history.append(max(e for e, _, _ in everyone))
+                result.update(rounds=round_index + 1, bytes=sent, error=error, failed_rounds=failed,
+                              seconds=max(t for _, t, _ in everyone), group=len(report.group))
+                if history[-1] <= cfg.target:
+                    result["converged"] = True
+                    break
+                if _stalled(history):
+                    result["stalled"] = True
+                    break
+                if everyone[0][1] > cfg.time_limit:
+                    break
+            await ctx.async_sync()
+            return result
+
+
+def _stalled(history: list[float]) -> bool:
+    """The max error has not improved by 10% over the last STALL_ROUNDS rounds (a codec's noise floor)."""
+    return len(history) > STALL_ROUNDS and min(history[-STALL_ROUNDS:]) > 0.9 * min(history[:-STALL_ROUNDS])
+
+
+def averager_takes_privacy() -> bool:
+    from swarmgrad.averaging import Averager
+
+    return "privacy" in inspect.signature(Averager.__init__).parameters
+
+
+async def privacy_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int) -> dict:
+    """Rank 0's step time in a 4-peer moshpit group, without and with privacy (ranks >= 4 only keep step)."""
+    from swarmgrad.averaging.privacy import Privacy, PrivateReleaser
+
+    privacy = Privacy(clip_norm=1.0, noise_multiplier=1.0)
+    tensor = peer_tensor(ctx.rank, cfg.numel)
+    plain = await _timed_moshpit(ctx, cfg, node, f"consensus-{index}-plain", tensor, None)
+    if averager_takes_privacy():
+        private = await _timed_moshpit(ctx, cfg, node, f"consensus-{index}-private", tensor, privacy)
+        kind = "moshpit step with privacy / without (4 peers, rank 0)"
+    else:  # the Averager cannot apply privacy yet: time what it would add, one release per step
+        releaser, private = PrivateReleaser(privacy), []
+        for _ in range(PRIVACY_ROUNDS):
+            await ctx.async_sync()
+            if ctx.rank == 0:
+                started = time.perf_counter()
+                releaser.release([tensor])
+                private.append(time.perf_counter() - started)
+        kind = "PrivateReleaser.release (Averager takes no privacy yet) / plain 4-peer moshpit step"
+    return {"plain": plain[1:], "private": private[1:], "kind": kind}
+
+
+async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: str, tensor: torch.Tensor,
+                         privacy: Any) -> list[float]:
+    """PRIVACY_ROUNDS steps of one 4-peer group; rank 0's seconds. Every rank syncs alike."""
+    from swarmgrad.averaging import Averager
+    from swarmgrad.dht import Membership
+
+    active = ctx.rank < PRIVACY_PEERS
+    seconds: list[float] = []
+    async with contextlib.AsyncExitStack() as stack:
+        if active:
+            extra = {} if privacy is None else {"privacy": privacy}
+            await stack.enter_async_context(Membership(node, run_id, ttl=10))
+            averager = await stack.enter_async_context(
+                Averager(node, run_id, [tensor], group_size=PRIVACY_PEERS, min_group_size=PRIVACY_PEERS, **extra))
+            await wait_for_members(node, run_id, PRIVACY_PEERS, 60.0)
+        for round_index in range(PRIVACY_ROUNDS):
+            await ctx.async_sync()
+            if active:
+                started = time.perf_counter()
+                report = await asyncio.wait_for(averager.step(weight=1.0, round_index=round_index), cfg.time_limit)
+                seconds.append(time.perf_counter() - started)
+                if not report.ok:
+                    raise RuntimeError(f"privacy-cost round {round_index} failed: {report.error}")
+        await ctx.async_sync()
+    return seconds
+
+
+# ---------------------------------------------------------------- in this process
+
+
+class Coordinator(threading.Thread):
+    """Reads every peer's progress; stops a gossip job once all peers are within target, or stalled."""
+
+    def __init__(self, progress: Any, stops: list[Any], peers: int, target: float):
+        super().__init__(daemon=True, name="consensus-coordinator")
+        self.progress, self.stops, self.peers, self.target = progress, stops, peers, target
+        self.latest: dict[int, dict[int, tuple]] = {}  # job -> rank -> (steps, error, elapsed, bytes)
+        self.converged: dict[int, dict[int, tuple]] = {}  # job -> the latest reports when all were within target
+        self.best: dict[int, tuple[float, float]] = {}  # job -> (best max error, when)
+        self.stalled: set[int] = set()
+        self.done: dict[int, dict[int, dict]] = {}
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                kind, job, rank, payload = self.progress.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if kind == "done":
+                self.done.setdefault(job, {})[rank] = payload
+            else:
+                self._progress(job, rank, payload)
+
+    def _progress(self, job: int, rank: int, report: tuple) -> None:
+        latest = self.latest.setdefault(job, {})
+        latest[rank] = report
+        if len(latest) < self.peers or job in self.converged or self.stops[job].is_set():
+            return
+        worst = max(error for _, error, _, _ in latest.values())
+        if worst <= self.target:
+            self.converged[job] = dict(latest)
+            self.stops[job].set()
+            return
+        best, since = self.best.get(job, (float("inf"), time.monotonic()))
+        if worst < 0.9 * best:
+            self.best[job] = (worst, time.monotonic())
+        elif time.monotonic() - since > STALL_SECONDS:
+            self.stalled.add(job)
+            self.stops[job].set()
+
+    def finish(self) -> None:
+        time.sleep(1.0)  # the last "done" messages may still be in the peers' queue feeders
+        self.halt.set()
+        self.join(5.0)
+
+
+def run_peer_count(peers: int, jobs: list[Job], args: argparse.Namespace) -> list[tuple[Job, Any]]:
+    """Every job with (coordinator, job index) or an error string; a failed job's successors get a new group."""
+    outcomes: list[tuple[Job, Any]] = []
+    pending = list(jobs)
+    while pending:
+        spawn = mp.get_context("spawn")  # the context run_group uses: its queue and events travel to the peers
+        progress, stops = spawn.Queue(), [spawn.Event() for _ in pending]
+        coordinator = Coordinator(progress, stops, peers, args.target)
+        coordinator.start()
+        cfg = GroupConfig(peers, args.numel, args.target, args.time_limit, pending, progress, stops)
+        failure = None
+        try:
+            run_group(consensus_peer, cfg, peers, deadline_s=180 + len(pending) * (args.time_limit + 60),
+                      wait_s=args.time_limit + 90)
+        except GroupFailed as error:
+            failure = str(error)
+        finally:
+            coordinator.finish()
+            progress.close()
+            progress.cancel_join_thread()
+        complete = [i for i in range(len(pending)) if len(coordinator.done.get(i, {})) == peers]
+        failed_at = next((i for i in range(len(pending)) if i not in complete), len(pending))
+        outcomes += [(pending[i], (coordinator, i)) for i in range(failed_at)]
+        if failed_at < len(pending):
+            outcomes.append((pending[failed_at], failure or "no result from some peers"))
+            log(f"{peers} peers, {pending[failed_at].method}/{pending[failed_at].codec} failed: {failure}")
+        pending = pending[failed_at + 1 :]
+    return outcomes
+
+
+def make_row(job: Job, peers: int, outcome: Any) -> Row:
+    row = Row(job.method, job.codec, peers)
+    if isinstance(outcome, str):
+        row.error = outcome
+        return row
+    coordinator, index = outcome
+    done = [coordinator.done[index][rank] for rank in range(peers)]
+    (gossip_row if job.method == "gossip" else moshpit_row)(row, done, coordinator, index)
+    return row
+
+
+def gossip_row(row: Row, done: list[dict], coordinator: Coordinator, index: int) -> None:
+    snapshot = coordinator.converged.get(index)
+    reports = list(snapshot.values()) if snapshot else [(d["steps"], d["error"], d["seconds"], d["bytes"]) for d in done]
+    row.converged = snapshot is not None
+    row.seconds = max(elapsed for _, _, elapsed, _ in reports) if snapshot else None
+    row.steps = statistics.mean(steps for steps, _, _, _ in reports)
+    row.mb_per_peer = statistics.mean(sent for _, _, _, sent in reports) / MB
+    row.max_error = max(d["error"] for d in done)
+    step_ms = 1000 * statistics.mean(d["seconds"] / max(1, d["steps"]) for d in done)
+    why = "" if snapshot else ("stalled, " if index in coordinator.stalled else "time limit, ")
+    row.note = f"{why}{step_ms:.0f} ms/step; weighted mean"
+
+
+def moshpit_row(row: Row, done: list[dict], coordinator: Coordinator, index: int) -> None:
+    first = done[0]
+    row.converged = first["converged"]
+    row.seconds = first["seconds"] if row.converged else None
+    row.steps = first["rounds"]
+    row.mb_per_peer = statistics.mean(d["bytes"] for d in done) / MB
+    row.max_error = max(d["error"] for d in done)
+    why = "" if row.converged else ("stalled, " if first["stalled"] else "time limit, ")
+    row.note = f"{why}{1000 * first['seconds'] / first['rounds']:.0f} ms/round; unweighted mean; " \
+               f"failed peer-rounds {sum(d['failed_rounds'] for d in done)}"
+
+
+def privacy_summary(outcome: Any) -> dict:
+    if isinstance(outcome, str):
+        return {"error": outcome}
+    coordinator, index = outcome
+    first = coordinator.done[index][0]
+    plain, private = statistics.median(first["plain"]), statistics.median(first["private"])
+    return {"kind": first["kind"], "plain_s": plain, "private_s": private, "ratio": private / plain}
+
+
+# ---------------------------------------------------------------- output and main
+
+CAPTION = (
+    "seconds: from the moment all peers see the whole run until every peer is within target (gossip: "
+    "the peers' own clocks at their latest report; moshpit: end of the converging round, slowest peer). "
+    "steps: gossip = mean step() calls per peer; moshpit = lockstep rounds. MB sent/peer: sum of "
+    "report.bytes_sent until then, mean over peers (MB = 10^6 bytes). Targets: gossip, the weighted mean "
+    "(weights rank+1); moshpit, the UNWEIGHTED mean (every peer passes weight=1.0: moshpit does not carry "
+    "weights across rounds). Error counting after every step is included in the time."
+)
+
+
+def render(rows: list[Row], privacy: dict | None, args: argparse.Namespace, wall_s: float) -> Table:
+    title = f"Consensus to {args.target:g} relative error: {args.numel:,} float32 per peer, loopback"
+    table = Table(title=title, caption=f"{CAPTION} Wall time {wall_s:.0f} s.")
+    for header in ("method", "codec", "peers", "s to target", "steps/rounds", "MB sent/peer", "final max err",
+                   "converged", "note"):
+        table.add_column(header, justify="left" if header in ("method", "codec", "note") else "right",
+                         overflow="fold", max_width=60 if header == "note" else None)
+    for row in rows:
+        table.add_row(row.method, row.codec, str(row.peers), fmt(row.seconds, 1), fmt(row.steps, 1),
+                      fmt(row.mb_per_peer, 1), "-" if row.max_error is None else f"{row.max_error:.1e}",
+                      verdict(row.converged, "yes", "NO"), f"[red]{row.error}[/red]" if row.error else row.note)
+    if privacy:
+        table.caption += " " + privacy_line(privacy)
+    return table
+
+
+def privacy_line(privacy: dict) -> str:
+    if "error" in privacy:
+        return f"Cost of privacy: failed ({privacy['error']})."
+    return (f"Cost of privacy (clip 1.0, noise 1.0): {privacy['kind']}: {privacy['private_s'] * 1000:.0f} ms / "
+            f"{privacy['plain_s'] * 1000:.0f} ms = {privacy['ratio']:.2f}x.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
+    parser.add_argument("--peers", default="8,16", help="peer counts, comma-separated")
+    parser.add_argument("--numel", type=int, default=1_000_000, help="float32 elements per peer")
+    parser.add_argument("--codecs", default="none,int8")
+    parser.add_argument("--methods", default="gossip,moshpit")
+    parser.add_argument("--target", type=float, default=1e-3, help="relative error every peer must reach")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per configuration")
+    parser.add_argument("--no-privacy", action="store_true", help="skip the cost-of-privacy measurement")
+    args = parser.parse_args(argv)
+    args.peers = [int(p) for p in args.peers.split(",") if p]
+    args.codecs = [c for c in args.codecs.split(",") if c]
+    args.methods = [m for m in args.methods.split(",") if m]
+    if any(p < max(2, PRIVACY_PEERS if not args.no_privacy else 2) for p in args.peers):
+        parser.error(f"every --peers must be >= {PRIVACY_PEERS} (or pass --no-privacy and >= 2)")
+    if not set(args.methods) <= {"gossip", "moshpit"}:
+        parser.error("--methods: choose from gossip, moshpit")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    rows: list[Row] = []
+    privacy = None
+    for position, peers in enumerate(args.peers):
+        jobs = [Job(method, codec) for method in args.methods for codec in args.codecs]
+        if position == 0 and not args.no_privacy:
+            jobs.append(Job("privacy", "none"))  # once, in the first group: its peers are already up
+        log(f"{peers} peers: {', '.join(f'{j.method}/{j.codec}' for j in jobs)}")
+        for job, outcome in run_peer_count(peers, jobs, args):
+            if job.method == "privacy":
+                privacy = privacy_summary(outcome)
+                log(privacy_line(privacy))
+                continue
+            rows.append(make_row(job, peers, outcome))
+            row = rows[-1]
+            log(f"{peers} peers {job.method}/{job.codec}: {fmt(row.seconds, 1)} s, {fmt(row.steps, 1)} steps, "
+                f"{fmt(row.mb_per_peer, 1)} MB/peer, converged={row.converged} {row.error or row.note}")
+    wall_s = time.monotonic() - started
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        print(json.dumps({"config": config, "rows": [asdict(r) for r in rows], "privacy": privacy, "wall_s": wall_s},
+                         indent=2))
+    else:
+        console = Console() if sys.stdout.isatty() else Console(width=200)
+        console.print(render(rows, privacy, args, wall_s))
+    return 1 if any(row.error or not row.converged for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Privacy applied by the averaging engine: what a receiver sees, the budget stop, the report."""
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import torch
+
+from conftest import run_async
+from swarmgrad.averaging import Averager
+from swarmgrad.averaging.allreduce import GroupAllReduce
+from swarmgrad.averaging.privacy import Privacy
+from swarmgrad.dht import Membership, NodeConfig, SwarmNode, list_members
+
+RUN = "private-run"
+
+
+def test_receiver_never_sees_the_raw_update(monkeypatch):
+    received: list[tuple[str, torch.Tensor]] = []  # (receiving peer, decoded contribution) on the owner side
+    original = GroupAllReduce._decode_chunk
+
+    def recording(self, header, payload, chunk, codec):
+        values = original(self, header, payload, chunk, codec)
+        if codec is self.codec:  # a contribution, not an average coming back
+            received.append((self.me, values.clone()))
+        return values
+
+    monkeypatch.setattr(GroupAllReduce, "_decode_chunk", recording)
+    privacy = Privacy(clip_norm=1.0, noise_multiplier=0.5)
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            raw = [torch.full((600_000,), 3.0), torch.full((600_000,), -2.0)]
+            tensors = [[raw[0].clone()], [raw[1].clone()]]
+            averagers = [await stack.enter_async_context(
+                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=0.3, privacy=privacy))
+                for node, ts in zip([first, second], tensors)]
+            reports = await asyncio.gather(*(a.step() for a in averagers))
+            assert all(r.ok for r in reports), [r.error for r in reports]
+            assert all(r.privacy["releases"] == 1 and r.privacy["epsilon"] > 0 for r in reports)
+            assert received, "no contribution crossed the wire"
+            for _receiver, values in received:
+                for update in raw:  # nothing that arrived is (a piece of) either raw update...
+                    assert not torch.allclose(values, update[: len(values)], atol=0.5)
+                # ...and what arrived is noise around a clipped update: tiny mean, std ~ 0.5
+                assert abs(float(values.mean())) < 0.05 and 0.45 < float(values.std()) < 0.55
+            assert torch.equal(tensors[0][0], tensors[1][0])  # both hold the same (noisy) average
+            assert not torch.equal(tensors[0][0], raw[0])
+
+    run_async(scenario())
+
+
+def test_budget_stop_keeps_tensors_and_reports_why():
+    privacy = Privacy(clip_norm=1.0, noise_multiplier=1.0, max_epsilon=1.5, delta=1e-5)
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            tensors = [[torch.randn(1000)], [torch.randn(1000)]]
+            averagers = [await stack.enter_async_context(
+                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=0.2, privacy=privacy))
+                for node, ts in zip([first, second], tensors)]
+            for _ in range(20):
+                before = [ts[0].clone() for ts in tensors]
+                reports = await asyncio.gather(*(a.step() for a in averagers))
+                if any("budget exhausted" in (r.error or "") for r in reports):
+                    break
+            else:
+                raise AssertionError("the budget never ran out")
+            stopped = [i for i, r in enumerate(reports) if "budget exhausted" in (r.error or "")]
+            for i in stopped:
+                assert torch.equal(tensors[i][0], before[i])  # nothing released, nothing changed
+                assert reports[i].privacy["exhausted"] and reports[i].privacy["epsilon"] <= 1.5
+
+    run_async(scenario())
+
+
+def test_epsilon_travels_in_the_membership_record():
+    async def scenario():
+        async with SwarmNode() as node, Membership(node, RUN, ttl=10) as membership:
+            membership.update(epsilon=2.5)
+            await membership.announce()
+            [member] = await list_members(node, RUN)
+            assert member.epsilon == 2.5 and member.to_json()["epsilon"] == 2.5
+            membership.update(epsilon=float("inf"))
+            await membership.announce()
+            [member] = await list_members(node, RUN)
+            assert member.to_json()["epsilon"] == "inf"
+
+    run_async(scenario())
