@@ -3,20 +3,16 @@
     python benchmarks/consensus.py [--json] [--peers 8,16] [--numel 1000000] [--codecs none,int8]
                                    [--target 1e-3] [--time-limit 120]
 
-Every peer (one spawned process each) holds one float32 tensor, torch.randn(numel) seeded by its
-rank, and the weight rank + 1. Error of a peer = ||x_i - mean|| / ||mean||, computed in every peer.
-
-- gossip: swarmgrad's GossipAverager, push-sum with the weights; target = the weighted mean. Each peer
-  loops step() on its own clock and reports its error through a queue; a coordinator thread in this
-  process stops everyone (an Event per configuration) once all are within target.
-- moshpit: swarmgrad's Averager, groups of 4 (at least 2), lockstep rounds (an all-gather of the
-  errors after each round doubles as the barrier before the next). Every peer passes weight=1.0:
-  moshpit mixes in the weights of each round only, so the target is the *unweighted* mean.
-
-One process group per peer count runs every configuration in turn (16 processes with a p2pd each
-take tens of seconds to start on 2 cores); a configuration that fails gets an error row, its group
-is removed, and the configurations after it run in a fresh group. Also measured, in the first
-group: the cost of privacy on a 4-peer moshpit step.
+Every peer (a spawned process) holds one float32 tensor, torch.randn seeded by its rank, and the
+weight rank + 1; its error is ||x_i - mean|| / ||mean||, computed in every peer after every step.
+- gossip: GossipAverager (push-sum), target the weighted mean. Peers step on their own clocks and
+  report through a queue; a coordinator thread here stops them (an Event) once all are within target.
+- moshpit: Averager, groups of 4 (at least 2), lockstep rounds (the all-gather of errors after each
+  round is the barrier before the next); weight=1.0 everywhere, so the target is the unweighted mean.
+One process group per peer count runs every configuration in turn (starting 16 peers with a p2pd
+each takes tens of seconds on 2 cores); a failed configuration gets an error row and the ones after
+it a fresh group. The first group also measures the cost of privacy on a 4-peer moshpit step.
+Exit status 1 if a configuration failed to run (not converging is a finding, shown in the table).
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import multiprocessing as mp
 import queue
@@ -37,7 +32,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +44,7 @@ from _harness import MB, GroupFailed, PeerContext, fmt, log, run_group, start_sw
 GROUP_SIZE = 4
 PRIVACY_PEERS, PRIVACY_ROUNDS = 4, 6  # one warm-up round, then the median of the rest
 STALL_ROUNDS, STALL_SECONDS = 10, 15.0  # no 10% progress for this long: stop, report "stalled"
+PROGRESS_FIELDS = ("steps", "error", "seconds", "bytes")  # a gossip peer's report after each step
 
 
 @dataclass
@@ -82,6 +78,7 @@ class Row:
     converged: bool | None = None
     note: str = ""
     error: str | None = None
+    trace: list[float] = field(default_factory=list)  # moshpit: max error over peers after each round
 
 
 # ---------------------------------------------------------------- in every peer
@@ -127,12 +124,11 @@ async def _run_jobs(ctx: PeerContext, cfg: GroupConfig) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         node = await start_swarm_node(ctx, stack)
         for index, job in enumerate(cfg.jobs):
-            if job.method == "gossip":
-                result = await gossip_job(ctx, cfg, node, index, job, weighted)
-            elif job.method == "moshpit":
-                result = await moshpit_job(ctx, cfg, node, index, job, plain)
-            else:
+            if job.method == "privacy":
                 result = await privacy_job(ctx, cfg, node, index)
+            else:
+                run_job = gossip_job if job.method == "gossip" else moshpit_job
+                result = await run_job(ctx, cfg, node, index, job, weighted if job.method == "gossip" else plain)
             cfg.progress.put(("done", index, ctx.rank, result))
             await ctx.async_sync()  # nobody starts the next job while another still serves this one
     return {}
@@ -156,7 +152,7 @@ async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, 
                 cfg.progress.put(("progress", index, ctx.rank, (steps, error, time.monotonic() - start, sent)))
             elapsed = time.monotonic() - start
             await ctx.async_sync()  # keep serving pushes until every peer has stopped pushing
-            return {"steps": steps, "bytes": sent, "error": error, "seconds": elapsed}
+            return {"steps": steps, "bytes": sent, "error": error, "seconds": elapsed, "total_s": elapsed}
 
 
 async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
@@ -165,11 +161,12 @@ async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int,
 
     run_id, tensor = f"consensus-{index}-moshpit-{job.codec}", peer_tensor(ctx.rank, cfg.numel)
     async with Membership(node, run_id, ttl=10):
-        async with Averager(node, run_id, [tensor], group_size=GROUP_SIZE, min_group_size=2, codec=job.codec) as averager:
+        averager = Averager(node, run_id, [tensor], group_size=GROUP_SIZE, min_group_size=2, codec=job.codec)
+        async with averager:
             await wait_for_members(node, run_id, cfg.peers, 60.0)  # the grid's dimensions come from the member count
             await ctx.async_sync()
             start, sent, failed, history = time.monotonic(), 0, 0, []
-            result: dict = {"converged": False, "stalled": False}
+            result: dict = {}
             for round_index in range(10_000):
                 left = max(1.0, cfg.time_limit - (time.monotonic() - start))
                 report = await asyncio.wait_for(averager.step(weight=1.0, round_index=round_index), left)
@@ -177,15 +174,11 @@ async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int,
                 done_at, error = time.monotonic() - start, rel_error(tensor, mean)
                 everyone = await ctx.async_exchange((error, done_at, sent))  # every peer decides alike
                 history.append(max(e for e, _, _ in everyone))
-                result.update(rounds=round_index + 1, bytes=sent, error=error, failed_rounds=failed,
-                              seconds=max(t for _, t, _ in everyone), group=len(report.group))
-                if history[-1] <= cfg.target:
-                    result["converged"] = True
-                    break
-                if _stalled(history):
-                    result["stalled"] = True
-                    break
-                if everyone[0][1] > cfg.time_limit:
+                converged = history[-1] <= cfg.target
+                result.update(steps=round_index + 1, bytes=sent, error=error, failed=failed, trace=history,
+                              seconds=max(t for _, t, _ in everyone), total_s=done_at, converged=converged,
+                              stalled=not converged and _stalled(history))
+                if converged or result["stalled"] or everyone[0][1] > cfg.time_limit:  # rank 0's clock decides
                     break
             await ctx.async_sync()
             return result
@@ -196,32 +189,15 @@ def _stalled(history: list[float]) -> bool:
     return len(history) > STALL_ROUNDS and min(history[-STALL_ROUNDS:]) > 0.9 * min(history[:-STALL_ROUNDS])
 
 
-def averager_takes_privacy() -> bool:
-    from swarmgrad.averaging import Averager
-
-    return "privacy" in inspect.signature(Averager.__init__).parameters
-
-
 async def privacy_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int) -> dict:
     """Rank 0's step time in a 4-peer moshpit group, without and with privacy (ranks >= 4 only keep step)."""
-    from swarmgrad.averaging.privacy import Privacy, PrivateReleaser
+    from swarmgrad.averaging.privacy import Privacy
 
-    privacy = Privacy(clip_norm=1.0, noise_multiplier=1.0)
     tensor = peer_tensor(ctx.rank, cfg.numel)
     plain = await _timed_moshpit(ctx, cfg, node, f"consensus-{index}-plain", tensor, None)
-    if averager_takes_privacy():
-        private = await _timed_moshpit(ctx, cfg, node, f"consensus-{index}-private", tensor, privacy)
-        kind = "moshpit step with privacy / without (4 peers, rank 0)"
-    else:  # the Averager cannot apply privacy yet: time what it would add, one release per step
-        releaser, private = PrivateReleaser(privacy), []
-        for _ in range(PRIVACY_ROUNDS):
-            await ctx.async_sync()
-            if ctx.rank == 0:
-                started = time.perf_counter()
-                releaser.release([tensor])
-                private.append(time.perf_counter() - started)
-        kind = "PrivateReleaser.release (Averager takes no privacy yet) / plain 4-peer moshpit step"
-    return {"plain": plain[1:], "private": private[1:], "kind": kind}
+    privacy = Privacy(clip_norm=1.0, noise_multiplier=1.0)
+    private = await _timed_moshpit(ctx, cfg, node, f"consensus-{index}-private", tensor, privacy)
+    return {"plain": plain[1:], "private": private[1:], "kind": "moshpit step with / without privacy (4 peers, rank 0)"}
 
 
 async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: str, tensor: torch.Tensor,
@@ -234,10 +210,9 @@ async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: 
     seconds: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
         if active:
-            extra = {} if privacy is None else {"privacy": privacy}
             await stack.enter_async_context(Membership(node, run_id, ttl=10))
-            averager = await stack.enter_async_context(
-                Averager(node, run_id, [tensor], group_size=PRIVACY_PEERS, min_group_size=PRIVACY_PEERS, **extra))
+            group = dict(group_size=PRIVACY_PEERS, min_group_size=PRIVACY_PEERS)
+            averager = await stack.enter_async_context(Averager(node, run_id, [tensor], **group, privacy=privacy))
             await wait_for_members(node, run_id, PRIVACY_PEERS, 60.0)
         for round_index in range(PRIVACY_ROUNDS):
             await ctx.async_sync()
@@ -260,7 +235,7 @@ class Coordinator(threading.Thread):
     def __init__(self, progress: Any, stops: list[Any], peers: int, target: float):
         super().__init__(daemon=True, name="consensus-coordinator")
         self.progress, self.stops, self.peers, self.target = progress, stops, peers, target
-        self.latest: dict[int, dict[int, tuple]] = {}  # job -> rank -> (steps, error, elapsed, bytes)
+        self.latest: dict[int, dict[int, tuple]] = {}  # job -> rank -> PROGRESS_FIELDS
         self.converged: dict[int, dict[int, tuple]] = {}  # job -> the latest reports when all were within target
         self.best: dict[int, tuple[float, float]] = {}  # job -> (best max error, when)
         self.stalled: set[int] = set()
@@ -332,39 +307,28 @@ def run_peer_count(peers: int, jobs: list[Job], args: argparse.Namespace) -> lis
 
 
 def make_row(job: Job, peers: int, outcome: Any) -> Row:
+    """Gossip: counts at the coordinator's convergence snapshot; moshpit: at the converging round."""
     row = Row(job.method, job.codec, peers)
     if isinstance(outcome, str):
         row.error = outcome
         return row
     coordinator, index = outcome
     done = [coordinator.done[index][rank] for rank in range(peers)]
-    (gossip_row if job.method == "gossip" else moshpit_row)(row, done, coordinator, index)
+    if job.method == "gossip":
+        snapshot = coordinator.converged.get(index)
+        at = [dict(zip(PROGRESS_FIELDS, report)) for report in snapshot.values()] if snapshot else done
+        row.converged, stalled = snapshot is not None, index in coordinator.stalled
+    else:
+        at, row.converged, stalled, row.trace = done, done[0]["converged"], done[0]["stalled"], done[0]["trace"]
+    row.seconds = max(d["seconds"] for d in at) if row.converged else None
+    row.steps = statistics.mean(d["steps"] for d in at)
+    row.mb_per_peer = statistics.mean(d["bytes"] for d in at) / MB
+    row.max_error = max(d["error"] for d in done)
+    step_ms = 1000 * statistics.mean(d["total_s"] / max(1, d["steps"]) for d in done)
+    row.note = ("" if row.converged else "stalled, " if stalled else "time limit, ") + f"{step_ms:.0f} ms/step"
+    if job.method == "moshpit":
+        row.note += f"; {sum(d['failed'] for d in done)} of {row.steps * peers} peer-rounds not averaged (no group)"
     return row
-
-
-def gossip_row(row: Row, done: list[dict], coordinator: Coordinator, index: int) -> None:
-    snapshot = coordinator.converged.get(index)
-    reports = list(snapshot.values()) if snapshot else [(d["steps"], d["error"], d["seconds"], d["bytes"]) for d in done]
-    row.converged = snapshot is not None
-    row.seconds = max(elapsed for _, _, elapsed, _ in reports) if snapshot else None
-    row.steps = statistics.mean(steps for steps, _, _, _ in reports)
-    row.mb_per_peer = statistics.mean(sent for _, _, _, sent in reports) / MB
-    row.max_error = max(d["error"] for d in done)
-    step_ms = 1000 * statistics.mean(d["seconds"] / max(1, d["steps"]) for d in done)
-    why = "" if snapshot else ("stalled, " if index in coordinator.stalled else "time limit, ")
-    row.note = f"{why}{step_ms:.0f} ms/step; weighted mean"
-
-
-def moshpit_row(row: Row, done: list[dict], coordinator: Coordinator, index: int) -> None:
-    first = done[0]
-    row.converged = first["converged"]
-    row.seconds = first["seconds"] if row.converged else None
-    row.steps = first["rounds"]
-    row.mb_per_peer = statistics.mean(d["bytes"] for d in done) / MB
-    row.max_error = max(d["error"] for d in done)
-    why = "" if row.converged else ("stalled, " if first["stalled"] else "time limit, ")
-    row.note = f"{why}{1000 * first['seconds'] / first['rounds']:.0f} ms/round; unweighted mean; " \
-               f"failed peer-rounds {sum(d['failed_rounds'] for d in done)}"
 
 
 def privacy_summary(outcome: Any) -> dict:
@@ -379,12 +343,11 @@ def privacy_summary(outcome: Any) -> dict:
 # ---------------------------------------------------------------- output and main
 
 CAPTION = (
-    "seconds: from the moment all peers see the whole run until every peer is within target (gossip: "
-    "the peers' own clocks at their latest report; moshpit: end of the converging round, slowest peer). "
-    "steps: gossip = mean step() calls per peer; moshpit = lockstep rounds. MB sent/peer: sum of "
-    "report.bytes_sent until then, mean over peers (MB = 10^6 bytes). Targets: gossip, the weighted mean "
-    "(weights rank+1); moshpit, the UNWEIGHTED mean (every peer passes weight=1.0: moshpit does not carry "
-    "weights across rounds). Error counting after every step is included in the time."
+    "s to target: from when all peers see the whole run until every peer is within target (gossip: peers' clocks "
+    "at their latest reports; moshpit: end of the converging round, slowest peer), error checks included. steps: "
+    "gossip = mean step() calls per peer; moshpit = lockstep rounds. MB sent/peer: sum of report.bytes_sent until "
+    "then, mean over peers (MB = 10^6 bytes). Target: gossip, the weighted mean (weights rank+1); moshpit, the "
+    "UNWEIGHTED mean (every peer passes weight=1.0: moshpit does not carry weights across rounds)."
 )
 
 
@@ -397,7 +360,7 @@ def render(rows: list[Row], privacy: dict | None, args: argparse.Namespace, wall
                          overflow="fold", max_width=60 if header == "note" else None)
     for row in rows:
         table.add_row(row.method, row.codec, str(row.peers), fmt(row.seconds, 1), fmt(row.steps, 1),
-                      fmt(row.mb_per_peer, 1), "-" if row.max_error is None else f"{row.max_error:.1e}",
+                      fmt(row.mb_per_peer, 1), "-" if row.max_error is None else f"{row.max_error:.2e}",
                       verdict(row.converged, "yes", "NO"), f"[red]{row.error}[/red]" if row.error else row.note)
     if privacy:
         table.caption += " " + privacy_line(privacy)
@@ -425,10 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peers = [int(p) for p in args.peers.split(",") if p]
     args.codecs = [c for c in args.codecs.split(",") if c]
     args.methods = [m for m in args.methods.split(",") if m]
-    if any(p < max(2, PRIVACY_PEERS if not args.no_privacy else 2) for p in args.peers):
-        parser.error(f"every --peers must be >= {PRIVACY_PEERS} (or pass --no-privacy and >= 2)")
-    if not set(args.methods) <= {"gossip", "moshpit"}:
-        parser.error("--methods: choose from gossip, moshpit")
+    if any(p < PRIVACY_PEERS for p in args.peers) or not set(args.methods) <= {"gossip", "moshpit"}:
+        parser.error(f"need every --peers >= {PRIVACY_PEERS} and --methods among gossip, moshpit")
     return args
 
 
@@ -447,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 privacy = privacy_summary(outcome)
                 log(privacy_line(privacy))
                 continue
-            rows.append(make_row(job, peers, outcome))
-            row = rows[-1]
+            rows.append(row := make_row(job, peers, outcome))
             log(f"{peers} peers {job.method}/{job.codec}: {fmt(row.seconds, 1)} s, {fmt(row.steps, 1)} steps, "
                 f"{fmt(row.mb_per_peer, 1)} MB/peer, converged={row.converged} {row.error or row.note}")
     wall_s = time.monotonic() - started
@@ -459,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         console = Console() if sys.stdout.isatty() else Console(width=200)
         console.print(render(rows, privacy, args, wall_s))
-    return 1 if any(row.error or not row.converged for row in rows) else 0
+    # exit status: did every configuration run (not converging is a finding, shown in the table)
+    return 1 if any(row.error for row in rows) or (privacy or {}).get("error") else 0
 
 
 if __name__ == "__main__":

@@ -22,21 +22,19 @@ MARKER = torch.tensor([1234.5678, -8765.4321, 3.1415926, 2.7182818] * 2048)
 
 
 async def echo(channel):
-    """Echo frames back until the peer closes the channel."""
-    while True:
-        try:
-            frame = await channel.recv()
-        except EOFError:
-            return
-        await channel.send(frame.header, frame.payload)
+    """Echo one frame back (the exchange this test protocol defines)."""
+    frame = await channel.recv()
+    await channel.send(frame.header, frame.payload)
 
 
-async def two_nodes(stack: AsyncExitStack, **direct_options) -> tuple[DirectTransport, DirectTransport, SwarmNode]:
+async def two_nodes(
+    stack: AsyncExitStack, second_options: dict | None = None, **direct_options
+) -> tuple[DirectTransport, DirectTransport, SwarmNode]:
     first = await stack.enter_async_context(SwarmNode())
     second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
     transports = []
-    for node in (first, second):
-        transport = DirectTransport(Libp2pTransport(node.p2p), **direct_options)
+    for node, options in ((first, direct_options), (second, direct_options if second_options is None else second_options)):
+        transport = DirectTransport(Libp2pTransport(node.p2p), **options)
         await transport.start()
         stack.push_async_callback(transport.stop)
         await transport.serve(PROTOCOL, echo)
@@ -111,10 +109,38 @@ def test_trusted_network_sends_plaintext_only_when_both_sides_opt_in():
             await channel.close()
             assert payload[:64] in tap.seen
 
-            second.trusted_network = False  # now only the first side trusts the network
+        async with AsyncExitStack() as stack:  # only the opening side trusts the network: encrypted
+            first, _, second_node = await two_nodes(stack, second_options={}, trusted_network=True)
             channel = await first.open(second_node.peer_id, PROTOCOL)
             assert channel.transport_name == "direct"
             await channel.close()
+
+    run_async(scenario())
+
+
+def test_one_connection_per_peer_pair_is_reused_across_exchanges():
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first, second, second_node = await two_nodes(stack)
+            tap = WireTap(second.addresses[0])
+            second.addresses = [await tap.start()]
+            connections = 0
+            original = tap._relay
+
+            async def counting(reader, writer):
+                nonlocal connections
+                connections += 1
+                await original(reader, writer)
+
+            tap.server.close()
+            tap.server = await asyncio.start_server(counting, *second.addresses[0])
+            for n in range(5):
+                channel = await first.open(second_node.peer_id, PROTOCOL)
+                await channel.send({"t": "data", "n": n}, b"x" * 1000)
+                assert (await channel.recv()).header["n"] == n
+                await channel.close()
+            assert connections == 1
+            await tap.stop()
 
     run_async(scenario())
 

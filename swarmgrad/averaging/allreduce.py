@@ -207,7 +207,9 @@ class GroupAllReduce:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(channel.close() for channel in self._channels), return_exceptions=True)
+        failed = self._failure.done()  # abort so the others notice now; else end cleanly (keeps pooled links)
+        await asyncio.gather(*(channel.abort() if failed else channel.close() for channel in self._channels),
+                             return_exceptions=True)
 
     # ---- encoding helpers ---------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ from the libp2p stream that registered the token, never from the TCP connection.
 When B cannot be reached directly (nothing listening, a firewall, a NAT) A falls back to a libp2p
 stream and remembers that choice for ``remember_seconds``. Plaintext frames happen only when both
 sides opted in with ``trusted_network=True``.
+
+One connection per peer pair is reused across rounds: each exchange on it starts with an ``open``
+frame naming the protocol and ends with B's ``end`` frame; a connection that ended cleanly goes
+back to A's pool, one that did not is closed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ CONTROL_PROTOCOL = "swarmgrad/direct/1"
 TOKEN_BYTES = 32
 TOKEN_SECONDS = 10.0  # a token must be used this soon after it was issued
 CONTROL_SECONDS = 5.0
+POOL_IDLE_SECONDS = 60.0  # the opener reuses an idle connection this long...
+SERVER_IDLE_SECONDS = 2 * POOL_IDLE_SECONDS  # ...and the other side keeps it open longer, so reuse never races a close
+POOL_PER_PEER = 8
+END_WAIT_SECONDS = 5.0
 
 
 @dataclass
@@ -64,6 +72,8 @@ class DirectTransport(Transport):
         self._handlers: dict[str, ChannelHandler] = {}
         self._pending: dict[bytes, _PendingConnection] = {}
         self._libp2p_only_until: dict[str, float] = {}  # peers we could not reach directly, remembered
+        self._idle: dict[str, list[tuple[float, FastChannel]]] = {}  # per peer: (idle since, connection)
+        self._connections: set[FastChannel] = set()
         self._server: asyncio.Server | None = None
         self.addresses: list[tuple[str, int]] = []
 
@@ -78,6 +88,9 @@ class DirectTransport(Transport):
             logger.info("direct data plane on %s:%d (AES-256-GCM)", self.host, port)
 
     async def stop(self) -> None:
+        for channel in list(self._connections):
+            await channel.abort()
+        self._idle.clear()
         await self.libp2p.stop_serving(CONTROL_PROTOCOL)
         if self._server is not None:
             self._server.close()
@@ -97,8 +110,13 @@ class DirectTransport(Transport):
     async def open(self, peer_id: str, protocol: str) -> Channel:
         if self._libp2p_only_until.get(peer_id, 0.0) > time.monotonic():
             return await self.libp2p.open(peer_id, protocol)
+        while (channel := self._take_idle(peer_id)) is not None:
+            try:
+                return await self._lease(channel, protocol)
+            except Exception:  # went stale while idle: try the next one, or a fresh connection
+                await channel.abort()
         try:
-            return await self._open_direct(peer_id, protocol)
+            return await self._lease(await self._connect(peer_id, protocol), protocol)
         except FrameError:
             raise  # the peer answered but broke the protocol: not a reachability problem
         except Exception as error:
@@ -106,7 +124,43 @@ class DirectTransport(Transport):
             self._libp2p_only_until[peer_id] = time.monotonic() + self.remember_seconds
             return await self.libp2p.open(peer_id, protocol)
 
-    async def _open_direct(self, peer_id: str, protocol: str) -> Channel:
+    def _take_idle(self, peer_id: str) -> FastChannel | None:
+        pool = self._idle.get(peer_id, [])
+        while pool:
+            since, channel = pool.pop()
+            if channel.idle and time.monotonic() - since < POOL_IDLE_SECONDS:
+                return channel
+            self._forget(channel)
+        return None
+
+    async def _lease(self, channel: FastChannel, protocol: str) -> FastChannel:
+        channel.reset_counters()
+        channel.on_close = self._return_to_pool
+        await channel.send({"t": "open", "protocol": protocol})
+        return channel
+
+    async def _return_to_pool(self, channel: FastChannel) -> None:
+        """A clean end: the other side says ``end`` once its handler finished; then keep the link."""
+        try:
+            if channel.idle:
+                async with timeout(END_WAIT_SECONDS):
+                    header, _ = await channel.recv_header(max_payload=0)
+                pool = self._idle.setdefault(channel.peer_id, [])
+                if header["t"] == "end" and channel.idle and len(pool) < POOL_PER_PEER:
+                    pool.append((time.monotonic(), channel))
+                    return
+        except Exception:  # anything unexpected: this connection is not reused
+            pass
+        await channel.abort()
+        self._forget(channel)
+
+    def _forget(self, channel: FastChannel) -> None:
+        self._connections.discard(channel)
+        if not channel.aborted:
+            channel.aborted = True
+            channel._transport.close()
+
+    async def _connect(self, peer_id: str, protocol: str) -> FastChannel:
         key, token = secrets.token_bytes(KEY_BYTES), secrets.token_bytes(TOKEN_BYTES)
         control = await self.libp2p.open(peer_id, CONTROL_PROTOCOL)
         try:
@@ -133,9 +187,11 @@ class DirectTransport(Transport):
             writer.write(token)
             name = "direct-plain" if plain else "direct"
             if plain:
-                return FastChannel.take_over(peer_id, reader, writer, name)
-            channel = EncryptedChannel.take_over(peer_id, reader, writer, name)
-            channel.cipher = FrameCipher(key, sending=0)
+                channel = FastChannel.take_over(peer_id, reader, writer, name)
+            else:
+                channel = EncryptedChannel.take_over(peer_id, reader, writer, name)
+                channel.cipher = FrameCipher(key, sending=0)
+            self._connections.add(channel)
             return channel
         raise last_error
 
@@ -170,16 +226,45 @@ class DirectTransport(Transport):
             return
         name = "direct-plain" if pending.plain else "direct"
         if pending.plain:
-            channel: Channel = FastChannel.take_over(pending.peer_id, reader, writer, name)
+            channel = FastChannel.take_over(pending.peer_id, reader, writer, name)
         else:
             channel = EncryptedChannel.take_over(pending.peer_id, reader, writer, name)
             channel.cipher = FrameCipher(pending.key, sending=1)
+        self._connections.add(channel)
         try:
-            await self._handlers[pending.protocol](channel)
-        except FrameError as error:
-            logger.info("bad frame from %s on %s: %s", pending.peer_id, pending.protocol, error)
-            await channel.send_error(str(error))
-        except Exception as error:  # one peer's connection must never take the node down
-            logger.info("direct connection from %s failed: %s: %s", pending.peer_id, type(error).__name__, error)
+            await self._serve_connection(channel)
         finally:
-            await channel.close()
+            self._forget(channel)
+
+    async def _serve_connection(self, channel: FastChannel) -> None:
+        """Serve exchanges on one authenticated connection until it idles out or misbehaves."""
+
+        async def keep_open(_channel: FastChannel) -> None:
+            """Handlers close channels when done; the connection outlives them."""
+
+        channel.on_close = keep_open
+        while True:
+            try:
+                async with timeout(SERVER_IDLE_SECONDS):
+                    header, _ = await channel.recv_header(max_payload=0)
+            except Exception:  # idle too long, closed by the peer, or garbage: done with this link
+                return
+            protocol = header.get("protocol")
+            handler = self._handlers.get(protocol) if header["t"] == "open" and isinstance(protocol, str) else None
+            if handler is None:
+                await channel.send_error(f"expected an 'open' frame for a served protocol, got {header['t']!r}")
+                return
+            channel.reset_counters()
+            try:
+                await handler(channel)
+            except FrameError as error:
+                logger.info("bad frame from %s on %s: %s", channel.peer_id, protocol, error)
+                await channel.send_error(str(error))
+                return
+            except Exception as error:  # one peer's exchange must never take the node down
+                logger.info("direct exchange with %s on %s failed: %s: %s", channel.peer_id, protocol,
+                            type(error).__name__, error)
+                return
+            if not channel.idle:  # aborted, or stopped in the middle of a frame
+                return
+            await channel.send({"t": "end"})

@@ -13,6 +13,7 @@ TCP connection), carrying over whatever its StreamReader had already buffered.
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
 from swarmgrad.averaging.transport import Channel
 from swarmgrad.averaging.wire import (
@@ -150,6 +151,9 @@ class FastChannel(Channel):
         self.bytes_sent = self.bytes_received = 0
         self._pending_payload = 0  # length of a payload whose header was read but not the bytes
         self._stream_objects: tuple = ()
+        # set by a transport that pools connections: called by close() instead of closing
+        self.on_close: Callable[[FastChannel], Awaitable[None]] | None = None
+        self.aborted = False
 
     @classmethod
     def take_over(
@@ -197,6 +201,21 @@ class FastChannel(Channel):
         self._pending_payload = 0
         await self._protocol.read_into(target)
 
+    @property
+    def idle(self) -> bool:
+        """Between frames, not aborted, connection open: safe to hand to the next exchange."""
+        return not (self.aborted or self._pending_payload or self._protocol._closed or self._transport.is_closing())
+
+    def reset_counters(self) -> None:
+        self.bytes_sent = self.bytes_received = 0
+
     async def close(self) -> None:
+        if self.on_close is not None and not self.aborted:
+            await self.on_close(self)
+        else:
+            await self.abort()
+
+    async def abort(self) -> None:
+        self.aborted = True
         if not self._transport.is_closing():
             self._transport.close()

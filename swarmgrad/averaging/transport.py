@@ -61,7 +61,12 @@ class Channel(ABC):
         return Frame(header, bytes(payload) if length <= 4096 else payload)  # type: ignore[arg-type]
 
     @abstractmethod
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Done with the channel after a clean exchange (a pooled connection may be kept for reuse)."""
+
+    async def abort(self) -> None:
+        """Tear the channel down now, e.g. when a round failed: the peer notices at once."""
+        await self.close()
 
     async def send_error(self, message: str) -> None:
         """Tell the peer why we stop talking; best effort (it may be gone already)."""
