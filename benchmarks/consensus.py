@@ -1,7 +1,7 @@
 """Consensus on loopback: seconds and bytes per peer until every peer is within --target of the mean.
 
     python benchmarks/consensus.py [--json] [--peers 8,16] [--numel 1000000] [--codecs none,int8]
-                                   [--target 1e-3] [--time-limit 120]
+                                   [--target 1e-3] [--time-limit 120] [--methods gossip,moshpit] [--no-privacy]
 
 Every peer (a spawned process) holds one float32 tensor, torch.randn seeded by its rank, and the
 weight rank + 1; its error is ||x_i - mean|| / ||mean||, computed in every peer after every step.

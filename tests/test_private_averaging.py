@@ -90,3 +90,39 @@ def test_epsilon_travels_in_the_membership_record():
             assert member.to_json()["epsilon"] == "inf"
 
     run_async(scenario())
+
+
+def test_private_gossip_sends_only_clipped_noised_differences(monkeypatch):
+    from swarmgrad.averaging import GossipAverager
+    from swarmgrad.averaging.gossip import GossipAverager as Gossip
+
+    arrivals: list[torch.Tensor] = []
+    original = Gossip._receive
+
+    async def recording(self, channel):
+        await original(self, channel)
+        if self._pending:
+            arrivals.append(self._pending[-1].values.clone())
+
+    monkeypatch.setattr(Gossip, "_receive", recording)
+    privacy = Privacy(clip_norm=1.0, noise_multiplier=0.3)
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            for node in (first, second):
+                await stack.enter_async_context(Membership(node, RUN, ttl=5))
+            raw = [torch.full((10_000,), 5.0), torch.full((10_000,), -5.0)]
+            tensors = [raw[0].clone(), raw[1].clone()]
+            gossips = [await stack.enter_async_context(GossipAverager(node, RUN, [t], privacy=privacy))
+                       for node, t in zip([first, second], tensors)]
+            reports = await asyncio.gather(*(g.step() for g in gossips))
+            assert all(r.pushed_to for r in reports), reports
+            assert all(r.privacy["releases"] == 1 for r in reports)
+            assert torch.equal(tensors[0], raw[0]) and torch.equal(tensors[1], raw[1])  # never noised locally
+            assert len(arrivals) == 2
+            for values in arrivals:  # noise (std 0.3) around a clipped vector (norm <= 1): never +-5
+                assert abs(float(values.mean())) < 0.05 and 0.25 < float(values.std()) < 0.35
+
+    run_async(scenario())

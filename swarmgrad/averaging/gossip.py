@@ -20,6 +20,12 @@ the sender keeps exactly what it did not give away, x' = (w x - given x^) / (w -
 total sum of w x is conserved exactly and the compression error stays with the sender (error
 feedback by construction). A reference that went out of step (a lost acknowledgement) is refused
 explicitly and the edge starts over from zero.
+
+Privacy: with ``privacy`` set, what leaves is the difference to the edge's reference, clipped and
+noised (each push is one release). The sender's own tensors are never noised, so the sum of w x
+is then conserved in expectation rather than exactly. The first push on an edge releases the
+whole estimate clipped to clip_norm, so private gossip suits small models or large clip norms;
+DiLoCo with moshpit, which releases pseudo-gradients, is the better fit for private training.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.transport import Channel, Libp2pTransport, Transport
 from swarmgrad.averaging.direct import DirectTransport
+from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.wire import FrameError, RemoteError, field as frame_field, int_field
 from swarmgrad.dht.membership import check_run_id, list_members
 from swarmgrad.dht.node import SwarmNode
@@ -59,6 +66,8 @@ class GossipReport:
     merged: int = 0  # pushes merged into the local tensors
     pushed_to: list[str] = field(default_factory=list)  # peers that accepted our push
     failed: list[str] = field(default_factory=list)  # peers we could not push to (mass lost or returned)
+    privacy: dict | None = None  # epsilon spent so far etc., when privacy is on
+    error: str | None = None
     weight: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -111,6 +120,7 @@ class GossipAverager:
         max_pending: int = 16,
         direct: bool = True,
         trusted_network: bool = False,
+        privacy: Privacy | None = None,
         transport: Transport | None = None,
     ):
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
@@ -125,6 +135,7 @@ class GossipAverager:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.node, self.run_id = node, check_run_id(run_id)
+        self.releaser = PrivateReleaser(privacy) if privacy is not None else None
         self.tensors = [t for _, t in named]
         self.schema = Schema.of(named)
         self.weight, self.fanout = float(weight), fanout
@@ -167,10 +178,15 @@ class GossipAverager:
         self.step_index += 1
         self.schema.flatten_into(self.tensors, self._values)
         if neighbors and _all_finite(self._values):
-            outcomes = await asyncio.gather(*(self._push(peer, len(neighbors)) for peer in neighbors))
+            try:
+                outcomes = await asyncio.gather(*(self._push(peer, len(neighbors)) for peer in neighbors))
+            except BudgetExhausted as error:
+                report.error, outcomes = f"privacy budget exhausted, not pushing: {error}", []
             for peer, (accepted, sent) in zip(neighbors, outcomes):
                 (report.pushed_to if accepted else report.failed).append(peer)
                 report.bytes_sent += sent
+        if self.releaser is not None:
+            report.privacy = self.releaser.status()
         report.weight = self.weight
         report.bytes_received, self._received_bytes = self._received_bytes, 0
         report.seconds = time.monotonic() - started
@@ -200,11 +216,15 @@ class GossipAverager:
         given = self.weight / (neighbors + 1)
         version, reference = self._sent_refs.get(peer, (0, None))
         difference = self._values if reference is None else self._values - reference
+        if self.releaser is not None:  # what leaves is the clipped, noised difference (DESIGN invariant 6)
+            difference = self.releaser.release([difference])[0]
         frames = [encode_chunk(self.codec, difference[c.start : c.start + c.length].view(c.view))
                   for c in self.schema.chunks]
         arrives = self._decoded(frames, reference)  # exactly what the receiver will compute
         before = [t.detach().clone() for t in self.tensors]
-        self._give(given, arrives)  # give the mass away first: a push that may have arrived is never counted twice
+        # give the mass away first: a push that may have arrived is never counted twice. With privacy
+        # the local estimate keeps its own values (it is never noised); mass is conserved in expectation.
+        self._give(given, self._values if self.releaser is not None else arrives)
         channel = None
         try:
             async with timeout(self.push_timeout):

@@ -1,0 +1,90 @@
+"""Single-process training of a task: the reference the swarm is measured against, and a smoke test."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from swarmgrad.errors import ConfigError
+from swarmgrad.tasks.base import Task, endless_batches
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}
+
+
+def make_optimizer(params: Any, hparams: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer a task's ``default_hparams`` (or overrides of them) name."""
+    name = str(hparams.get("optimizer", "adam")).lower()
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    kwargs: dict[str, Any] = {"lr": float(hparams.get("lr", 1e-3)),
+                              "weight_decay": float(hparams.get("weight_decay", 0.0))}
+    if name == "sgd":
+        kwargs["momentum"] = float(hparams.get("momentum", 0.9))
+    return OPTIMIZERS[name](params, **kwargs)
+
+
+@dataclass
+class LocalRun:
+    """What ``train_locally`` saw: evaluations over time and when each target accuracy was first met."""
+
+    steps: int = 0
+    train_seconds: float = 0.0  # optimisation only; evaluations are not counted
+    history: list[dict[str, float]] = field(default_factory=list)
+    reached: dict[float, dict[str, float]] = field(default_factory=dict)  # target -> {step, train_seconds, wall}
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.history[-1] if self.history else {}
+
+
+def train_locally(task: Task, *, max_steps: int | None = None, max_seconds: float | None = None,
+                  eval_every: int = 200, targets: tuple[float, ...] = (), seed: int = 0,
+                  eval_batches: int | None = None, hparams: dict[str, Any] | None = None,
+                  on_eval: Callable[[dict[str, float]], None] | None = None) -> LocalRun:
+    """Train ``task``'s model on the whole training set in this process, evaluating every ``eval_every`` steps.
+
+    Stops at ``max_steps``, after ``max_seconds`` of training, or once every target accuracy is met.
+    """
+    if max_steps is None and max_seconds is None and not targets:
+        raise ConfigError("train_locally needs max_steps, max_seconds or targets to know when to stop")
+    settings = {**task.default_hparams, **(hparams or {})}
+    torch.manual_seed(seed)
+    model = task.make_model()
+    optimizer = make_optimizer(model.parameters(), settings)
+    stream = endless_batches(task.train_data(0, 1, seed), int(settings.get("batch_size", 64)), seed)
+    run, started = LocalRun(), time.perf_counter()
+
+    def evaluate() -> None:
+        metrics = {**task.evaluate(model, max_batches=eval_batches), "step": float(run.steps),
+                   "train_seconds": run.train_seconds, "wall_seconds": time.perf_counter() - started}
+        run.history.append(metrics)
+        for target in targets:
+            if target not in run.reached and metrics["accuracy"] >= target:
+                run.reached[target] = {key: metrics[key] for key in ("step", "train_seconds", "wall_seconds")}
+        if on_eval:
+            on_eval(metrics)
+
+    model.train()
+    while True:
+        done = ((max_steps is not None and run.steps >= max_steps)
+                or (max_seconds is not None and run.train_seconds >= max_seconds)
+                or (targets and len(run.reached) == len(targets)))
+        if done:
+            break
+        tick = time.perf_counter()
+        for _ in range(eval_every if max_steps is None else min(eval_every, max_steps - run.steps)):
+            inputs, labels = next(stream)
+            optimizer.zero_grad(set_to_none=True)
+            task.loss_fn(model(inputs), labels).backward()
+            optimizer.step()
+            run.steps += 1
+        run.train_seconds += time.perf_counter() - tick
+        evaluate()
+    return run
