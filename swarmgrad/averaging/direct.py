@@ -28,6 +28,7 @@ from swarmgrad.averaging.framestream import FastChannel
 from swarmgrad.averaging.secure import KEY_BYTES, EncryptedChannel, FrameCipher
 from swarmgrad.averaging.transport import Channel, ChannelHandler, Libp2pTransport, Transport
 from swarmgrad.averaging.wire import FrameError, expect_kind, field
+from swarmgrad.dht.node import SwarmNode
 from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
@@ -268,3 +269,25 @@ class DirectTransport(Transport):
             if not channel.idle:  # aborted, or stopped in the middle of a frame
                 return
             await channel.send({"t": "end"})
+
+
+def default_transport(node: SwarmNode, direct: bool = True, trusted_network: bool = False) -> Transport:
+    """What averaging uses unless told otherwise: direct TCP where reachable, over libp2p otherwise."""
+    libp2p = Libp2pTransport(node.p2p)
+    if not direct:
+        return libp2p
+    return DirectTransport(libp2p, host=node.config.host, advertise_hosts=_data_hosts(node),
+                           trusted_network=trusted_network)
+
+
+def _data_hosts(node: SwarmNode) -> list[str]:
+    """Hosts to offer direct connections on: the node's own listen host, or, when it listens on
+    every interface, the addresses it announces on libp2p (announced ones first)."""
+    if node.config.host not in ("0.0.0.0", "::"):
+        return [node.config.host]
+    hosts: list[str] = []
+    for address in [*node.config.announce_maddrs, *node.maddrs]:
+        parts = address.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in hosts and parts[2] not in ("0.0.0.0", "::"):
+            hosts.append(parts[2])
+    return hosts or ["127.0.0.1"]

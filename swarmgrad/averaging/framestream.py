@@ -196,10 +196,13 @@ class FastChannel(Channel):
         return header, payload_length
 
     async def recv_payload_into(self, target: memoryview) -> None:
+        self._claim_payload(target)
+        await self._protocol.read_into(target)
+
+    def _claim_payload(self, target: memoryview) -> None:
         if len(target) != self._pending_payload:
             raise FrameError(f"payload is {self._pending_payload} bytes, not {len(target)}")
         self._pending_payload = 0
-        await self._protocol.read_into(target)
 
     @property
     def idle(self) -> bool:

@@ -43,8 +43,8 @@ from swarmgrad.averaging.allreduce import _all_finite
 from swarmgrad.averaging.codecs import get_codec
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
-from swarmgrad.averaging.transport import Channel, Libp2pTransport, Transport
-from swarmgrad.averaging.direct import DirectTransport
+from swarmgrad.averaging.transport import Channel, Transport
+from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.wire import FrameError, RemoteError, field as frame_field, int_field
 from swarmgrad.dht.membership import check_run_id, list_members
@@ -153,11 +153,7 @@ class GossipAverager:
         self.max_payload = max(self.codec.encoded_nbytes(chunk.view) for chunk in self.schema.chunks)
 
     async def __aenter__(self) -> GossipAverager:
-        if self.transport is None:
-            self.transport = Libp2pTransport(self.node.p2p)
-            if self.direct:
-                self.transport = DirectTransport(self.transport, host=self.node.config.host,
-                                                 trusted_network=self.trusted_network)
+        self.transport = self.transport or default_transport(self.node, self.direct, self.trusted_network)
         await self.transport.start()
         await self.transport.serve(self.protocol, self._receive)
         return self

@@ -24,11 +24,11 @@ import torch
 
 from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan, _all_finite
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
-from swarmgrad.averaging.direct import DirectTransport
+from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.matchmaking import Matchmaker
-from swarmgrad.averaging.transport import Channel, Libp2pTransport, Transport
+from swarmgrad.averaging.transport import Channel, Transport
 from swarmgrad.averaging.wire import expect_kind, field as frame_field
 from swarmgrad.dht.membership import check_run_id, list_members
 from swarmgrad.dht.node import SwarmNode
@@ -70,19 +70,6 @@ class RoundTimer:
 
     def observe(self, seconds: float) -> None:
         self.estimate = seconds if self.estimate is None else 0.7 * self.estimate + 0.3 * seconds
-
-
-def _data_hosts(node: SwarmNode) -> list[str]:
-    """Hosts to offer direct connections on: the node's own listen host, or, when it listens on
-    every interface, the addresses it announces on libp2p (announced ones first)."""
-    if node.config.host not in ("0.0.0.0", "::"):
-        return [node.config.host]
-    hosts: list[str] = []
-    for address in [*node.config.announce_maddrs, *node.maddrs]:
-        parts = address.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in hosts and parts[2] not in ("0.0.0.0", "::"):
-            hosts.append(parts[2])
-    return hosts or ["127.0.0.1"]
 
 
 def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -161,13 +148,7 @@ class Averager:
     async def __aenter__(self) -> Averager:
         if self.node.p2p is None:
             raise RuntimeError("start the SwarmNode before the Averager")
-        if self.transport is None:
-            self.transport = Libp2pTransport(self.node.p2p)
-            if self.direct:
-                self.transport = DirectTransport(
-                    self.transport, host=self.node.config.host, advertise_hosts=_data_hosts(self.node),
-                    trusted_network=self.trusted_network,
-                )
+        self.transport = self.transport or default_transport(self.node, self.direct, self.trusted_network)
         await self.transport.start()
         self.matchmaker = Matchmaker(
             self.node, self.transport, self._match_protocol, schema_digest=self.schema.digest, codec=self.codec.spec

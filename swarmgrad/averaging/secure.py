@@ -101,9 +101,7 @@ class EncryptedChannel(FastChannel):
         return header, payload_length
 
     async def recv_payload_into(self, target: memoryview) -> None:
-        if len(target) != self._pending_payload:
-            raise FrameError(f"payload is {self._pending_payload} bytes, not {len(target)}")
-        self._pending_payload = 0
+        self._claim_payload(target)
         if not len(target):
             return
         if len(self._scratch) < len(target) + TAG_BYTES:
