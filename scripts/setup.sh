@@ -19,4 +19,16 @@ fi
 echo "setup: installing torch, hivemind and swarmgrad into .venv" >&2
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements-pins.txt
 .venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev]"
+
+# Real Fashion-MNIST, offline, from Debian (the fashion-mnist task reads it from here).
+if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "setup: installing Debian's dataset-fashion-mnist" >&2
+        apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null; }
+    else
+        echo "setup: warning: Fashion-MNIST is missing; run 'sudo apt-get install dataset-fashion-mnist'" \
+             "or pass --data-dir to the fashion-mnist task" >&2
+    fi
+fi
 echo "setup: done ($(.venv/bin/swarmgrad --version))" >&2

@@ -44,8 +44,8 @@ def read_idx_bytes(path: Path) -> bytes:
         ) from error
 
 
-def parse_idx(data: bytes, source: str = "<bytes>", expect_ndim: int | None = None) -> np.ndarray:
-    """Parse IDX bytes into a read-only numpy array of native byte order."""
+def parse_idx(data: bytes | bytearray, source: str = "<bytes>", expect_ndim: int | None = None) -> np.ndarray:
+    """Parse IDX bytes into a numpy array of native byte order."""
     if len(data) < 4:
         raise ConfigError(f"IDX file {source} is truncated: {len(data)} bytes, not even a header")
     zero, type_code, ndim = struct.unpack(">HBB", data[:4])
@@ -68,7 +68,9 @@ def parse_idx(data: bytes, source: str = "<bytes>", expect_ndim: int | None = No
             f"IDX file {source} is {state}: header declares shape {tuple(dims)} ({expected} bytes of data), "
             f"found {actual}"
         )
-    array = np.frombuffer(data, dtype=dtype, offset=header_size).reshape(dims)
+    # A bytearray keeps the array writable, so torch.from_numpy can share it without a warning.
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    array = np.frombuffer(buffer, dtype=dtype, offset=header_size).reshape(dims)
     return array.astype(dtype.newbyteorder("="), copy=False)
 
 
