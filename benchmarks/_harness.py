@@ -353,7 +353,6 @@ async def _tcp_aes_rounds(ctx: PeerContext, cfg: TrafficConfig) -> dict:
 
     class SealedInflow(Inflow):
         async def consume(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            sealed = bytearray(self.chunk_bytes + 16)
             plain = bytearray(self.chunk_bytes)
             while True:
                 try:

@@ -341,7 +341,7 @@ CAPTION = (
     "bw / raw = effective MB/s / the aggregate of the matching raw reference (libp2p: raw-p2pd, direct: "
     "raw-tcp-aes, direct-plain: raw-tcp), timed on the whole round (matchmaking included) and on the all-reduce "
     "phase alone (swarmgrad's report.allreduce_seconds; the raw rows have no matchmaking). Targets, per transport "
-    f"(hivemind/swarmgrad time; bw / raw): " + "; ".join(
+    "(hivemind/swarmgrad time; bw / raw): " + "; ".join(
         f"{t}: >= {TIME_RATIO_TARGETS[t]}, >= {BANDWIDTH_TARGETS[t]}" for t in TRANSPORTS) + "."
 )
 

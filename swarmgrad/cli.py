@@ -6,10 +6,8 @@ printed as one ``error: ...`` line with a non-zero exit code, never as a traceba
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import sys
 from pathlib import Path
 from typing import Any, Coroutine, List, Optional
 

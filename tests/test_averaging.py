@@ -1,7 +1,6 @@
 """The averaging engine on a real swarm: p2pd daemons, DHT matchmaking, streamed all-reduce."""
 
 import asyncio
-import json
 import subprocess
 import sys
 import time

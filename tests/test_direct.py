@@ -2,7 +2,6 @@
 
 import asyncio
 import socket
-import struct
 from contextlib import AsyncExitStack
 
 import pytest

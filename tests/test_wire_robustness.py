@@ -2,7 +2,6 @@
 
 import asyncio
 import math
-import struct
 from contextlib import AsyncExitStack
 
 import msgpack

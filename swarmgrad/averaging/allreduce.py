@@ -23,7 +23,7 @@ from typing import Any, Awaitable
 
 import torch
 
-from swarmgrad.averaging.codecs import Codec, CodecError, ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs import Codec, ErrorFeedback, get_codec
 from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
 from swarmgrad.averaging.transport import Channel, Transport
