@@ -98,8 +98,12 @@ class Matchmaker:
         try:
             record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec)
             expires = ready_at + 2 * window + CONTROL_REPLY_SECONDS
-            await self.node.store(key, record, expires=expires, all_replicas=False)
-            peers = await self._wait_for_peers(key, looking, ready_at, group_size, poll=min(0.02, window / 4))
+            # read while our own declaration is still being stored: others are declaring at the same moment
+            declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
+            try:
+                peers = await self._wait_for_peers(key, looking, ready_at, group_size, poll=min(0.01, window / 4))
+            finally:
+                await declared
             if not looking.committed:
                 group = self._my_group(key, peers, group_size)
                 if group and group[0] == me:
