@@ -21,6 +21,8 @@ total sum of w x is conserved exactly and the compression error stays with the s
 feedback by construction). A reference that went out of step (a lost acknowledgement) is refused
 explicitly and the edge starts over from zero.
 
+Sparse codecs (topk) run one push-sum per coordinate instead (``sparse_gossip.py``).
+
 Privacy: with ``privacy`` set, what leaves is the difference to the edge's reference, clipped and
 noised (each push is one release). The sender's own tensors are never noised, so the sum of w x
 is then conserved in expectation rather than exactly. The first push on an edge releases the
@@ -46,6 +48,7 @@ from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.transport import Channel, Transport
 from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
+from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
 from swarmgrad.averaging.wire import FrameError, RemoteError, field as frame_field, int_field
 from swarmgrad.dht.membership import check_run_id, list_members
 from swarmgrad.dht.node import SwarmNode
@@ -76,8 +79,9 @@ class GossipReport:
 
 @dataclass
 class _Push:
-    weight: float
-    values: torch.Tensor  # decoded estimate of the sender, flat float32
+    weight: float | torch.Tensor  # a scalar, or per-coordinate weights of a sparse push
+    values: torch.Tensor  # decoded estimate of the sender, flat float32 (or the pushed coordinates only)
+    indices: torch.Tensor | None = None  # sparse pushes: which coordinates
 
 
 def exponential_neighbors(members: list[str], me: str, step: int, fanout: int) -> list[str]:
@@ -151,6 +155,10 @@ class GossipAverager:
         self._sent_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per receiver: version, last x^ sent
         self._received_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per sender: version, last x^ received
         self.max_payload = max(self.codec.encoded_nbytes(chunk.view) for chunk in self.schema.chunks)
+        # topk: one push-sum per coordinate, see sparse_gossip.py
+        self.sparse = SparseMass(self.schema.total, weight, self.codec.fraction) if self.codec.name == "topk" else None
+        if self.sparse is not None and privacy is not None:
+            raise ConfigError("private gossip needs a dense codec (none, fp16, bf16, int8); topk is not supported")
 
     async def __aenter__(self) -> GossipAverager:
         self.transport = self.transport or default_transport(self.node, self.direct, self.trusted_network)
@@ -193,6 +201,12 @@ class GossipAverager:
         if not pending:
             return 0
         self.schema.flatten_into(self.tensors, self._values)
+        if self.sparse is not None:
+            for push in pending:
+                self.sparse.merge(self._values, push.indices, push.values, push.weight)
+            self.weight = self.sparse.mean_weight
+            self.schema.unflatten_into(self._values, self.tensors)
+            return len(pending)
         total = self._values.mul_(self.weight)
         for push in pending:
             total.add_(push.values, alpha=push.weight)
@@ -209,6 +223,8 @@ class GossipAverager:
     async def _push(self, peer: str, neighbors: int) -> tuple[bool, int]:
         """Give ``weight / (neighbors + 1)`` away to ``peer``; True if it took it."""
         assert self.transport is not None
+        if self.sparse is not None:
+            return await self._push_sparse(peer, neighbors)
         given = self.weight / (neighbors + 1)
         version, reference = self._sent_refs.get(peer, (0, None))
         difference = self._values if reference is None else self._values - reference
@@ -246,6 +262,33 @@ class GossipAverager:
             if channel is not None:
                 await channel.close()
 
+    async def _push_sparse(self, peer: str, neighbors: int) -> tuple[bool, int]:
+        assert self.transport is not None and self.sparse is not None
+        indices = self.sparse.select(self._values)
+        given = self.sparse.give(self._values, indices, 1.0 / (neighbors + 1))  # before sending, as dense pushes
+        self.weight = self.sparse.mean_weight
+        payload = pack(indices, self._values[indices], given)
+        channel = None
+        try:
+            async with timeout(self.push_timeout):
+                channel = await self.transport.open(peer, self.protocol)
+                await channel.send({"t": "push", "sparse": len(indices)}, payload)
+                reply = await channel.recv(max_payload=0)
+            if reply.kind != "ack":
+                raise RemoteError(f"unexpected reply {reply.kind!r}")
+            return True, channel.bytes_sent
+        except RemoteError as error:  # refused before merging: the mass comes back
+            logger.info("sparse push to %s refused: %s", peer, error)
+            self.sparse.take_back(indices, given)
+            self.weight = self.sparse.mean_weight
+            return False, channel.bytes_sent if channel else 0
+        except Exception as error:  # may or may not have arrived: lost, never doubled
+            logger.info("sparse push to %s failed (%s: %s); its share is lost", peer, type(error).__name__, error)
+            return False, channel.bytes_sent if channel else 0
+        finally:
+            if channel is not None:
+                await channel.close()
+
     def _decoded(self, frames: list[tuple[dict, bytes | memoryview]], reference: torch.Tensor | None) -> torch.Tensor:
         """reference + decode(frames): what the receiver of these frames ends up with."""
         if not self.codec.lossy and reference is None:
@@ -271,12 +314,29 @@ class GossipAverager:
 
     # ---- receiving ----------------------------------------------------------------------------
 
+    async def _receive_sparse(self, channel: Channel, header: dict, length: int) -> None:
+        count = int_field(header, "sparse", 1, self.schema.total)
+        payload = memoryview(bytearray(length))
+        await channel.recv_payload_into(payload)
+        indices, values, weights = unpack(payload, count, self.schema.total)
+        if len(self._pending) >= self.max_pending:
+            await channel.send_error("busy: too many pushes waiting to be merged; try another peer")
+            return
+        self._pending.append(_Push(weights, values, indices))
+        self._received_bytes += channel.bytes_received
+        await channel.send({"t": "ack"})
+
     async def _receive(self, channel: Channel) -> None:
         """Validate a whole push into a private buffer, queue it, acknowledge. State is untouched."""
         async with timeout(self.push_timeout):
-            header, _ = await channel.recv_header(max_payload=0)
+            header, length = await channel.recv_header(max_payload=BYTES_PER_ENTRY * self.schema.total)
             if header["t"] != "push":
                 raise FrameError(f"expected a 'push' frame, got {header['t']!r}")
+            if self.sparse is not None:
+                await self._receive_sparse(channel, header, length)
+                return
+            if length:
+                raise FrameError("a dense push header carries no payload")
             weight = frame_field(header, "weight", float)
             if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
                 raise FrameError(f"push weight {weight} is not finite and positive")
