@@ -138,7 +138,7 @@ async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, 
     from swarmgrad.averaging import GossipAverager
     from swarmgrad.dht import Membership
 
-    run_id, tensor, stop = f"consensus-{index}-gossip-{job.codec}", peer_tensor(ctx.rank, cfg.numel), cfg.stops[index]
+    run_id, tensor, stop = f"consensus-{index}-gossip-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel), cfg.stops[index]
     async with Membership(node, run_id, ttl=10):
         async with GossipAverager(node, run_id, [tensor], weight=ctx.rank + 1.0, codec=job.codec) as gossip:
             await wait_for_members(node, run_id, cfg.peers, 60.0)
@@ -159,7 +159,7 @@ async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int,
     from swarmgrad.averaging import Averager
     from swarmgrad.dht import Membership
 
-    run_id, tensor = f"consensus-{index}-moshpit-{job.codec}", peer_tensor(ctx.rank, cfg.numel)
+    run_id, tensor = f"consensus-{index}-moshpit-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel)
     async with Membership(node, run_id, ttl=10):
         averager = Averager(node, run_id, [tensor], group_size=GROUP_SIZE, min_group_size=2, codec=job.codec)
         async with averager:
