@@ -238,7 +238,7 @@ def test_averaging_reports_the_transport_of_each_peer():
             tensors = [[torch.full((70_000,), float(i))] for i in range(3)]
             options = [dict(direct=True), dict(direct=True, trusted_network=True), dict(direct=False)]
             averagers = [await stack.enter_async_context(
-                Averager(node, "direct-run", ts, group_size=3, grid_dims=1, matchmaking_seconds=0.3, **option))
+                Averager(node, "direct-run", ts, group_size=3, grid_dims=1, matchmaking_seconds=1.0, **option))
                 for node, ts, option in zip(nodes, tensors, options)]
             reports = await asyncio.gather(*(a.step() for a in averagers))
             assert all(r.ok for r in reports), [r.error for r in reports]

@@ -34,7 +34,7 @@ def test_receiver_never_sees_the_raw_update(monkeypatch):
             raw = [torch.full((600_000,), 3.0), torch.full((600_000,), -2.0)]
             tensors = [[raw[0].clone()], [raw[1].clone()]]
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=0.3, privacy=privacy))
+                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=1.0, privacy=privacy))
                 for node, ts in zip([first, second], tensors)]
             reports = await asyncio.gather(*(a.step() for a in averagers))
             assert all(r.ok for r in reports), [r.error for r in reports]
@@ -60,7 +60,7 @@ def test_budget_stop_keeps_tensors_and_reports_why():
             second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
             tensors = [[torch.randn(1000)], [torch.randn(1000)]]
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=0.2, privacy=privacy))
+                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=1.0, privacy=privacy))
                 for node, ts in zip([first, second], tensors)]
             for _ in range(20):
                 before = [ts[0].clone() for ts in tensors]

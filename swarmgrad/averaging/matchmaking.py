@@ -101,7 +101,9 @@ class Matchmaker:
             # read while our own declaration is still being stored: others are declaring at the same moment
             declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
-                peers = await self._wait_for_peers(key, looking, ready_at, group_size, poll=min(0.01, window / 4))
+                peers = await self._wait_for_peers(
+                    key, looking, ready_at, group_size, min_group_size, grace=window, poll=min(0.01, window / 4)
+                )
             finally:
                 await declared
             if not looking.committed:
@@ -120,17 +122,22 @@ class Matchmaker:
                 looking.plan.cancel()
 
     async def _wait_for_peers(
-        self, key: str, looking: _Looking, ready_at: float, group_size: int, poll: float
+        self, key: str, looking: _Looking, ready_at: float, group_size: int, min_group_size: int,
+        grace: float, poll: float,
     ) -> list[str]:
         """Peers declared under ``key``, read until the window ends or a full group is there
-        (no need to wait out the window then), or until an invitation commits us."""
+        (no need to wait out the window then), or until an invitation commits us. If too few
+        for a group have shown up when the window ends, read on for up to ``grace`` more: on a
+        loaded machine a declaration can take longer than the window to become readable."""
         while True:
             peers = await self._declared(key)
-            remaining = ready_at - time.time()
-            if len(peers) >= group_size or remaining <= 0 or looking.committed:
+            now = time.time()
+            if looking.committed or len(peers) >= group_size:
+                return peers
+            if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):
                 return peers
             try:
-                await asyncio.wait_for(asyncio.shield(looking.plan), timeout=min(poll, remaining))
+                await asyncio.wait_for(asyncio.shield(looking.plan), timeout=poll)
             except asyncio.TimeoutError:
                 pass
 
