@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_async
+
 from swarmgrad.averaging import Averager
 from swarmgrad.dht import NodeConfig, SwarmNode
 

@@ -6,8 +6,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
-
 from conftest import run_async
+
 from swarmgrad.averaging import Averager
 from swarmgrad.averaging.direct import TOKEN_BYTES, DirectTransport
 from swarmgrad.averaging.secure import FrameCipher

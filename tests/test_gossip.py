@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import eventually, run_async
 from hivemind.p2p import PeerID
 
-from conftest import eventually, run_async
 from swarmgrad.averaging import GossipAverager
 from swarmgrad.averaging.framestream import FastChannel
 from swarmgrad.averaging.gossip import exponential_neighbors

@@ -5,11 +5,11 @@ import time
 from contextlib import AsyncExitStack
 
 import msgpack
+from conftest import eventually, p2pd_pids, run_async
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P, PeerID
 
-from conftest import eventually, p2pd_pids, run_async
 from swarmgrad.dht import Identity, Membership, NodeConfig, SwarmNode, SyncNode, list_members
 from swarmgrad.dht.membership import MemberRecord, members_key
 from swarmgrad.dht.records import seal

@@ -4,8 +4,8 @@ import asyncio
 from contextlib import AsyncExitStack
 
 import torch
-
 from conftest import run_async
+
 from swarmgrad.averaging import Averager
 from swarmgrad.averaging.allreduce import GroupAllReduce
 from swarmgrad.averaging.privacy import Privacy

@@ -7,9 +7,9 @@ from contextlib import AsyncExitStack
 import msgpack
 import pytest
 import torch
+from conftest import run_async
 from hivemind.p2p import P2P, PeerID
 
-from conftest import run_async
 from swarmgrad.averaging import Averager, GroupAllReduce, GroupPlan, get_codec
 from swarmgrad.averaging.frames import encoded_to_frame
 from swarmgrad.averaging.layout import Schema

@@ -24,10 +24,12 @@ from typing import Any, Awaitable
 import torch
 
 from swarmgrad.averaging.codecs import Codec, ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
 from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import Frame, FrameError, field as frame_field, int_field
+from swarmgrad.averaging.wire import Frame, FrameError, int_field
+from swarmgrad.averaging.wire import field as frame_field
 from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
@@ -253,7 +255,7 @@ class GroupAllReduce:
                 if self.gather_codec.name == "none":  # straight from the socket into the result
                     check_raw_header(header, length, chunk.view)
                     await channel.recv_payload_into(memoryview(target.numpy()).cast("B"))
-                    if not _all_finite(target):
+                    if not all_finite(target):
                         raise FrameError(f"chunk {chunk.index} holds NaN or Inf")
                 else:
                     payload = memoryview(bytearray(length))
@@ -341,10 +343,3 @@ def _expect(header: dict, kind: str) -> dict:
         raise FrameError(f"expected a {kind!r} frame, got {header['t']!r}")
     return header
 
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """One reduction, no temporary: min and max are finite only if every element is."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return math.isfinite(low.item()) and math.isfinite(high.item())

@@ -41,15 +41,16 @@ from typing import Iterable, Mapping
 
 import torch
 
-from swarmgrad.averaging.allreduce import _all_finite
 from swarmgrad.averaging.codecs import get_codec
+from swarmgrad.averaging.codecs.base import all_finite
+from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
-from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
-from swarmgrad.averaging.wire import FrameError, RemoteError, field as frame_field, int_field
+from swarmgrad.averaging.transport import Channel, Transport
+from swarmgrad.averaging.wire import FrameError, RemoteError, int_field
+from swarmgrad.averaging.wire import field as frame_field
 from swarmgrad.dht.membership import check_run_id, list_members
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.errors import ConfigError
@@ -181,7 +182,7 @@ class GossipAverager:
         neighbors = exponential_neighbors(await self._live_members(), self.node.peer_id, self.step_index, self.fanout)
         self.step_index += 1
         self.schema.flatten_into(self.tensors, self._values)
-        if neighbors and _all_finite(self._values):
+        if neighbors and all_finite(self._values):
             try:
                 outcomes = await asyncio.gather(*(self._push(peer, len(neighbors)) for peer in neighbors))
             except BudgetExhausted as error:
@@ -362,7 +363,7 @@ class GossipAverager:
                 values[expected.start : expected.start + expected.length] = decoded
             if base is not None:
                 values.add_(base)
-            if not _all_finite(values):
+            if not all_finite(values):
                 raise FrameError("push holds NaN or Inf once decoded")
             if len(self._pending) >= self.max_pending:
                 await channel.send_error("busy: too many pushes waiting to be merged; try another peer")

@@ -22,14 +22,16 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan, _all_finite
+from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.direct import default_transport
-from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.matchmaking import Matchmaker
+from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import expect_kind, field as frame_field
+from swarmgrad.averaging.wire import expect_kind
+from swarmgrad.averaging.wire import field as frame_field
 from swarmgrad.dht.membership import check_run_id, list_members
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.errors import ConfigError
@@ -215,7 +217,7 @@ class Averager:
                 report.privacy = self.releaser.status()
         if self._buffer.data_ptr() != tensors[0].data_ptr():  # several tensors, or a release: gather them
             self.schema.flatten_into(tensors, self._buffer)
-        if not _all_finite(self._buffer):
+        if not all_finite(self._buffer):
             report.error = "local tensors hold NaN or Inf; not sending them"
             return False
         return True

@@ -18,10 +18,10 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from swarmgrad.version import __version__
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.errors import ConfigError
+from swarmgrad.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -120,12 +120,16 @@ def meta_int(meta: Mapping[str, int | float], key: str, low: int, high: int) -> 
     return int(value)
 
 
-def check_finite(tensor: torch.Tensor, what: str) -> None:
+def all_finite(tensor: torch.Tensor) -> bool:
     """One reduction pass with no temporary: min/max are NaN or +-inf iff some element is."""
     if tensor.numel() == 0:
-        return
+        return True
     low, high = torch.aminmax(tensor)
-    if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+    return math.isfinite(low.item()) and math.isfinite(high.item())
+
+
+def check_finite(tensor: torch.Tensor, what: str) -> None:
+    if not all_finite(tensor):
         raise CodecError(f"{what} has NaN or Inf values")
 
 
