@@ -212,3 +212,19 @@ def test_bad_pushes_are_refused_without_touching_state():
             assert torch.equal(tensors[0], before)  # nothing merged; a lossless push keeps the values
 
     run_async(scenario())
+
+
+def test_lossy_pushes_to_several_neighbours_conserve_mass():
+    """With fanout 2 the second push of a step must start from what the first one left."""
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            _, tensors, weights, _, gossips = await gossip_swarm(stack, 6, codec="int8", fanout=2)
+            before = sum(w * t for w, t in zip(weights, tensors))
+            for _ in range(10):
+                await asyncio.gather(*(g.step() for g in gossips))
+            after = sum(g.weight * t for g, t in zip(gossips, tensors)) + sum(
+                p.weight * p.values for g in gossips for p in g._pending)
+            assert float((after - before).norm() / before.norm()) < 1e-5
+
+    run_async(scenario())

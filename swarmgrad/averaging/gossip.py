@@ -234,10 +234,9 @@ class GossipAverager:
         frames = [encode_chunk(self.codec, difference[c.start : c.start + c.length].view(c.view))
                   for c in self.schema.chunks]
         arrives = self._decoded(frames, reference)  # exactly what the receiver will compute
-        before = [t.detach().clone() for t in self.tensors]
         # give the mass away first: a push that may have arrived is never counted twice. With privacy
         # the local estimate keeps its own values (it is never noised); mass is conserved in expectation.
-        self._give(given, self._values if self.releaser is not None else arrives)
+        before = self._give(given, self._values if self.releaser is not None else arrives)
         channel = None
         try:
             async with timeout(self.push_timeout):
@@ -299,19 +298,25 @@ class GossipAverager:
             decoded[chunk.start : chunk.start + chunk.length] = decode_chunk(self.codec, header, payload, chunk.view)
         return decoded if reference is None else decoded.add_(reference)
 
-    def _give(self, given: float, arrives: torch.Tensor) -> None:
-        """Keep exactly what was not given away: w x - given x^ = (w - given) x'."""
-        kept = self.weight - given
-        if not torch.equal(arrives, self._values):
-            kept_values = self._values.mul(self.weight).sub_(arrives, alpha=given).div_(kept)
-            self.schema.unflatten_into(kept_values, self.tensors)
-        self.weight = kept
+    def _give(self, given: float, arrives: torch.Tensor) -> torch.Tensor | None:
+        """Keep exactly what was not given away: w x - given x^ = (w - given) x'.
 
-    def _take_back(self, given: float, before: list[torch.Tensor]) -> None:
+        ``self._values`` follows, so a second push of the same step starts from what is left.
+        Returns the values before, when they changed (for ``_take_back``); None when they did not.
+        """
+        kept, before = self.weight - given, None
+        if not torch.equal(arrives, self._values):
+            before = self._values
+            self._values = self._values.mul(self.weight).sub_(arrives, alpha=given).div_(kept)
+            self.schema.unflatten_into(self._values, self.tensors)
+        self.weight = kept
+        return before
+
+    def _take_back(self, given: float, before: torch.Tensor | None) -> None:
         self.weight += given
-        with torch.no_grad():
-            for tensor, old in zip(self.tensors, before):
-                tensor.copy_(old)
+        if before is not None:
+            self._values = before
+            self.schema.unflatten_into(before, self.tensors)
 
     # ---- receiving ----------------------------------------------------------------------------
 
