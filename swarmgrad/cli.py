@@ -51,17 +51,7 @@ def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
     """Run a command's coroutine, turning user-fixable errors into one line and an exit code."""
     from swarmgrad.runtime import run
 
-    try:
-        return run(coroutine)
-    except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(EXIT_CONFIG_ERROR) from None
-    except SwarmgradError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(EXIT_RUNTIME_ERROR) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    return _call(lambda: run(coroutine))
 
 
 def _version_callback(value: bool) -> None:
@@ -134,6 +124,125 @@ def status(
 
 
 @app.command()
+def peer(
+    task: Optional[str] = typer.Argument(
+        None, help="Task to train: fashion-mnist, digits, charlm, or module:attribute. Omit to use the run's manifest."
+    ),
+    run_id: str = RunId,
+    initial_peers: Optional[List[str]] = InitialPeers,
+    create: bool = typer.Option(False, "--create", help="Publish this run's settings (a signed manifest) for others to join."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="diloco (default), sync or gossip.", rich_help_panel="Run"),
+    averaging: Optional[str] = typer.Option(None, "--averaging", help="moshpit (default) or gossip.", rich_help_panel="Run"),
+    compression: Optional[str] = typer.Option(None, "--compression", help="none, fp16, bf16, int8 (default), topk:F, powersgd:R.", rich_help_panel="Run"),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", min=1, help="diloco: local steps between averaging (default 50).", rich_help_panel="Run"),
+    outer_lr: Optional[float] = typer.Option(None, "--outer-lr", help="diloco: outer learning rate (default 0.7).", rich_help_panel="Run"),
+    target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", min=1, help="sync: swarm-wide samples per step (default 4096).", rich_help_panel="Run"),
+    every: Optional[int] = typer.Option(None, "--gossip-every", min=1, help="gossip: local steps between parameter averaging (default 4).", rich_help_panel="Run"),
+    group_size: Optional[int] = typer.Option(None, "--group-size", min=2, help="moshpit: peers per group (default 16).", rich_help_panel="Run"),
+    privacy_clip: Optional[float] = typer.Option(None, "--privacy-clip", help="Differential privacy: clip norm (turns privacy on).", rich_help_panel="Run"),
+    privacy_noise: Optional[float] = typer.Option(None, "--privacy-noise", help="Differential privacy: noise multiplier.", rich_help_panel="Run"),
+    privacy_level: str = typer.Option("sample", "--privacy-level", help="sample (per-sample DP-SGD) or update (each released update).", rich_help_panel="Run"),
+    max_epsilon: Optional[float] = typer.Option(None, "--max-epsilon", help="Stop releasing past this epsilon.", rich_help_panel="Run"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Inner learning rate (default: the task's).", rich_help_panel="Run"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Local batch size (default: the task's).", rich_help_panel="Run"),
+    shard: Optional[int] = typer.Option(None, "--shard", min=0, help="This peer's data shard (default: a random one).", rich_help_panel="Local"),
+    num_shards: int = typer.Option(1, "--num-shards", min=1, help="How many shards the training set is cut into.", rich_help_panel="Local"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="fashion-mnist: directory with the IDX files.", rich_help_panel="Local"),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", min=0, help="Stop after this many seconds.", rich_help_panel="Local"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop after this many local steps.", rich_help_panel="Local"),
+    target_accuracy: Optional[float] = typer.Option(None, "--target-accuracy", min=0, max=1, help="Stop once a held-out evaluation reaches it.", rich_help_panel="Local"),
+    eval_every: float = typer.Option(10.0, "--eval-every", min=0, help="Seconds between held-out evaluations (0: only at the end).", rich_help_panel="Local"),
+    no_final_eval: bool = typer.Option(False, "--no-final-eval", help="Skip the held-out evaluation at the end.", rich_help_panel="Local"),
+    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Resume from and save checkpoints to this directory.", rich_help_panel="Local"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's).", rich_help_panel="Local"),
+    host: str = Host,
+    port: int = Port,
+    announce: Optional[List[str]] = typer.Option(None, "--announce", metavar="MADDR", help="Address to advertise (port forwarding)."),
+    identity: Optional[Path] = typer.Option(None, "--identity", "-i", help="Key file, so the peer keeps its id across restarts."),
+    client_mode: bool = typer.Option(False, "--client-mode", help="Dial out only (behind NAT, no port open)."),
+    trusted_network: bool = typer.Option(False, "--trusted-network", help="Send tensors unencrypted (trusted LAN only)."),
+    wait: float = typer.Option(30.0, "--wait", min=1, help="Seconds to wait for the run's manifest and peers."),
+    wait_peers: int = typer.Option(1, "--wait-peers", min=1, help="Start training once this many peers (this one included) are in the run.", rich_help_panel="Local"),
+    json_output: bool = typer.Option(False, "--json", help="Print progress events as JSON lines on stdout."),
+) -> None:
+    """Train TASK as a peer of run RUN_ID; with no TASK, join a public run with the settings in its manifest.
+
+    Stops on Ctrl-C/SIGTERM, --max-seconds, --max-steps or --target-accuracy; leaves the run cleanly.
+    """
+    from swarmgrad.commands.peer import run_peer
+    from swarmgrad.dht.node import NodeConfig
+    from swarmgrad.peer.runner import LocalOptions
+
+    peers = _split_addresses(initial_peers)
+    explicit = _run_options(strategy, averaging, compression, inner_steps, outer_lr, target_batch_size, every,
+                            group_size, privacy_clip, privacy_noise, privacy_level, max_epsilon, lr, batch_size)
+    if data_dir is not None:
+        explicit["_data_dir"] = data_dir
+    config = _validated(lambda: NodeConfig(host=host, port=port, identity_path=identity, initial_peers=peers,
+                                           announce_maddrs=_split_addresses(announce), client_mode=client_mode,
+                                           bootstrap_timeout=wait))
+    local = LocalOptions(shard=shard, num_shards=num_shards, data_dir=data_dir, max_seconds=max_seconds,
+                         max_steps=max_steps, target_accuracy=target_accuracy, eval_every=eval_every,
+                         final_eval=not no_final_eval, checkpoint_dir=checkpoint_dir, threads=threads,
+                         trusted_network=trusted_network, wait_peers=wait_peers, wait_seconds=wait)
+    if target_accuracy is not None and eval_every == 0:
+        typer.echo("error: --target-accuracy needs evaluations: set --eval-every > 0", err=True)
+        raise typer.Exit(EXIT_CONFIG_ERROR)
+    _call(lambda: run_peer(config, run_id, task, create, explicit, local, json_output, wait))
+
+
+def _run_options(strategy, averaging, compression, inner_steps, outer_lr, target_batch_size, every, group_size,
+                 privacy_clip, privacy_noise, privacy_level, max_epsilon, lr, batch_size) -> dict:
+    """Only the run options given on the command line, in the manifest's shape."""
+    from swarmgrad.peer.runner import DEFAULT_RUN_OPTIONS
+
+    explicit: dict = {}
+    if strategy is not None or inner_steps is not None or outer_lr is not None or target_batch_size is not None \
+            or every is not None:
+        name = strategy or DEFAULT_RUN_OPTIONS["strategy"]["name"]
+        settings: dict = {"name": name}
+        if name == "diloco":
+            settings.update(inner_steps=inner_steps or 50, outer_lr=outer_lr if outer_lr is not None else 0.7,
+                            outer_momentum=0.9)
+        elif name == "sync":
+            settings.update(target_batch_size=target_batch_size or 4096)
+        elif name == "gossip":
+            settings.update(every=every or 4)
+        explicit["strategy"] = settings
+    if averaging is not None or group_size is not None:
+        kind = averaging or ("gossip" if strategy == "gossip" else "moshpit")
+        explicit["averaging"] = {"kind": kind, **({"group_size": group_size} if group_size else {})}
+    elif strategy == "gossip":
+        explicit["averaging"] = {"kind": "gossip"}
+    if compression is not None:
+        explicit["compression"] = compression
+    if privacy_clip is not None or privacy_noise is not None:
+        if privacy_clip is None or privacy_noise is None:
+            raise typer.BadParameter("privacy needs both --privacy-clip and --privacy-noise")
+        explicit["privacy"] = {"clip_norm": privacy_clip, "noise_multiplier": privacy_noise, "level": privacy_level,
+                               **({"max_epsilon": max_epsilon} if max_epsilon is not None else {})}
+    hparams = {key: value for key, value in (("lr", lr), ("batch_size", batch_size)) if value is not None}
+    if hparams:
+        explicit["hparams"] = hparams
+    return explicit
+
+
+def _call(function):
+    """Run a blocking command body, turning user-fixable errors into one line and an exit code."""
+    try:
+        return function()
+    except ConfigError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(EXIT_CONFIG_ERROR) from None
+    except SwarmgradError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(EXIT_RUNTIME_ERROR) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+@app.command()
 def keygen(path: Path = typer.Argument(..., help="Where to write the new key (must not exist).")) -> None:
     """Create an identity key file; prints the peer id it gives."""
     from swarmgrad.dht.identity import Identity
@@ -150,13 +259,26 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the new key (mu
 @app.command()
 def demo(
     peers: int = typer.Option(4, "--peers", "-n", min=1, max=64, help="Number of peer processes."),
+    task: str = typer.Option("fashion-mnist", "--task", help="Task the swarm trains."),
+    strategy: str = typer.Option("diloco", "--strategy", help="diloco, sync or gossip."),
+    averaging: Optional[str] = typer.Option(None, "--averaging", help="moshpit or gossip (default: gossip for the gossip strategy, else moshpit)."),
+    compression: str = typer.Option("int8", "--compression", help="Codec for averaging: none, fp16, int8, topk:F, ..."),
+    inner_steps: int = typer.Option(100, "--inner-steps", min=1, help="diloco: local steps between averaging."),
+    target_accuracy: float = typer.Option(0.88, "--target-accuracy", min=0, max=1, help="Stop once reached."),
+    max_seconds: float = typer.Option(150.0, "--max-seconds", min=1, help="Training time budget per peer."),
+    plot: Path = typer.Option(Path("swarmgrad-demo.png"), "--plot", help="Where to write the loss/accuracy plot."),
     json_output: bool = JsonOutput,
     run_id: str = typer.Option("demo", "--run-id", help="Run name used on the local swarm."),
 ) -> None:
-    """Run a whole swarm on this machine (loopback only): a bootstrap node and N peer processes."""
-    from swarmgrad.demo import run_demo
+    """Train a model with a whole swarm on this machine (loopback only): a bootstrap node and N peer
+    processes, live progress, a loss/accuracy plot, and the time to 85% and 88% held-out accuracy."""
+    from swarmgrad.demo import DemoSettings, run_demo
 
-    _run(run_demo(peers=peers, run_id=run_id, json_output=json_output))
+    averaging = averaging or ("gossip" if strategy == "gossip" else "moshpit")
+    settings = DemoSettings(peers=peers, run_id=run_id, task=task, strategy=strategy, averaging=averaging,
+                            compression=compression, inner_steps=inner_steps, target_accuracy=target_accuracy,
+                            max_seconds=max_seconds, plot=plot)
+    _run(run_demo(settings, json_output=json_output))
 
 
 def _validated(make_config):

@@ -88,9 +88,13 @@ class Matchmaker:
         self._looking: dict[str, _Looking] = {}
 
     async def find_group(
-        self, key: str, *, group_size: int, min_group_size: int, window: float, share: float
+        self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
+        expected: int | None = None,
     ) -> GroupPlan | None:
-        """The agreed plan for this round, or None when no group of at least min_group_size formed."""
+        """The agreed plan for this round, or None when no group of at least min_group_size formed.
+
+        ``expected``: how many peers the caller knows will look under this key (e.g. from swarm
+        progress); once that many have declared there is no need to wait out the window."""
         me = self.node.peer_id
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
@@ -101,8 +105,9 @@ class Matchmaker:
             # read while our own declaration is still being stored: others are declaring at the same moment
             declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
+                enough = group_size if expected is None else max(min_group_size, min(group_size, expected))
                 peers = await self._wait_for_peers(
-                    key, looking, ready_at, group_size, min_group_size, grace=window, poll=min(0.01, window / 4)
+                    key, looking, ready_at, enough, min_group_size, grace=window, poll=min(0.01, window / 4)
                 )
             finally:
                 await declared
@@ -122,17 +127,17 @@ class Matchmaker:
                 looking.plan.cancel()
 
     async def _wait_for_peers(
-        self, key: str, looking: _Looking, ready_at: float, group_size: int, min_group_size: int,
+        self, key: str, looking: _Looking, ready_at: float, enough: int, min_group_size: int,
         grace: float, poll: float,
     ) -> list[str]:
-        """Peers declared under ``key``, read until the window ends or a full group is there
+        """Peers declared under ``key``, read until the window ends or ``enough`` of them are there
         (no need to wait out the window then), or until an invitation commits us. If too few
         for a group have shown up when the window ends, read on for up to ``grace`` more: on a
         loaded machine a declaration can take longer than the window to become readable."""
         while True:
             peers = await self._declared(key)
             now = time.time()
-            if looking.committed or len(peers) >= group_size:
+            if looking.committed or len(peers) >= enough:
                 return peers
             if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):
                 return peers

@@ -167,12 +167,16 @@ class Averager:
 
     # ---- one round -----------------------------------------------------------------------------
 
-    async def step(self, weight: float = 1.0, round_index: int | None = None) -> AveragingReport:
+    async def step(
+        self, weight: float = 1.0, round_index: int | None = None, expected_peers: int | None = None,
+        attempt: int = 0,
+    ) -> AveragingReport:
         """Meet this round's group, average, and write the result into the tensors.
 
         ``weight`` is the number of samples behind this peer's tensors (DESIGN invariant 5).
         ``round_index`` lets peers that agree on a global step meet in the same round; by default
-        a local counter. With ``privacy`` the tensors must be an *update* (a gradient or
+        a local counter. ``expected_peers``: how many peers the caller expects in this round (from
+        swarm progress), so matchmaking ends as soon as they are all there. With ``privacy`` the tensors must be an *update* (a gradient or
         pseudo-gradient): it is clipped and noised before it leaves; past the budget the peer stops
         releasing and the report says so. The tensors are changed only when the round succeeds, and must not be
         changed by anyone else while the step runs.
@@ -182,7 +186,7 @@ class Averager:
         started = time.monotonic()
         index = self.round_index if round_index is None else round_index
         self.round_index = index + 1
-        key = await self._round_key(index)
+        key = await self._round_key(index, attempt)
         report = AveragingReport(ok=False, round_index=index, key=key)
         if not (math.isfinite(weight) and weight > 0):
             report.error = f"weight must be finite and positive, got {weight}"
@@ -191,7 +195,7 @@ class Averager:
             return report
         plan = await self.matchmaker.find_group(
             key, group_size=self.group_size, min_group_size=self.min_group_size,
-            window=self.matchmaking_seconds, share=self.share,
+            window=self.matchmaking_seconds, share=self.share, expected=expected_peers,
         )
         if plan is None:
             report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
@@ -255,13 +259,14 @@ class Averager:
             self.coordinates[dim] = plan.members.index(self.node.peer_id) % self.group_size
         report.ok = True
 
-    async def _round_key(self, index: int) -> str:
+    async def _round_key(self, index: int, attempt: int = 0) -> str:
         if self.coordinates is None:
             dims = self.grid_dims or await self._auto_dims()
             self.coordinates = default_coordinates(self.node.peer_id, dims, self.group_size)
         dim = index % len(self.coordinates)
         others = ".".join(str(c) if d != dim else "*" for d, c in enumerate(self.coordinates))
-        return f"swarmgrad/{self.run_id}/moshpit/{self.schema.digest[:12]}/{self.codec.spec}/r{index}/{others}"
+        round_name = f"r{index}" if attempt == 0 else f"r{index}.{attempt}"
+        return f"swarmgrad/{self.run_id}/moshpit/{self.schema.digest[:12]}/{self.codec.spec}/{round_name}/{others}"
 
     async def _auto_dims(self) -> int:
         """Enough grid dimensions that each slice holds about one group: log_{group_size}(members)."""

@@ -1,7 +1,9 @@
-"""`swarmgrad demo`: a whole swarm on this machine, on loopback only.
+"""`swarmgrad demo`: a whole swarm training on this machine, on loopback only.
 
-A bootstrap node runs in this process; N peers run as separate processes. The demo waits until
-every peer is a listed member of the run, shows the member table, and shuts everything down.
+A bootstrap node runs in this process; N peers run as separate ``swarmgrad peer`` processes, each
+on its own shard of the task's training set. Peer 0 evaluates on the held-out set after each
+swarm step. The demo shows live progress, stops once the target accuracy is reached (or the time
+budget is spent), and writes a loss/accuracy-vs-time plot and a summary.
 """
 
 from __future__ import annotations
@@ -10,62 +12,107 @@ import asyncio
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from rich.status import Status
+from rich.live import Live
 
-from swarmgrad.console import members_table, print_json, stderr, stdout
-from swarmgrad.demo.processes import PeerProcesses
-from swarmgrad.dht.membership import Member, Membership, list_members
+from swarmgrad.console import print_json, stderr, stdout
+from swarmgrad.demo.dashboard import render_dashboard
+from swarmgrad.demo.events import RunLog
+from swarmgrad.demo.plot import plot_run
+from swarmgrad.demo.processes import ChildPeer, PeerProcesses
+from swarmgrad.demo.summary import summarize
+from swarmgrad.dht.membership import Membership
 from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.errors import StartupError
 
-POLL_SECONDS = 0.25
-MEMBER_TTL = 10.0
+TARGETS = (0.85, 0.88)
 
 
-def member_command(run_id: str, initial_peers: list[str], ttl: float = MEMBER_TTL) -> list[str]:
-    return [sys.executable, "-m", "swarmgrad.demo.member", "--run-id", run_id, "--ttl", str(ttl), "--initial-peers", *initial_peers]
+@dataclass(frozen=True)
+class DemoSettings:
+    peers: int = 4
+    run_id: str = "demo"
+    task: str = "fashion-mnist"
+    strategy: str = "diloco"
+    averaging: str = "moshpit"
+    compression: str = "int8"
+    inner_steps: int = 100
+    target_accuracy: float = 0.88
+    max_seconds: float = 150.0
+    eval_every: float = 2.0
+    plot: Path = Path("swarmgrad-demo.png")
 
 
-async def wait_for_members(node: SwarmNode, run_id: str, peer_ids: set[str], seconds: float) -> list[Member]:
-    """Poll the run's membership until all ``peer_ids`` are listed."""
-    deadline = time.monotonic() + seconds
-    while True:
-        members = [member for member in await list_members(node, run_id) if member.peer_id in peer_ids]
-        if len(members) == len(peer_ids):
-            return members
-        if time.monotonic() > deadline:
-            raise StartupError(f"only {len(members)} of {len(peer_ids)} peers became visible within {seconds:.0f} s")
-        await asyncio.sleep(POLL_SECONDS)
+def peer_command(settings: DemoSettings, index: int, initial_peers: list[str]) -> list[str]:
+    command = [
+        sys.executable, "-m", "swarmgrad.cli", "peer", settings.task, "--run-id", settings.run_id,
+        "--initial-peers", ",".join(initial_peers), "--shard", str(index), "--num-shards", str(settings.peers),
+        "--threads", "1", "--json", "--strategy", settings.strategy, "--averaging", settings.averaging,
+        "--compression", settings.compression, "--max-seconds", str(settings.max_seconds),
+        "--wait-peers", str(settings.peers), "--wait", "60",
+    ]
+    if settings.strategy == "diloco":
+        command += ["--inner-steps", str(settings.inner_steps)]
+    if index == 0:  # one peer evaluates: after a swarm step every peer holds the same model
+        command += ["--eval-every", str(settings.eval_every), "--target-accuracy", str(settings.target_accuracy)]
+    else:
+        command += ["--eval-every", "0", "--no-final-eval"]
+    return command
 
 
-async def run_demo(*, peers: int, run_id: str, json_output: bool) -> dict:
+async def _follow(child: ChildPeer, log: RunLog) -> None:
+    """Feed one child's event lines into the log until it exits."""
+    assert child.process.stdout is not None
+    while line := await child.process.stdout.readline():
+        log.add_line(line)
+
+
+async def run_demo(settings: DemoSettings, *, json_output: bool) -> dict:
     log_dir = Path(tempfile.mkdtemp(prefix="swarmgrad-demo-"))
-    started = time.monotonic()
-    with Status("starting bootstrap node", console=stderr) as status:
-        async with SwarmNode(NodeConfig(host="127.0.0.1")) as bootstrap, Membership(bootstrap, run_id, role="bootstrap"):
-            bootstrap_maddrs = bootstrap.maddrs
-            status.update(f"starting {peers} peer processes (logs in {log_dir})")
-            async with PeerProcesses([member_command(run_id, bootstrap_maddrs)] * peers, log_dir) as children:
-                await children.wait_ready(seconds=60 + 3 * peers)
-                status.update(f"waiting until all {peers} peers see each other in run {run_id!r}")
-                members = await wait_for_members(
-                    bootstrap, run_id, {child.peer_id for child in children.children}, seconds=30
-                )
-                formation_seconds = time.monotonic() - started
-                status.update("stopping peers")
-    summary = {
-        "peers": peers,
-        "run_id": run_id,
-        "bootstrap": bootstrap_maddrs,
-        "members": [member.to_json() for member in members],
-        "formation_seconds": round(formation_seconds, 3),
-        "logs": str(log_dir),
-    }
+    started = time.time()
+    log = RunLog(started_at=started)
+    title = f"swarmgrad demo: {settings.peers} peers, {settings.task}, {settings.strategy}+{settings.averaging}, " \
+            f"{settings.compression}"
+    async with SwarmNode(NodeConfig(host="127.0.0.1")) as bootstrap, \
+            Membership(bootstrap, settings.run_id, role="bootstrap"):
+        commands = [peer_command(settings, index, bootstrap.maddrs) for index in range(settings.peers)]
+        with Live(render_dashboard(log, title=title), console=stderr, refresh_per_second=4,
+                  transient=json_output) as live:
+            async with PeerProcesses(commands, log_dir) as children:
+                await children.wait_ready(seconds=60 + 3 * settings.peers)
+                for child in children.children:
+                    log.add({"event": "ready", "t": time.time(), "peer_id": child.peer_id, "maddrs": child.maddrs})
+                formation_seconds = time.time() - started
+                followers = [asyncio.create_task(_follow(child, log)) for child in children.children]
+                evaluator = children.children[0].process
+                while evaluator.returncode is None and not all(f.done() for f in followers):
+                    live.update(render_dashboard(log, title=title))
+                    await asyncio.sleep(0.25)
+                    if followers[0].done():
+                        break
+                await children.stop()  # the others leave gracefully and report
+                await asyncio.wait(followers, timeout=15)
+            live.update(render_dashboard(log, title=title))
+    summary = summarize(log, targets=TARGETS)
+    plot = plot_run(log, settings.plot, title, targets=TARGETS)
+    summary.update({
+        "task": settings.task, "strategy": settings.strategy, "averaging": settings.averaging,
+        "compression": settings.compression, "num_peers": settings.peers, "run_id": settings.run_id,
+        "formation_seconds": round(formation_seconds, 3), "total_seconds": round(time.time() - started, 3),
+        "time_to_85": summary["seconds_to"].get("0.85"), "time_to_88": summary["seconds_to"].get("0.88"),
+        "plot": str(plot), "logs": str(log_dir),
+    })
     if json_output:
         print_json(summary)
     else:
-        stdout.print(members_table(members, title=f"run {run_id}: {len(members)} peers"))
-        stdout.print(f"swarm formed in {formation_seconds:.1f} s; all processes stopped. Logs: {log_dir}")
+        final = summary.get("final_accuracy")
+        stdout.print(f"final held-out accuracy: {'-' if final is None else f'{final:.4f}'}; "
+                     f"85% after {_seconds(summary['time_to_85'])}, 88% after {_seconds(summary['time_to_88'])}; "
+                     f"{summary['total_seconds']:.0f} s in all")
+        stdout.print(f"plot: {plot}   logs: {log_dir}")
     return summary
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.0f} s"

@@ -1,6 +1,6 @@
-"""One demo peer process: joins a run and stays until SIGTERM/SIGINT, then leaves gracefully.
+"""A bare member process: joins a run and stays until SIGTERM/SIGINT, then leaves gracefully.
 
-Internal to ``swarmgrad demo`` (and tests); users run ``swarmgrad peer``.
+Internal to the tests (membership, kill and restart scenarios); users run ``swarmgrad peer``.
 Prints one JSON line ``{"peer_id": ..., "maddrs": [...]}`` on stdout once it is a member.
 """
 

@@ -1,0 +1,272 @@
+"""Handing a peer's whole state (named tensors plus small metadata) to a peer that joins late.
+
+A donor keeps its latest ``StateSnapshot`` (and the one before, so a download that started just
+before the donor moved on can finish). A joiner asks every candidate donor for its snapshot's
+description, picks the freshest version held by the most donors, and fetches the bytes in parts
+spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
+has its parts fetched from the others, and nothing is used until every byte arrived and every
+floating-point value is finite.
+
+Protocol (one channel per donor, any number of requests on it):
+    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
+    -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import msgpack
+import torch
+
+from swarmgrad.averaging.transport import Channel, Transport
+from swarmgrad.averaging.wire import FrameError, RemoteError, expect_kind, field, int_field
+from swarmgrad.errors import SwarmgradError
+from swarmgrad.runtime import timeout
+
+logger = logging.getLogger(__name__)
+
+PART_BYTES = 4 * 1024 * 1024
+MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
+MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+
+
+class StateTransferError(SwarmgradError):
+    """No donor could hand over a complete, valid state."""
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """Named CPU tensors packed in one byte buffer, a version (higher is fresher) and JSON-like metadata."""
+
+    version: int
+    specs: tuple[tuple[str, str, tuple[int, ...]], ...]  # name, dtype, shape
+    meta: dict[str, Any]
+    data: torch.Tensor  # uint8, all tensors' bytes in spec order
+
+    @classmethod
+    def capture(cls, version: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StateSnapshot:
+        """A copy of ``tensors`` (any device), safe to serve while training goes on."""
+        specs, flats = [], []
+        for name, tensor in tensors.items():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
+                raise ValueError(f"state tensor {name!r} has unsupported dtype {dtype}")
+            specs.append((name, dtype, tuple(tensor.shape)))
+            flats.append(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+        data = torch.cat(flats) if flats else torch.zeros(0, dtype=torch.uint8)  # cat always copies
+        return cls(version, tuple(specs), dict(meta or {}), data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    @property
+    def digest(self) -> str:
+        """Identifies the layout (and metadata): donors with equal digests hold interchangeable bytes."""
+        described = msgpack.packb([[n, d, list(s)] for n, d, s in self.specs], use_bin_type=True)
+        return hashlib.sha256(described).hexdigest()[:32]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Views into ``data`` with their names, dtypes and shapes."""
+        out, offset = {}, 0
+        for name, dtype, shape in self.specs:
+            count = math.prod(shape) * torch.empty(0, dtype=DTYPES[dtype]).element_size()
+            out[name] = self.data[offset : offset + count].view(DTYPES[dtype]).reshape(shape)
+            offset += count
+        return out
+
+    def describe(self) -> bytes:
+        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
+                             use_bin_type=True)
+
+
+def _layout_size(specs: list[tuple[str, str, tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) * torch.empty(0, dtype=DTYPES[dtype]).element_size() for _, dtype, shape in specs)
+
+
+def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
+    try:
+        described = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        specs = tuple(
+            (str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in described["specs"]
+        )
+        meta = described["meta"]
+    except Exception as error:
+        raise FrameError(f"state description is malformed: {error}") from None
+    if not isinstance(meta, dict):
+        raise FrameError("state metadata must be a map")
+    for name, dtype, shape in specs:
+        if dtype not in DTYPES or any(d < 0 for d in shape):
+            raise FrameError(f"state tensor {name!r}: bad dtype {dtype!r} or shape {shape}")
+    if _layout_size(list(specs)) != nbytes:
+        raise FrameError(f"state description adds up to {_layout_size(list(specs))} bytes, the donor claims {nbytes}")
+    return specs, meta
+
+
+class StateServer:
+    """Serves this peer's latest snapshots to joiners over ``protocol``."""
+
+    def __init__(self, transport: Transport, protocol: str, keep: int = 2):
+        self.transport, self.protocol, self.keep = transport, protocol, keep
+        self._snapshots: dict[int, StateSnapshot] = {}
+        self._described: dict[int, bytes] = {}
+
+    async def __aenter__(self) -> StateServer:
+        await self.transport.serve(self.protocol, self._serve)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.transport.stop_serving(self.protocol)
+
+    @property
+    def latest(self) -> StateSnapshot | None:
+        return self._snapshots[max(self._snapshots)] if self._snapshots else None
+
+    def publish(self, snapshot: StateSnapshot) -> None:
+        self._snapshots[snapshot.version] = snapshot
+        self._described[snapshot.version] = snapshot.describe()
+        for version in sorted(self._snapshots)[: -self.keep]:
+            self._snapshots.pop(version)
+            self._described.pop(version)
+
+    async def _serve(self, channel: Channel) -> None:
+        while True:
+            try:
+                async with timeout(60.0):  # an idle joiner does not hold the stream forever
+                    request = await channel.recv(max_payload=0)
+            except EOFError:
+                return
+            if request.kind == "describe":
+                latest = self.latest
+                if latest is None:
+                    await channel.send_error("this peer has no state to share yet")
+                    return
+                await channel.send({"t": "state", "version": latest.version, "digest": latest.digest,
+                                    "nbytes": latest.nbytes}, self._described[latest.version])
+            elif request.kind == "part":
+                version = field(request.header, "version", int)
+                snapshot = self._snapshots.get(version)
+                if snapshot is None:
+                    await channel.send_error(f"version {version} is no longer held here")
+                    return
+                index = int_field(request.header, "index", 0, max(0, math.ceil(snapshot.nbytes / PART_BYTES) - 1))
+                part = snapshot.data[index * PART_BYTES : (index + 1) * PART_BYTES]
+                await channel.send({"t": "part", "version": version, "index": index}, memoryview(part.numpy()))
+            else:
+                raise FrameError(f"unexpected request {request.kind!r}")
+
+
+@dataclass
+class _Offer:
+    donor: str
+    channel: Channel
+    version: int
+    digest: str
+    nbytes: int
+    specs: tuple
+    meta: dict
+
+
+async def download_state(transport: Transport, protocol: str, donors: list[str], *, seconds: float = 60.0,
+                         min_version: int = 0, max_bytes: int = MAX_STATE_BYTES) -> StateSnapshot:
+    """The freshest state among ``donors``, fetched in parts spread over every donor that holds it.
+
+    Raises StateTransferError when no donor offers a version >= ``min_version`` or the transfer
+    cannot be completed within ``seconds``.
+    """
+    if not donors:
+        raise StateTransferError("no peer to download the state from")
+    offers: list[_Offer] = []
+    try:
+        async with timeout(seconds):
+            described = await asyncio.gather(*(_describe(transport, protocol, d, max_bytes) for d in donors),
+                                             return_exceptions=True)
+            for donor, outcome in zip(donors, described):
+                if isinstance(outcome, _Offer):
+                    offers.append(outcome)
+                else:
+                    logger.info("donor %s cannot share its state: %s", donor, outcome)
+            fresh = [offer for offer in offers if offer.version >= min_version]
+            if not fresh:
+                raise StateTransferError(f"none of {len(donors)} peer(s) offered a state at version >= {min_version}")
+            newest = max(offer.version for offer in fresh)
+            layout = Counter(offer.digest for offer in fresh if offer.version == newest).most_common(1)[0][0]
+            sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
+            return await _fetch(sources)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
+    finally:
+        await asyncio.gather(*(offer.channel.close() for offer in offers), return_exceptions=True)
+
+
+async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: int) -> _Offer:
+    channel = await transport.open(donor, protocol)
+    try:
+        await channel.send({"t": "describe"})
+        reply = expect_kind(await channel.recv(max_payload=MAX_DESCRIPTION_BYTES), "state")
+        nbytes = int_field(reply.header, "nbytes", 0, max_bytes)
+        specs, meta = _parse_description(bytes(reply.payload), nbytes)
+        return _Offer(donor, channel, field(reply.header, "version", int), field(reply.header, "digest", str),
+                      nbytes, specs, meta)
+    except BaseException:
+        await channel.close()
+        raise
+
+
+async def _fetch(sources: list[_Offer]) -> StateSnapshot:
+    first = sources[0]
+    data = torch.empty(first.nbytes, dtype=torch.uint8)
+    target = memoryview(data.numpy())
+    parts = list(range(math.ceil(first.nbytes / PART_BYTES)))
+    random.shuffle(sources)  # joiners arriving together start on different donors
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in parts:
+        queue.put_nowait(index)
+    done: set[int] = set()
+    healthy = list(sources)
+
+    async def worker(offer: _Offer) -> None:
+        while not queue.empty():
+            index = queue.get_nowait()
+            try:
+                await offer.channel.send({"t": "part", "version": offer.version, "index": index})
+                header, length = await offer.channel.recv_header(max_payload=PART_BYTES)
+                expect_kind_header(header, "part", offer.version, index)
+                expected = min(PART_BYTES, offer.nbytes - index * PART_BYTES)
+                if length != expected:
+                    raise FrameError(f"part {index} is {length} bytes, expected {expected}")
+                await offer.channel.recv_payload_into(target[index * PART_BYTES : index * PART_BYTES + length])
+                done.add(index)
+            except (FrameError, RemoteError, EOFError, OSError, ConnectionError) as error:
+                logger.info("donor %s failed on part %d: %s; the others take over", offer.donor, index, error)
+                queue.put_nowait(index)  # another donor fetches it
+                healthy.remove(offer)
+                return
+
+    while not queue.empty() and healthy:  # a donor that failed late leaves parts for another pass
+        await asyncio.gather(*(worker(offer) for offer in list(healthy)))
+    if len(done) != len(parts):
+        raise StateTransferError(f"every donor failed: {len(parts) - len(done)} of {len(parts)} parts missing")
+    snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
+    for name, tensor in snapshot.tensors().items():
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            raise StateTransferError(f"donor state has NaN or Inf in {name!r}; not using it")
+    return snapshot
+
+
+def expect_kind_header(header: dict, kind: str, version: int, index: int) -> None:
+    if header.get("t") != kind or header.get("version") != version or header.get("index") != index:
+        raise FrameError(f"expected {kind} {index} of version {version}, got {header.get('t')!r} "
+                         f"{header.get('index')!r} of version {header.get('version')!r}")

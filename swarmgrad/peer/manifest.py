@@ -1,0 +1,107 @@
+"""Public runs: a signed manifest in the DHT says what run R trains and how, so a volunteer joins
+with nothing but the run id and one address.
+
+The creator stores its ``RunManifest`` under ``swarmgrad/R/manifest``; every peer that trains
+with it stores the same manifest in its own slot while it runs, so the run outlives its creator.
+A reader takes the manifest most peers agree on, the earliest created on a tie.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections import Counter
+from typing import Annotated, Any
+
+import pydantic
+
+from swarmgrad.dht.membership import check_run_id
+from swarmgrad.dht.node import SwarmNode
+from swarmgrad.dht.records import RecordBody, record_kind
+from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.version import __version__
+
+MANIFEST_TTL = 300.0
+Text = Annotated[str, pydantic.Field(max_length=256)]
+
+
+@record_kind
+class RunManifest(RecordBody):
+    kind = "manifest"
+    max_ttl = 3600.0
+
+    task: Text
+    settings: Annotated[str, pydantic.Field(max_length=8192)]  # JSON: strategy, averaging, codec, privacy, hparams
+    version: Annotated[str, pydantic.Field(max_length=32)]  # swarmgrad version of the creator
+    data_fingerprint: Text | None = None
+    created_at: Annotated[float, pydantic.Field(allow_inf_nan=False)]
+
+    @classmethod
+    def create(cls, task: str, settings: dict[str, Any], data_fingerprint: str | None) -> RunManifest:
+        return cls(task=task, settings=json.dumps(settings, sort_keys=True), version=__version__,
+                   data_fingerprint=data_fingerprint, created_at=time.time())
+
+    @property
+    def options(self) -> dict[str, Any]:
+        try:
+            options = json.loads(self.settings)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"the run manifest's settings are not JSON: {error}") from None
+        if not isinstance(options, dict):
+            raise ConfigError("the run manifest's settings must be a JSON object")
+        return options
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.task}\n{self.settings}\n{self.data_fingerprint}".encode()).hexdigest()[:16]
+
+
+def manifest_key(run_id: str) -> str:
+    return f"swarmgrad/{check_run_id(run_id)}/manifest"
+
+
+async def publish_manifest(node: SwarmNode, run_id: str, manifest: RunManifest) -> None:
+    if not await node.store(manifest_key(run_id), manifest, time.time() + MANIFEST_TTL):
+        raise StartupError(f"could not store the manifest of run {run_id!r} in the DHT")
+
+
+async def read_manifest(node: SwarmNode, run_id: str) -> RunManifest | None:
+    """The manifest most peers of the run publish (earliest created on a tie), or None."""
+    records = await node.get_records(manifest_key(run_id), RunManifest)
+    if not records:
+        return None
+    manifests = [record.body for record in records.values()]
+    votes = Counter(manifest.digest for manifest in manifests)
+    best = max(votes.values())
+    candidates = [manifest for manifest in manifests if votes[manifest.digest] == best]
+    return min(candidates, key=lambda manifest: manifest.created_at)
+
+
+async def wait_for_manifest(node: SwarmNode, run_id: str, seconds: float) -> RunManifest:
+    deadline = time.monotonic() + seconds
+    while True:
+        manifest = await read_manifest(node, run_id)
+        if manifest is not None:
+            return manifest
+        if time.monotonic() > deadline:
+            raise StartupError(f"run {run_id!r} has no manifest in the DHT after {seconds:.0f} s: is the run id right, "
+                               "and was it created with `swarmgrad peer TASK --run-id ... --create`?")
+        await asyncio.sleep(0.5)
+
+
+def check_compatible(manifest: RunManifest, task: str | None, data_fingerprint: str | None) -> None:
+    """Refuse to join a run this peer cannot train correctly: other software, task or data."""
+    if _major_minor(manifest.version) != _major_minor(__version__):
+        raise StartupError(f"run was created with swarmgrad {manifest.version}; this is {__version__}. "
+                           f"Install swarmgrad {'.'.join(_major_minor(manifest.version))}.x to join it")
+    if task is not None and task != manifest.task:
+        raise StartupError(f"run trains task {manifest.task!r}, not {task!r}; drop the task argument to use the run's")
+    if manifest.data_fingerprint and data_fingerprint and manifest.data_fingerprint != data_fingerprint:
+        raise StartupError(f"this peer's data ({data_fingerprint}) differs from the run's ({manifest.data_fingerprint}); "
+                           "point --data-dir at the same dataset")
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split(".")[:2])

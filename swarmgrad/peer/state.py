@@ -1,0 +1,96 @@
+"""A peer's training state as named tensors plus metadata: what joiners download and checkpoints keep.
+
+Names: ``model/<state_dict key>``, ``optimizer/<param index>/<state key>`` and
+``strategy/<name>``. Optimizer hyperparameters (param_groups) are not part of it: every peer of
+a run configures its own optimizer the same way, and a schedule may change them locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from swarmgrad.averaging.state_transfer import StateSnapshot
+from swarmgrad.errors import ConfigError
+
+
+class StatefulStrategy(Protocol):
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+class StateMismatch(ConfigError):
+    """A downloaded or saved state does not fit this peer's model or optimizer."""
+
+
+class TrainingState:
+    """Captures and restores model, optimizer and strategy state together."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: StatefulStrategy):
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {f"model/{key}": value for key, value in self.model.state_dict().items()}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    named[f"optimizer/{index}/{key}"] = value
+        named.update({f"strategy/{key}": value for key, value in self.strategy.state_tensors().items()})
+        return named
+
+    def optimizer_scalars(self) -> dict[str, dict[str, Any]]:
+        """Non-tensor optimizer state (e.g. step counts kept as numbers by some optimizers)."""
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            plain = {key: value for key, value in state.items()
+                     if not isinstance(value, torch.Tensor) and isinstance(value, (int, float, bool))}
+            if plain:
+                scalars[str(index)] = plain
+        return scalars
+
+    def capture(self, version: int, meta: dict[str, Any]) -> StateSnapshot:
+        return StateSnapshot.capture(version, self.tensors(), {**meta, "optimizer_scalars": self.optimizer_scalars()})
+
+    def restore(self, snapshot: StateSnapshot) -> None:
+        """Load a snapshot; raises StateMismatch (changing nothing) when it does not fit."""
+        tensors = snapshot.tensors()
+        model_state = self.model.state_dict()
+        model_part = {key.removeprefix("model/"): value for key, value in tensors.items() if key.startswith("model/")}
+        if set(model_part) != set(model_state):
+            missing, extra = sorted(set(model_state) - set(model_part)), sorted(set(model_part) - set(model_state))
+            raise StateMismatch(f"state does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        for key, value in model_part.items():
+            if tuple(value.shape) != tuple(model_state[key].shape) or value.dtype != model_state[key].dtype:
+                raise StateMismatch(f"state tensor model/{key} is {value.dtype}{tuple(value.shape)}, "
+                                    f"the model has {model_state[key].dtype}{tuple(model_state[key].shape)}")
+        optimizer_state = self._optimizer_state(tensors, snapshot.meta.get("optimizer_scalars", {}))
+        strategy_part = {key.removeprefix("strategy/"): value for key, value in tensors.items()
+                         if key.startswith("strategy/")}
+        with torch.no_grad():
+            self.model.load_state_dict({key: value.clone() for key, value in model_part.items()})
+        current = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": current["param_groups"]})
+        self.strategy.load_state_tensors({key: value.clone() for key, value in strategy_part.items()})
+
+    def _optimizer_state(self, tensors: dict[str, torch.Tensor], scalars: Any) -> dict[int, dict[str, Any]]:
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if not key.startswith("optimizer/"):
+                continue
+            _, index_text, name = key.split("/", 2)
+            index = int(index_text)
+            if not 0 <= index < len(params):
+                raise StateMismatch(f"state has optimizer state for parameter {index}; the optimizer has {len(params)}")
+            if value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape):
+                raise StateMismatch(f"optimizer state {key} has shape {tuple(value.shape)}, "
+                                    f"parameter {index} has {tuple(params[index].shape)}")
+            state.setdefault(index, {})[name] = value.clone()
+        if isinstance(scalars, dict):
+            for index_text, plain in scalars.items():
+                index = int(index_text)
+                if 0 <= index < len(params) and isinstance(plain, dict):
+                    state.setdefault(index, {}).update(plain)
+        return state
