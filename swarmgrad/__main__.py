@@ -1,3 +1,6 @@
+"""``python -m swarmgrad``: the same as the ``swarmgrad`` command."""
+
 from swarmgrad.cli import main
 
-main()
+if __name__ == "__main__":  # not when multiprocessing re-imports the main module in a child
+    main()

@@ -157,6 +157,7 @@ def peer(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's).", rich_help_panel="Local"),
     host: str = Host,
     port: int = Port,
+    data_port: int = typer.Option(0, "--data-port", min=0, max=65535, help="TCP port for direct tensor traffic (0: any free one); open it in firewalls."),
     announce: Optional[List[str]] = typer.Option(None, "--announce", metavar="MADDR", help="Address to advertise (port forwarding)."),
     identity: Optional[Path] = typer.Option(None, "--identity", "-i", help="Key file, so the peer keeps its id across restarts."),
     client_mode: bool = typer.Option(False, "--client-mode", help="Dial out only (behind NAT, no port open)."),
@@ -180,7 +181,7 @@ def peer(
         explicit["_data_dir"] = data_dir
     config = _validated(lambda: NodeConfig(host=host, port=port, identity_path=identity, initial_peers=peers,
                                            announce_maddrs=_split_addresses(announce), client_mode=client_mode,
-                                           bootstrap_timeout=wait))
+                                           bootstrap_timeout=wait, data_port=data_port))
     local = LocalOptions(shard=shard, num_shards=num_shards, data_dir=data_dir, max_seconds=max_seconds,
                          max_steps=max_steps, target_accuracy=target_accuracy, eval_every=eval_every,
                          final_eval=not no_final_eval, checkpoint_dir=checkpoint_dir, threads=threads,

@@ -276,8 +276,8 @@ def default_transport(node: SwarmNode, direct: bool = True, trusted_network: boo
     libp2p = Libp2pTransport(node.p2p)
     if not direct:
         return libp2p
-    return DirectTransport(libp2p, host=node.config.host, advertise_hosts=_data_hosts(node),
-                           trusted_network=trusted_network)
+    return DirectTransport(libp2p, host=node.config.host, port=node.config.data_port,
+                           advertise_hosts=_data_hosts(node), trusted_network=trusted_network)
 
 
 def _data_hosts(node: SwarmNode) -> list[str]:

@@ -21,7 +21,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import msgpack
 import torch
@@ -34,6 +34,7 @@ from swarmgrad.runtime import timeout
 logger = logging.getLogger(__name__)
 
 PART_BYTES = 4 * 1024 * 1024
+ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
 MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
 DTYPES: dict[str, torch.dtype] = {
@@ -58,14 +59,17 @@ class StateSnapshot:
     @classmethod
     def capture(cls, version: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StateSnapshot:
         """A copy of ``tensors`` (any device), safe to serve while training goes on."""
-        specs, flats = [], []
+        specs = []
         for name, tensor in tensors.items():
             dtype = str(tensor.dtype).removeprefix("torch.")
             if dtype not in DTYPES:
                 raise ValueError(f"state tensor {name!r} has unsupported dtype {dtype}")
             specs.append((name, dtype, tuple(tensor.shape)))
-            flats.append(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-        data = torch.cat(flats) if flats else torch.zeros(0, dtype=torch.uint8)  # cat always copies
+        offsets, total = layout(specs)
+        data = torch.zeros(total, dtype=torch.uint8)
+        for (start, length), tensor in zip(offsets, tensors.values()):
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            data[start : start + length].copy_(flat)
         return cls(version, tuple(specs), dict(meta or {}), data)
 
     @property
@@ -74,26 +78,30 @@ class StateSnapshot:
 
     @property
     def digest(self) -> str:
-        """Identifies the layout (and metadata): donors with equal digests hold interchangeable bytes."""
+        """Identifies the layout: donors with equal digests (and versions) hold interchangeable bytes."""
         described = msgpack.packb([[n, d, list(s)] for n, d, s in self.specs], use_bin_type=True)
         return hashlib.sha256(described).hexdigest()[:32]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Views into ``data`` with their names, dtypes and shapes."""
-        out, offset = {}, 0
-        for name, dtype, shape in self.specs:
-            count = math.prod(shape) * torch.empty(0, dtype=DTYPES[dtype]).element_size()
-            out[name] = self.data[offset : offset + count].view(DTYPES[dtype]).reshape(shape)
-            offset += count
-        return out
+        offsets, _ = layout(self.specs)
+        return {name: self.data[start : start + length].view(DTYPES[dtype]).reshape(shape)
+                for (name, dtype, shape), (start, length) in zip(self.specs, offsets)}
 
     def describe(self) -> bytes:
         return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
                              use_bin_type=True)
 
 
-def _layout_size(specs: list[tuple[str, str, tuple[int, ...]]]) -> int:
-    return sum(math.prod(shape) * torch.empty(0, dtype=DTYPES[dtype]).element_size() for _, dtype, shape in specs)
+def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tuple[int, int]], int]:
+    """(offset, length) of each tensor in the byte buffer, and its total size. Offsets are
+    multiples of 8, so every tensor can be viewed in place as its own dtype."""
+    offsets, position = [], 0
+    for _, dtype, shape in specs:
+        length = math.prod(shape) * torch.empty(0, dtype=DTYPES[dtype]).element_size()
+        offsets.append((position, length))
+        position += -(-length // ALIGNMENT) * ALIGNMENT
+    return offsets, position
 
 
 def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
@@ -110,8 +118,8 @@ def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
     for name, dtype, shape in specs:
         if dtype not in DTYPES or any(d < 0 for d in shape):
             raise FrameError(f"state tensor {name!r}: bad dtype {dtype!r} or shape {shape}")
-    if _layout_size(list(specs)) != nbytes:
-        raise FrameError(f"state description adds up to {_layout_size(list(specs))} bytes, the donor claims {nbytes}")
+    if layout(specs)[1] != nbytes:
+        raise FrameError(f"state description adds up to {layout(specs)[1]} bytes, the donor claims {nbytes}")
     return specs, meta
 
 
@@ -204,7 +212,7 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
             newest = max(offer.version for offer in fresh)
             layout = Counter(offer.digest for offer in fresh if offer.version == newest).most_common(1)[0][0]
             sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
-            return await _fetch(sources)
+            return await _fetch(sources, part_seconds=max(2.0, seconds / 4))
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
@@ -225,7 +233,8 @@ async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: 
         raise
 
 
-async def _fetch(sources: list[_Offer]) -> StateSnapshot:
+async def _fetch(sources: list[_Offer], part_seconds: float) -> StateSnapshot:
+    """Every part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on."""
     first = sources[0]
     data = torch.empty(first.nbytes, dtype=torch.uint8)
     target = memoryview(data.numpy())
@@ -241,18 +250,21 @@ async def _fetch(sources: list[_Offer]) -> StateSnapshot:
         while not queue.empty():
             index = queue.get_nowait()
             try:
-                await offer.channel.send({"t": "part", "version": offer.version, "index": index})
-                header, length = await offer.channel.recv_header(max_payload=PART_BYTES)
-                expect_kind_header(header, "part", offer.version, index)
-                expected = min(PART_BYTES, offer.nbytes - index * PART_BYTES)
-                if length != expected:
-                    raise FrameError(f"part {index} is {length} bytes, expected {expected}")
-                await offer.channel.recv_payload_into(target[index * PART_BYTES : index * PART_BYTES + length])
+                async with timeout(part_seconds):
+                    await offer.channel.send({"t": "part", "version": offer.version, "index": index})
+                    header, length = await offer.channel.recv_header(max_payload=PART_BYTES)
+                    expect_kind_header(header, "part", offer.version, index)
+                    expected = min(PART_BYTES, offer.nbytes - index * PART_BYTES)
+                    if length != expected:
+                        raise FrameError(f"part {index} is {length} bytes, expected {expected}")
+                    await offer.channel.recv_payload_into(target[index * PART_BYTES : index * PART_BYTES + length])
                 done.add(index)
-            except (FrameError, RemoteError, EOFError, OSError, ConnectionError) as error:
+            except (FrameError, RemoteError, EOFError, OSError, ConnectionError, asyncio.TimeoutError,
+                    TimeoutError) as error:
                 logger.info("donor %s failed on part %d: %s; the others take over", offer.donor, index, error)
                 queue.put_nowait(index)  # another donor fetches it
                 healthy.remove(offer)
+                await offer.channel.abort()  # nothing more may land in the buffer from this donor
                 return
 
     while not queue.empty() and healthy:  # a donor that failed late leaves parts for another pass

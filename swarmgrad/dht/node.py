@@ -42,6 +42,7 @@ class NodeConfig(pydantic.BaseModel):
     use_auto_relay: bool = False  # look for relays to become reachable from behind a NAT
     bootstrap_timeout: float = pydantic.Field(20.0, gt=0)  # total seconds spent retrying initial peers
     request_timeout: float = pydantic.Field(5.0, gt=0)  # one DHT request (store or get) at most
+    data_port: int = pydantic.Field(0, ge=0, le=65535)  # direct TCP for tensors; fixed for firewalls, 0 = any
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> NodeConfig:
@@ -49,8 +50,6 @@ class NodeConfig(pydantic.BaseModel):
         parse_peer_addresses(self.initial_peers)
         for address in self.announce_maddrs:
             parse_multiaddr(address)
-        if self.client_mode and not self.initial_peers:
-            raise ConfigError("a client-mode node accepts no connections, so it needs --initial-peers to join")
         return self
 
 
@@ -80,6 +79,8 @@ class SwarmNode:
         await self.shutdown()
 
     async def start(self) -> None:
+        if self.config.client_mode and not self.config.initial_peers:  # checked here: a Peer adds peers late
+            raise ConfigError("a client-mode node accepts no connections, so it needs --initial-peers to join")
         self.p2p = await self._start_daemon()
         try:
             self.dht = await DHTNode.create(

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 ENVELOPE_VERSION = 1
 MAX_RECORD_BYTES = 16 * 1024  # no record kind needs more; bigger ones are rejected unparsed
 MAX_CLOCK_SKEW = 60.0  # seconds a record's expiry may exceed its kind's TTL limit, for peers' clock drift
+UNKNOWN_KIND_MAX_TTL = 3600.0  # the longest any record kind may live
 
 
 class RecordBody(pydantic.BaseModel):
@@ -90,8 +91,14 @@ def seal(identity: Identity, key: str, body: RecordBody, expires: float) -> byte
     return envelope
 
 
-def open_envelope(envelope: bytes, *, now: float | None = None) -> SignedRecord:
-    """Check an envelope completely and return its parsed record; raise RecordError otherwise."""
+def open_envelope(envelope: bytes, *, now: float | None = None, known_kind: bool = True) -> SignedRecord:
+    """Check an envelope completely and return its parsed record; raise RecordError otherwise.
+
+    With ``known_kind=False`` a kind this process has no schema for is accepted on its envelope
+    alone (signature, owner, size, expiry within UNKNOWN_KIND_MAX_TTL) and its body left unparsed:
+    a bootstrap node, or an older peer, stores and serves record kinds that newer code added,
+    and the peers that read them check the body.
+    """
     if not isinstance(envelope, bytes):
         raise RecordError(f"record must be bytes, got {type(envelope).__name__}")
     if len(envelope) > MAX_RECORD_BYTES:
@@ -106,7 +113,7 @@ def open_envelope(envelope: bytes, *, now: float | None = None) -> SignedRecord:
     if fields["v"] != ENVELOPE_VERSION:
         raise RecordError(f"unsupported record version {fields['v']!r}")
     schema = _SCHEMAS.get(fields["kind"]) if isinstance(fields["kind"], str) else None
-    if schema is None:
+    if schema is None and (known_kind or not isinstance(fields["kind"], str) or len(fields["kind"]) > 32):
         raise RecordError(f"unknown record kind {fields['kind']!r}")
     for name, kind in (("key", str), ("subkey", str), ("expires", float), ("body", bytes), ("pub", bytes)):
         if not isinstance(fields[name], kind):
@@ -125,8 +132,11 @@ def open_envelope(envelope: bytes, *, now: float | None = None) -> SignedRecord:
     expires = fields["expires"]
     if not math.isfinite(expires) or expires <= now:
         raise RecordError("record has expired")
-    if expires > now + schema.max_ttl + MAX_CLOCK_SKEW:
-        raise RecordError(f"record expiry is more than {schema.max_ttl:.0f} s ahead")
+    max_ttl = schema.max_ttl if schema is not None else UNKNOWN_KIND_MAX_TTL
+    if expires > now + max_ttl + MAX_CLOCK_SKEW:
+        raise RecordError(f"record expiry is more than {max_ttl:.0f} s ahead")
+    if schema is None:
+        return SignedRecord(key=fields["key"], owner=signer, expires=expires, body=None)  # type: ignore[arg-type]
     try:
         body = schema.model_validate(msgpack.unpackb(fields["body"], raw=False))
     except Exception as error:
@@ -153,7 +163,7 @@ class SignedRecordValidator(RecordValidatorBase):
         if len(record.value) > MAX_RECORD_BYTES + 16:  # +16: msgpack's own header around the bytes
             raise RecordError(f"value of {len(record.value)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")
         envelope = MSGPackSerializer.loads(record.value)
-        opened = open_envelope(envelope)
+        opened = open_envelope(envelope, known_kind=False)
         if DHTID.generate(source=opened.key).to_bytes() != record.key:
             raise RecordError("record is filed under a different key than it was signed for")
         if record.subkey != MSGPackSerializer.dumps(opened.owner):

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_transfer import StateSnapshot
+from swarmgrad.averaging.state_transfer import StateSnapshot, layout
 from swarmgrad.errors import ConfigError
 from swarmgrad.version import __version__
 
@@ -61,6 +61,6 @@ def load_checkpoint(directory: Path, run_id: str) -> tuple[StateSnapshot, dict[s
     if payload.get("run_id") != run_id:
         raise ConfigError(f"checkpoint {path} belongs to run {payload.get('run_id')!r}, not {run_id!r}; "
                           "use another --checkpoint-dir")
-    if snapshot.nbytes != sum(t.numel() * t.element_size() for t in snapshot.tensors().values()):
+    if snapshot.nbytes != layout(snapshot.specs)[1]:
         raise ConfigError(f"checkpoint {path} is truncated; move it away to start fresh")
     return snapshot, dict(payload.get("extra") or {})

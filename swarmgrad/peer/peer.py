@@ -381,9 +381,7 @@ class Peer:
         if holder is not None and privacy_state is not None:
             holder.load_state_dict(privacy_state)  # a restart must not reset the privacy budget
         counters = extra.get("counters", {})
-        with self.tracker._lock:
-            self.tracker.local.total_steps = int(counters.get("steps", 0))
-            self.tracker.local.total_samples = int(counters.get("samples", 0))
+        self.tracker.resume_counters(int(counters.get("steps", 0)), int(counters.get("samples", 0)))
 
     async def _save_checkpoint(self) -> None:
         assert self.checkpoint_dir is not None and self._server is not None

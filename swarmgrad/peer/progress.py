@@ -238,6 +238,12 @@ class ProgressTracker:
         self._snapshot()
         return self.swarm
 
+    def resume_counters(self, steps: int, samples: int) -> None:
+        """Totals from a checkpoint; the rate starts over from them (they were not trained just now)."""
+        with self._lock:
+            self.local.total_steps, self.local.total_samples = steps, samples
+            self.local._rate_mark = (time.monotonic(), samples, steps)
+
     def add(self, samples: int) -> None:
         """Count one local step on ``samples`` samples (from the training thread)."""
         with self._lock:

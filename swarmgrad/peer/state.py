@@ -18,6 +18,8 @@ from swarmgrad.errors import ConfigError
 class StatefulStrategy(Protocol):
     def state_tensors(self) -> dict[str, torch.Tensor]: ...
 
+    def expected_state(self) -> dict[str, torch.Tensor]: ...
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
@@ -68,6 +70,13 @@ class TrainingState:
         optimizer_state = self._optimizer_state(tensors, snapshot.meta.get("optimizer_scalars", {}))
         strategy_part = {key.removeprefix("strategy/"): value for key, value in tensors.items()
                          if key.startswith("strategy/")}
+        expected = self.strategy.expected_state()
+        if set(strategy_part) != set(expected):
+            raise StateMismatch(f"state was kept by another strategy: it holds {sorted(strategy_part)[:3]}, "
+                                f"this peer's strategy needs {sorted(expected)[:3]}")
+        for key, value in strategy_part.items():
+            if value.shape != expected[key].shape:
+                raise StateMismatch(f"strategy state {key} is {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
         with torch.no_grad():
             self.model.load_state_dict({key: value.clone() for key, value in model_part.items()})
         current = self.optimizer.state_dict()

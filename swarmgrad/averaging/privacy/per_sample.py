@@ -5,6 +5,7 @@ Opacus's GradSampleModule computes the per-sample gradients; the clipping and no
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -35,6 +36,10 @@ class PerSamplePrivacy:
         self.privacy = Privacy.parse(**(privacy.model_dump() | {"sample_rate": sample_rate}))
         self.noise_multiplier = self.privacy.resolved_noise_multiplier()
         self.batch_size = batch_size
+        # the first layer's inputs need no gradient, so torch warns that Opacus's hook fires on its
+        # outputs: expected for per-sample gradients, and nothing a user can act on
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed",
+                                category=UserWarning)
         try:  # hooks go on the model's own submodules: model(x) and self.module(x) both record per-sample grads
             self.module = GradSampleModule(model, loss_reduction=loss_reduction)
         except (NotImplementedError, ValueError) as error:

@@ -83,9 +83,15 @@ class Strategy(ABC):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}
 
+    def expected_state(self) -> dict[str, torch.Tensor]:
+        """The tensors ``load_state_tensors`` fills, by name: what a state must hold to fit."""
+        return self.state_tensors()
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        if tensors:
-            raise ConfigError(f"strategy {self.name} keeps no state, but the state has {sorted(tensors)[:3]}")
+        """Copy a state's strategy tensors in; ``TrainingState`` has checked them against ``expected_state``."""
+        with torch.no_grad():
+            for name, target in self.expected_state().items():
+                target.copy_(tensors[name])
 
     def epoch_due(self, epoch: int, mean_steps: float | None = None, samples: float | None = None) -> bool:
         """Common test: the swarm moved on, somebody started averaging, or the target was reached."""

@@ -82,11 +82,7 @@ class DiLoCo(Strategy):
         return {f"momentum/{i}": m for i, m in enumerate(self.momentum)}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        expected = {f"momentum/{i}": m for i, m in enumerate(self.momentum)}
-        if set(tensors) != set(expected) or any(tensors[k].shape != v.shape for k, v in expected.items()):
-            raise ConfigError("diloco: the state's outer momentum does not fit this model")
+        super().load_state_tensors(tensors)
         with torch.no_grad():
-            for key, value in expected.items():
-                value.copy_(tensors[key])
             for start, param in zip(self.start, self.params):  # the state's parameters are the new start
                 start.copy_(param.detach())

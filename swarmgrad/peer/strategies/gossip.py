@@ -84,6 +84,3 @@ class GossipSGD(Strategy):
     def _copy_in(self) -> None:
         for param, value in zip(self.params, self.values):
             param.copy_(value)
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {}

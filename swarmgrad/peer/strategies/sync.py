@@ -23,6 +23,7 @@ class SyncSGD(Strategy):
             raise ConfigError(f"sync: target_batch_size must be within 1..1e9, got {target_batch_size}")
         self.target_batch_size = target_batch_size
         self.averager: Averager | None = None
+        self._is_mean = False  # accumulated holds a sum until the epoch's swarm step divides it
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, "target_batch_size": self.target_batch_size}
@@ -50,16 +51,22 @@ class SyncSGD(Strategy):
     async def swarm_step(self, epoch: int, attempt: int) -> SwarmStepOutcome:
         assert self.averager is not None
         samples = self.ctx.tracker.local.samples
-        if attempt == 0 and samples > 0:
-            for total in self.accumulated:  # from a sum to this peer's mean gradient
-                total.div_(samples)
+        self._to_mean(samples)
         report = await self.moshpit_round(self.averager, samples, epoch, attempt)
         if report.ok:
             self._apply()
         return SwarmStepOutcome(report.ok, report)
 
     def solo_step(self) -> None:
+        self._to_mean(self.ctx.tracker.local.samples)
         self._apply()
+
+    def _to_mean(self, samples: int) -> None:
+        """From the sum of batch_size * gradient to this peer's mean gradient, once per epoch."""
+        if not self._is_mean and samples > 0:
+            for total in self.accumulated:
+                total.div_(samples)
+        self._is_mean = True
 
     @torch.no_grad()
     def _apply(self) -> None:
@@ -69,8 +76,10 @@ class SyncSGD(Strategy):
         self.ctx.optimizer.zero_grad(set_to_none=True)
         for total in self.accumulated:
             total.zero_()
+        self._is_mean = False
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_state_tensors(tensors)
         for total in self.accumulated:  # gradients of the old parameters are of no use now
             total.zero_()
+        self._is_mean = False

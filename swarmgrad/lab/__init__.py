@@ -1,0 +1,10 @@
+"""``swarmgrad lab``: run a swarm on one machine over an emulated internet.
+
+:mod:`swarmgrad.lab.network` gives each peer its own network namespace and access link (rate,
+one-way delay, loss); :mod:`swarmgrad.lab.hub` is the userspace wire that adds the delay.
+Both import only the standard library and :mod:`swarmgrad.errors`.
+"""
+
+from swarmgrad.lab.network import EmulatedNetwork, LabTerminated, LinkSpec, cleanup, leftovers
+
+__all__ = ["EmulatedNetwork", "LabTerminated", "LinkSpec", "cleanup", "leftovers"]

@@ -1,0 +1,651 @@
+"""An emulated internet on one machine: one network namespace per peer, each with its own access link.
+
+Every peer ``i`` lives in namespace ``<prefix>-<i>`` and has one interface, ``lab0`` (a tun device),
+with address :func:`address` ``(i)`` in 10.77.0.0/16. Its :class:`LinkSpec` sets, for its access
+link to the rest of the lab:
+
+* ``up_mbit``: a tbf qdisc on ``lab0`` egress (what the peer sends);
+* ``down_mbit``: ingress on ``lab0`` is redirected (u32 + mirred) to an ifb device ``labdown``
+  whose tbf qdisc paces what the peer receives;
+* ``delay_ms``: one-way latency, added by the hub process (:mod:`swarmgrad.lab.hub`) that forwards
+  packets between the tun devices: a packet from ``a`` to ``b`` spends ``delay_a + delay_b`` on
+  the wire, so the round trip is ``2 * (delay_a + delay_b)``;
+* ``loss``: the chance that the link loses a packet that crosses it, in either direction. A packet
+  from ``a`` to ``b`` crosses both links, so it arrives with probability
+  ``(1 - loss_a) * (1 - loss_b)``. Both drops happen in ``b``'s INPUT chain (iptables statistic:
+  a per-source rule for ``a``'s uplink loss, then one rule for ``b``'s downlink loss), because a
+  drop on the sender's OUTPUT is not silent: ``sendto`` would fail with EPERM and TCP would retry
+  at once instead of seeing a loss. Side effect: a packet lost on ``a``'s uplink has still used
+  ``b``'s downlink.
+
+Namespaces have no default route and no NAT; the hub forwards only between lab addresses, so peers
+reach each other and nothing else.
+
+MTU: one MTU for the whole lab, large by default so the Python hub handles few packets per second;
+``mtu=None`` picks about 4 ms of serialization at the slowest finite link rate (1500..65000 bytes),
+which keeps per-packet latency small on slow links. Loss is per IP packet, so with large packets a
+given ``loss`` costs TCP less than it would on a 1500-byte internet path.
+
+Lifetime: ``with EmulatedNetwork(links) as net:`` builds everything and tears it down on exit,
+also on exceptions and KeyboardInterrupt. While the block runs, SIGTERM and SIGHUP raise
+:class:`LabTerminated` (a KeyboardInterrupt) in the main thread, so a CLI gets cleanup by catching
+KeyboardInterrupt outside the ``with`` and exiting with ``exc.exit_code`` (130 for Ctrl-C). If the
+lab's process is killed with SIGKILL, the hub exits by itself (its control pipe closes) and
+:func:`cleanup` ``(prefix)`` removes the namespaces and the peer processes left behind;
+:func:`stale_prefixes` lists labs whose owning process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import hashlib
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarmgrad.errors import ConfigError, StartupError
+
+# Marks every process the lab starts (hub and peers), so cleanup finds them even after their
+# namespace is gone; inherited by their children.
+ENV_MARKER = "SWARMGRAD_LAB"
+TUN_NAME = "lab0"
+IFB_NAME = "labdown"
+HOSTS_PER_OCTET = 250  # peer i -> 10.77.<i // 250>.<i % 250 + 1>; keep in sync with hub.py
+MAX_PEERS = HOSTS_PER_OCTET * 256
+SUBNET = "10.77.0.0/16"
+PREFIX_LEN = 16
+MIN_MTU, MAX_MTU = 1500, 65000
+SERIALIZATION_S = 0.004  # auto MTU: about this long on the wire at the slowest link
+QUEUE_S = 0.1  # tbf queue: this much data at the link rate (a modest home-router buffer)
+
+_NETNS_DIR = Path("/run/netns")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,150}$")
+_TUNSETIFF = 0x400454CA
+_IFF_TUN = 0x0001
+_IFF_NO_PI = 0x1000
+_TOOLS = {
+    "ip": "apt-get install -y iproute2",
+    "tc": "apt-get install -y iproute2",
+    "iptables": "apt-get install -y iptables",
+    "iptables-restore": "apt-get install -y iptables",
+}
+
+
+class LabTerminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived while a lab was open; raised so that ``with`` blocks unwind."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One peer's access link. Rates in Mbit/s (``math.inf``: unshaped), one-way delay in ms,
+    loss as the probability that a packet crossing this link (either way) is lost."""
+
+    up_mbit: float
+    down_mbit: float
+    delay_ms: float
+    loss: float
+
+    def __post_init__(self) -> None:
+        for name in ("up_mbit", "down_mbit"):
+            value = _number(self, name)
+            if not value > 0:
+                raise ConfigError(f"LinkSpec.{name} must be a positive rate in Mbit/s (math.inf for no limit), got {value!r}")
+        delay = _number(self, "delay_ms")
+        if not (math.isfinite(delay) and 0 <= delay <= 60_000):
+            raise ConfigError(f"LinkSpec.delay_ms must be a one-way delay between 0 and 60000 ms, got {delay!r}")
+        loss = _number(self, "loss")
+        if not 0 <= loss < 1:
+            raise ConfigError(f"LinkSpec.loss must be a probability in [0, 1), got {loss!r}")
+
+
+def _number(spec: LinkSpec, name: str) -> float:
+    value = getattr(spec, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigError(f"LinkSpec.{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def address(i: int) -> str:
+    """Peer ``i``'s IPv4 address in the lab (the address its processes should bind to)."""
+    if not 0 <= i < MAX_PEERS:
+        raise ConfigError(f"peer index must be in [0, {MAX_PEERS}), got {i}")
+    return f"10.77.{i // HOSTS_PER_OCTET}.{i % HOSTS_PER_OCTET + 1}"
+
+
+def namespace(prefix: str, i: int) -> str:
+    return f"{prefix}-{i}"
+
+
+def _tun_temp_name(prefix: str, i: int) -> str:
+    # A tun is created in the root namespace before it moves into its peer's namespace (where it
+    # is renamed lab0), so its first name must be unique on the machine, at most 15 characters,
+    # and derivable from the prefix so that cleanup can find one stranded by a crash.
+    return f"sg{hashlib.sha1(prefix.encode()).hexdigest()[:6]}t{i}"
+
+
+def _tun_temp_stem(prefix: str) -> str:
+    return _tun_temp_name(prefix, 0)[:-1]
+
+
+def default_prefix() -> str:
+    """``sglab-<pid>-<random>``: unique per run, and tells :func:`stale_prefixes` whose lab it is."""
+    return f"sglab-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def auto_mtu(links: Sequence[LinkSpec]) -> int:
+    rates = [r for link in links for r in (link.up_mbit, link.down_mbit) if math.isfinite(r)]
+    if not rates:
+        return MAX_MTU
+    return int(min(MAX_MTU, max(MIN_MTU, min(rates) * 1e6 / 8 * SERIALIZATION_S)))
+
+
+class EmulatedNetwork:
+    """A lab of ``len(links)`` peers; see the module docstring. Sync context manager.
+
+    ``popen(i, argv)`` runs a process in peer ``i``'s namespace (tracked: killed on exit, with its
+    process group); ``exec_argv(i, argv)`` gives the command line for callers that start processes
+    themselves (those are killed on exit too, as is anything else left in the namespaces).
+    """
+
+    def __init__(
+        self,
+        links: Sequence[LinkSpec],
+        prefix: str | None = None,
+        *,
+        mtu: int | None = None,
+        handle_signals: bool = True,
+        grace_s: float = 1.0,
+    ):
+        links = list(links)
+        if not links:
+            raise ConfigError("an emulated network needs at least one LinkSpec")
+        if len(links) > MAX_PEERS:
+            raise ConfigError(f"an emulated network holds at most {MAX_PEERS} peers, got {len(links)}")
+        for link in links:
+            if not isinstance(link, LinkSpec):
+                raise ConfigError(f"links must be LinkSpec values, got {link!r}")
+        if prefix is not None and not _PREFIX_RE.match(prefix):
+            raise ConfigError(f"lab prefix must be letters, digits, '_', '.', '-' (at most 151), got {prefix!r}")
+        if mtu is not None and not (isinstance(mtu, int) and MIN_MTU <= mtu <= MAX_MTU):
+            raise ConfigError(f"mtu must be an integer in [{MIN_MTU}, {MAX_MTU}], got {mtu!r}")
+        self.links = links
+        self.prefix = prefix or default_prefix()
+        self.mtu = mtu or auto_mtu(links)
+        self.handle_signals = handle_signals
+        self.grace_s = grace_s
+        self.tools: dict[str, str] = {}
+        self._procs: list[subprocess.Popen] = []
+        self._hub: subprocess.Popen | None = None
+        self._tun_fds: list[int] = []
+        self._old_handlers: dict[int, Any] = {}
+        self._started = False
+        self._closed = False
+        self._owns_prefix = False  # set once this object starts creating things under the prefix
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    def __enter__(self) -> EmulatedNetwork:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def namespace(self, i: int) -> str:
+        self._check_index(i)
+        return namespace(self.prefix, i)
+
+    def address(self, i: int) -> str:
+        self._check_index(i)
+        return address(i)
+
+    def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """Command line that runs ``argv`` inside peer ``i``'s namespace."""
+        return [self.tools.get("ip", "ip"), "netns", "exec", self.namespace(i), *argv]
+
+    def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` in peer ``i``'s namespace, in a new session (its own process group), tracked.
+
+        Keyword arguments go to ``subprocess.Popen``; ``env`` is extended with the lab's marker.
+        """
+        if not self._started or self._closed:
+            raise StartupError("the emulated network is not running: use popen inside `with EmulatedNetwork(...)`")
+        env = kwargs.pop("env", None)
+        env = dict(os.environ if env is None else env)
+        env[ENV_MARKER] = self.prefix
+        kwargs.setdefault("start_new_session", True)
+        process = subprocess.Popen(self.exec_argv(i, argv), env=env, **kwargs)
+        self._procs.append(process)
+        return process
+
+    @property
+    def hub_pid(self) -> int | None:
+        return self._hub.pid if self._hub else None
+
+    def start(self) -> None:
+        """Build the lab; on any failure (or interrupt) undo what was built and raise."""
+        if self._started:
+            raise StartupError("this EmulatedNetwork was already started; create a new one")
+        self._started = True
+        self._install_signal_handlers()
+        atexit.register(self.close)
+        try:
+            self.tools = check_requirements()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kill the lab's processes, stop the hub, delete the namespaces. Idempotent."""
+        if self._closed or not self._started:
+            return
+        self._closed = True
+        # A second Ctrl-C or SIGTERM must not abandon a half-done teardown.
+        deferred = _DeferredSignals()
+        try:
+            self._kill_tracked()
+            for fd in self._tun_fds:  # only set if start failed before the hub took them
+                _close_quietly(fd)
+            self._tun_fds = []
+            if self._owns_prefix:
+                _sweep(self.prefix, hub=self._hub)
+            self._hub = None
+        finally:
+            deferred.restore()
+            self._restore_signal_handlers()
+            atexit.unregister(self.close)
+            deferred.redeliver()
+
+    # -- building -------------------------------------------------------------------------------
+
+    def _check_index(self, i: int) -> None:
+        if not (isinstance(i, int) and 0 <= i < len(self.links)):
+            raise ConfigError(f"peer index must be in [0, {len(self.links)}), got {i!r}")
+
+    def _build(self) -> None:
+        n = len(self.links)
+        ip = self.tools["ip"]
+        existing = leftovers(self.prefix)
+        if existing:
+            # Not ours to touch: close() must not sweep it, so _owns_prefix stays False.
+            raise StartupError(f"lab prefix {self.prefix!r} is in use ({existing[0]}); pick another, or run "
+                               f"swarmgrad.lab.network.cleanup({self.prefix!r}) if that lab is dead")
+        self._owns_prefix = True
+        names = [namespace(self.prefix, i) for i in range(n)]
+        # Namespaces first, then the tuns (opened here, in the root namespace, so that this process
+        # holds their fds for the hub), then move each tun into its namespace.
+        _run([ip, "-batch", "-"], "\n".join(f"netns add {name}" for name in names) + "\n")
+        for i in range(n):
+            self._tun_fds.append(_open_tun(_tun_temp_name(self.prefix, i)))
+        _run([ip, "-batch", "-"], "".join(
+            f"link set {_tun_temp_name(self.prefix, i)} netns {names[i]}\n" for i in range(n)))
+        for i, link in enumerate(self.links):
+            self._configure(i, link)
+        self._start_hub()
+
+    def _configure(self, i: int, link: LinkSpec) -> None:
+        ns = namespace(self.prefix, i)
+        ip_lines = [
+            "link set lo up",
+            f"link set {_tun_temp_name(self.prefix, i)} name {TUN_NAME}",
+            # addrgenmode none: no IPv6 link-local address, so no router solicitations to forward.
+            f"link set {TUN_NAME} mtu {self.mtu} addrgenmode none",
+            f"addr add {address(i)}/{PREFIX_LEN} dev {TUN_NAME}",  # also the only route: the lab
+            f"link set {TUN_NAME} up",
+        ]
+        tc_lines = []
+        if math.isfinite(link.up_mbit):
+            tc_lines.append(f"qdisc add dev {TUN_NAME} root {self._tbf(link.up_mbit)}")
+        if math.isfinite(link.down_mbit):
+            ip_lines += [f"link add {IFB_NAME} type ifb", f"link set {IFB_NAME} addrgenmode none",
+                         f"link set {IFB_NAME} up"]
+            tc_lines += [
+                f"qdisc add dev {TUN_NAME} handle ffff: ingress",
+                # u32 matching everything: matchall is not built into every kernel.
+                (f"filter add dev {TUN_NAME} parent ffff: protocol all u32 match u32 0 0 "
+                 f"action mirred egress redirect dev {IFB_NAME}"),
+                f"qdisc add dev {IFB_NAME} root {self._tbf(link.down_mbit)}",
+            ]
+        _run([self.tools["ip"], "-n", ns, "-batch", "-"], "\n".join(ip_lines) + "\n")
+        if tc_lines:
+            _run([self.tools["tc"], "-n", ns, "-batch", "-"], "\n".join(tc_lines) + "\n")
+        rules = []
+        for j, other in enumerate(self.links):
+            if j != i and other.loss > 0:  # the sender's uplink loss, applied where it is silent
+                rules.append(f"-A INPUT -i {TUN_NAME} -s {address(j)}/32 {_random_drop(other.loss)}")
+        if link.loss > 0:  # this peer's downlink loss
+            rules.append(f"-A INPUT -i {TUN_NAME} {_random_drop(link.loss)}")
+        if rules:
+            script = "*filter\n" + "\n".join(rules) + "\nCOMMIT\n"
+            _run([self.tools["ip"], "netns", "exec", ns, self.tools["iptables-restore"]], script)
+
+    def _tbf(self, mbit: float) -> str:
+        rate_bytes = mbit * 1e6 / 8
+        # The bucket must hold a whole packet (tbf drops bigger ones); two let TCP keep the link
+        # busy. The queue holds QUEUE_S of data, and at least a few packets.
+        burst = max(2 * self.mtu, int(rate_bytes * 0.002))
+        limit = max(4 * self.mtu, int(rate_bytes * QUEUE_S))
+        return f"tbf rate {int(mbit * 1e6)}bit burst {burst} limit {limit}"
+
+    def _start_hub(self) -> None:
+        env = dict(os.environ)
+        env[ENV_MARKER] = self.prefix
+        # The hub imports swarmgrad.lab.hub; make sure it resolves to this checkout.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        argv = [
+            sys.executable, "-m", "swarmgrad.lab.hub", "--prefix", self.prefix,
+            "--tun-fds", ",".join(map(str, self._tun_fds)),
+            "--delays-ms", ",".join(repr(float(link.delay_ms)) for link in self.links),
+        ]
+        # stdin is the control pipe (EOF stops the hub); its own session keeps it out of the
+        # terminal's Ctrl-C, since this process decides when the wire goes away.
+        self._hub = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     pass_fds=self._tun_fds, start_new_session=True)
+        line = _readline_with_timeout(self._hub.stdout, 60.0)  # generous: a loaded machine is slow
+        if line.strip() != b"ready":
+            code = self._hub.poll()
+            raise StartupError(f"the lab's packet hub did not start (exit code {code}); see its stderr above")
+        # The hub has its own copies now; ours would keep the tuns alive after the hub is gone.
+        for fd in self._tun_fds:
+            _close_quietly(fd)
+        self._tun_fds = []
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def _kill_tracked(self) -> None:
+        # SIGTERM to each live process group, a grace period, then SIGKILL. Only groups whose leader
+        # is not yet reaped: a reaped leader's pid may belong to someone else by now. Group members
+        # that outlived their leader are still in the namespace (or carry the marker): _sweep.
+        live = [p for p in self._procs if p.poll() is None]
+        for process in live:
+            _killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for process in live:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for process in live:
+            if process.poll() is None:
+                _killpg(process.pid, signal.SIGKILL)
+        for process in live:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # -- signals --------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+
+        raised = False
+
+        def terminate(signum: int, _frame: object) -> None:
+            # Once only: a second SIGTERM while the first unwinds towards __exit__ must not abort
+            # the teardown before it starts (close() holds signals itself once it runs).
+            nonlocal raised
+            if not raised:
+                raised = True
+                raise LabTerminated(signum)
+
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[signum] = signal.signal(signum, terminate)
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._old_handlers = {}
+
+
+# -- requirements -------------------------------------------------------------------------------
+
+
+def check_requirements() -> dict[str, str]:
+    """Absolute paths of the tools the lab needs; StartupError saying what is missing and how to get it."""
+    if os.geteuid() != 0:
+        raise StartupError("the emulated network needs root (network namespaces, tun devices, tc, iptables); "
+                           "run it with sudo or as root")
+    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin", "/bin"])
+    tools: dict[str, str] = {}
+    missing = []
+    for tool, install in _TOOLS.items():
+        found = shutil.which(tool, path=search)
+        if found:
+            tools[tool] = found
+        else:
+            missing.append(f"{tool} ({install})")
+    if missing:
+        raise StartupError("the emulated network needs " + ", ".join(missing))
+    if not os.path.exists("/dev/net/tun"):
+        raise StartupError("the emulated network needs /dev/net/tun (the tun driver); "
+                           "in a container, pass --device /dev/net/tun")
+    return tools
+
+
+# -- leftovers and cleanup ----------------------------------------------------------------------
+
+
+def lab_namespaces(prefix: str) -> list[str]:
+    """The namespaces named ``<prefix>-<i>`` that exist now."""
+    pattern = re.compile(re.escape(prefix) + r"-\d+$")
+    try:
+        names = os.listdir(_NETNS_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted((name for name in names if pattern.match(name)), key=lambda s: int(s.rsplit("-", 1)[1]))
+
+
+def _root_links(prefix: str) -> list[str]:
+    stem = _tun_temp_stem(prefix)
+    return [name for _index, name in socket.if_nameindex() if name.startswith(stem) and name[len(stem):].isdigit()]
+
+
+def _lab_processes(prefix: str) -> dict[int, str]:
+    """Live (not zombie) processes in the lab's namespaces or carrying its marker: pid -> command."""
+    ns_ids = set()
+    for name in lab_namespaces(prefix):
+        try:
+            st = os.stat(_NETNS_DIR / name)
+            ns_ids.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+    marker = f"{ENV_MARKER}={prefix}".encode()
+    found: dict[int, str] = {}
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+            if stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] == b"Z":
+                continue  # exited, waiting to be reaped: holds no namespace or device
+            hit = False
+            if ns_ids:
+                st = os.stat(f"/proc/{pid}/ns/net")
+                hit = (st.st_dev, st.st_ino) in ns_ids
+            if not hit:
+                hit = marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if hit:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found[pid] = cmdline.strip()[:200]
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or a kernel thread
+    return found
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Everything of lab ``prefix`` that still exists: namespaces, root-namespace links, processes."""
+    items = [f"netns {name}" for name in lab_namespaces(prefix)]
+    items += [f"link {name}" for name in _root_links(prefix)]
+    items += [f"process {pid} {cmd}" for pid, cmd in sorted(_lab_processes(prefix).items())]
+    return items
+
+
+def cleanup(prefix: str) -> list[str]:
+    """Remove what is left of lab ``prefix`` (e.g. after its process was SIGKILLed); returns what it found."""
+    if not _PREFIX_RE.match(prefix):
+        raise ConfigError(f"not a lab prefix: {prefix!r}")
+    found = leftovers(prefix)
+    _sweep(prefix, hub=None)
+    return found
+
+
+def stale_prefixes() -> list[str]:
+    """Prefixes of default-named labs (``sglab-<pid>-<hex>``) whose owning process is gone."""
+    pattern = re.compile(r"^(sglab-(\d+)-[0-9a-f]+)-\d+$")
+    stale = set()
+    for name in os.listdir(_NETNS_DIR) if _NETNS_DIR.exists() else []:
+        match = pattern.match(name)
+        if match and not Path(f"/proc/{match.group(2)}").exists():
+            stale.add(match.group(1))
+    return sorted(stale)
+
+
+def _sweep(prefix: str, hub: subprocess.Popen | None) -> None:
+    """Kill the lab's processes, stop the hub, delete namespaces and stray links. Best effort, in order."""
+    # Whatever still runs in the namespaces (started via exec_argv, or children that left their
+    # process group) goes first, and hard: the tracked processes already had their grace period.
+    _kill_all(lambda: {pid for pid in _lab_processes(prefix) if hub is None or pid != hub.pid})
+    if hub is not None:
+        if hub.stdin:
+            _close_quietly(hub.stdin)  # EOF on the control pipe: the hub exits and its tuns vanish
+        try:
+            hub.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            hub.kill()
+            hub.wait(timeout=5)
+        if hub.stdout:
+            _close_quietly(hub.stdout)
+    _kill_all(lambda: set(_lab_processes(prefix)))
+    ip = shutil.which("ip", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])) or "ip"
+    names = lab_namespaces(prefix)
+    if names:
+        # Deleting the name frees the namespace once no process is left in it; with it go its ifb
+        # device, qdiscs and iptables rules.
+        _run([ip, "-force", "-batch", "-"], "".join(f"netns del {name}\n" for name in names), check=False)
+    for link in _root_links(prefix):
+        _run([ip, "link", "del", link], check=False)
+
+
+def _kill_all(current: Any, timeout: float = 5.0) -> None:
+    pids = current()
+    deadline = time.monotonic() + timeout
+    while pids and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.02)
+        pids = current()
+
+
+# -- small helpers ------------------------------------------------------------------------------
+
+
+def _random_drop(probability: float) -> str:
+    return f"-m statistic --mode random --probability {probability:.6f} -j DROP"
+
+
+def _run(argv: list[str], stdin: str | None = None, check: bool = True) -> None:
+    result = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
+    if check and result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip()
+        raise StartupError(f"building the emulated network failed: `{' '.join(argv)}` exited "
+                           f"{result.returncode}: {detail[-600:]}")
+
+
+def _open_tun(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
+    except OSError as error:
+        os.close(fd)
+        raise StartupError(f"could not create tun device {name}: {error}") from error
+    return fd
+
+
+def _readline_with_timeout(stream: Any, timeout: float) -> bytes:
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            return b""
+    return stream.readline()
+
+
+def _close_quietly(thing: Any) -> None:
+    try:
+        if isinstance(thing, int):
+            os.close(thing)
+        else:
+            thing.close()
+    except OSError:
+        pass
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _DeferredSignals:
+    """Holds SIGINT/SIGTERM/SIGHUP during teardown (a second Ctrl-C must not abandon it half done),
+    then delivers them again once the caller's own handlers are back."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.saved: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {s: signal.signal(s, self._hold) for s in self.SIGNALS}
+
+    def _hold(self, signum: int, _frame: object) -> None:
+        if signum not in self.pending:
+            self.pending.append(signum)
+
+    def restore(self) -> None:
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self.saved = {}
+
+    def redeliver(self) -> None:
+        for signum in self.pending:
+            signal.raise_signal(signum)
+
+
+__all__ = [
+    "EmulatedNetwork", "LabTerminated", "LinkSpec", "address", "auto_mtu", "check_requirements",
+    "cleanup", "default_prefix", "lab_namespaces", "leftovers", "namespace", "stale_prefixes",
+]

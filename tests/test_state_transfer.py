@@ -1,0 +1,405 @@
+"""State transfer on real p2pd nodes: a joiner downloads a donor's state in parts spread over donors.
+
+Three nodes on loopback (one joiner, two donors) live for the whole module on a background event
+loop; each test serves its snapshots under its own protocol name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swarmgrad.averaging import state_transfer
+from swarmgrad.averaging.state_transfer import StateServer, StateSnapshot, StateTransferError, download_state
+from swarmgrad.averaging.transport import Libp2pTransport
+from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.peer.state import TrainingState
+from swarmgrad.peer.strategies import DiLoCo
+from swarmgrad.peer.strategies.base import cpu_buffers
+from swarmgrad.runtime import BackgroundLoop
+
+_protocols = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    loop = BackgroundLoop("state-transfer-test")
+    stack = AsyncExitStack()
+
+    async def start():
+        joiner = await stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1")))
+        donors = await asyncio.gather(*(
+            stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1", initial_peers=joiner.maddrs)))
+            for _ in range(2)))
+        return joiner, donors
+
+    try:
+        joiner, donors = loop.run(start(), timeout=60)
+        yield SimpleNamespace(loop=loop, joiner=joiner, donors=donors,
+                              transports=[Libp2pTransport(node.p2p) for node in (joiner, *donors)])
+    finally:
+        loop.run(stack.aclose(), timeout=30)
+        loop.close()
+
+
+def run(swarm, coroutine, seconds: float = 30.0):
+    return swarm.loop.run(coroutine, timeout=seconds)
+
+
+def new_protocol() -> str:
+    return f"swarmgrad/test-state-{next(_protocols)}/state"
+
+
+class CountingServer(StateServer):
+    """A StateServer that records which parts it served."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.served: list[int] = []
+        self.described = 0
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+
+        async def counting_send(header, payload=b""):
+            await send(header, payload)
+            if header.get("t") == "part":
+                self.served.append(header["index"])
+            elif header.get("t") == "state":
+                self.described += 1
+
+        channel.send = counting_send
+        await super()._serve(channel)
+
+
+class QuitAfterOnePart(CountingServer):
+    """Serves one part, then drops the stream (the donor crashed or left mid-download)."""
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+        quit_now = asyncio.Event()
+
+        async def send_then_maybe_quit(header, payload=b""):
+            await send(header, payload)
+            if header.get("t") == "part":
+                quit_now.set()
+
+        channel.send = send_then_maybe_quit
+        serving = asyncio.ensure_future(super()._serve(channel))
+        waiting = asyncio.ensure_future(quit_now.wait())
+        await asyncio.wait({serving, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (serving, waiting):
+            task.cancel()
+        await asyncio.gather(serving, waiting, return_exceptions=True)
+        # returning closes the stream (Libp2pTransport's handler closes the channel)
+
+
+class StallAfterOnePart(CountingServer):
+    """Serves one part, then keeps the stream open and never answers again (a hung donor)."""
+
+    async def _serve(self, channel) -> None:
+        while True:
+            request = await channel.recv(max_payload=0)
+            if request.kind == "describe":
+                latest = self.latest
+                await channel.send({"t": "state", "version": latest.version, "digest": latest.digest,
+                                    "nbytes": latest.nbytes}, latest.describe())
+            elif self.served:
+                await asyncio.sleep(3600)
+            else:
+                index = request.header["index"]
+                part = latest.data[index * state_transfer.PART_BYTES: (index + 1) * state_transfer.PART_BYTES]
+                await channel.send({"t": "part", "version": latest.version, "index": index},
+                                   memoryview(part.numpy()))
+                self.served.append(index)
+
+
+class LyingServer(CountingServer):
+    """Describes its snapshot with a wrong byte count (``nbytes + lie``)."""
+
+    lie = 8
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+
+        async def lying_send(header, payload=b""):
+            if header.get("t") == "state":
+                header = {**header, "nbytes": header["nbytes"] + self.lie}
+            await send(header, payload)
+
+        channel.send = lying_send
+        await super()._serve(channel)
+
+
+class ShortPartServer(CountingServer):
+    """Describes honestly but sends every part one byte short."""
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+
+        async def short_send(header, payload=b""):
+            if header.get("t") == "part":
+                payload = payload[:-1]
+            await send(header, payload)
+
+        channel.send = short_send
+        await super()._serve(channel)
+
+
+@asynccontextmanager
+async def serving(swarm, protocol: str, snapshots: list[StateSnapshot | None], kinds: list[type] | None = None):
+    """Donor i serves snapshots[i] (None: nothing published) with a server of kinds[i]."""
+    kinds = kinds or [CountingServer] * len(snapshots)
+    async with AsyncExitStack() as stack:
+        servers = []
+        for transport, snapshot, kind in zip(swarm.transports[1:], snapshots, kinds):
+            server = await stack.enter_async_context(kind(transport, protocol))
+            if snapshot is not None:
+                server.publish(snapshot)
+            servers.append(server)
+        yield servers
+
+
+def big_state(version: int = 1, megabytes: float = 10.0, seed: int = 0) -> StateSnapshot:
+    generator = torch.Generator().manual_seed(seed)
+    floats = int(megabytes * 1024 * 1024 / 4)
+    tensors = {
+        "steps": torch.tensor([version, 2**40], dtype=torch.int64),
+        "model/big": torch.randn(floats, generator=generator),
+        "model/matrix": torch.randn(33, 17, generator=generator),
+        "model/half": torch.randn(10, generator=generator).half(),
+        "mask": torch.tensor([True, False, True]),
+    }
+    return StateSnapshot.capture(version, tensors, {"epoch": version, "strategy": {"name": "diloco"}})
+
+
+def assert_same(got: StateSnapshot, want: StateSnapshot) -> None:
+    assert got.version == want.version and got.specs == want.specs and got.meta == want.meta
+    assert got.nbytes == want.nbytes and torch.equal(got.data, want.data)
+
+
+def donor_ids(swarm) -> list[str]:
+    return [node.peer_id for node in swarm.donors]
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+
+
+def test_download_spreads_parts_over_both_donors(swarm):
+    snapshot = big_state(version=4)
+    parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    assert parts >= 3
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            return got, [sorted(server.served) for server in servers]
+
+    got, served = run(swarm, scenario())
+    assert_same(got, snapshot)
+    assert all(served), f"every donor should serve a share, got {served}"
+    assert sorted(served[0] + served[1]) == list(range(parts))  # each part fetched exactly once
+
+
+def test_many_small_parts_are_spread_and_complete(swarm, monkeypatch):
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 64 * 1024)
+    snapshot = big_state(version=2, megabytes=2.0, seed=1)
+    parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            return got, [server.served for server in servers]
+
+    got, served = run(swarm, scenario())
+    assert_same(got, snapshot)
+    assert all(served) and sorted(served[0] + served[1]) == list(range(parts))
+
+
+def test_freshest_version_wins(swarm):
+    old, new = big_state(version=3, megabytes=0.5, seed=1), big_state(version=5, megabytes=0.5, seed=2)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [old, new]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            with pytest.raises(StateTransferError, match="version >= 6"):
+                await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20, min_version=6)
+            return got, [server.served for server in servers]
+
+    got, served = run(swarm, scenario())
+    assert_same(got, new)
+    assert served[0] == [] and served[1]  # nothing from the older donor
+
+
+def test_donor_keeps_the_previous_version_for_a_download_in_progress(swarm):
+    first, second, third = (big_state(version=v, megabytes=0.1, seed=v) for v in (1, 2, 3))
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [first]) as (server,):
+            server.publish(second)
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm)[:1], seconds=20)
+            server.publish(third)  # keeps 2 and 3, drops 1
+            assert sorted(server._snapshots) == [2, 3]
+            return got
+
+    assert_same(run(swarm, scenario()), second)
+
+
+def test_donor_that_quits_mid_download_is_replaced_by_the_other(swarm, monkeypatch):
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)
+    snapshot = big_state(version=7, megabytes=4.0, seed=3)
+    parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot], [QuitAfterOnePart, CountingServer]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            return got, [server.served for server in servers]
+
+    got, (quitter, healthy) = run(swarm, scenario())
+    assert_same(got, snapshot)
+    assert len(quitter) == 1
+    assert set(quitter) | set(healthy) == set(range(parts))
+    assert len(healthy) in (parts - 1, parts)  # the quitter's one part may or may not have arrived
+
+
+def test_donor_that_hangs_mid_download_does_not_block_the_other(swarm, monkeypatch):
+    """A donor that stops answering (stream still open) must not hold the download hostage."""
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)
+    snapshot = big_state(version=7, megabytes=2.0, seed=4)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot], [StallAfterOnePart, CountingServer]):
+            return await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=5)
+
+    assert_same(run(swarm, scenario()), snapshot)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_state_with_nan_is_refused(swarm, bad):
+    tensors = {"model/w": torch.randn(1000), "model/b": torch.randn(10)}
+    tensors["model/w"][123] = bad
+    poisoned = StateSnapshot.capture(9, tensors)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [poisoned]):
+            with pytest.raises(StateTransferError, match="model/w"):
+                await download_state(swarm.transports[0], protocol, donor_ids(swarm)[:1], seconds=20)
+
+    run(swarm, scenario())
+
+
+@pytest.mark.parametrize("lie", [8, -4, 2**50])
+def test_donor_lying_about_its_size_is_refused(swarm, lie):
+    snapshot = big_state(version=5, megabytes=0.2)
+    liar = type("Liar", (LyingServer,), {"lie": lie})
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot], [liar]) as (server,):
+            with pytest.raises(StateTransferError, match="none of 1"):
+                await download_state(swarm.transports[0], protocol, donor_ids(swarm)[:1], seconds=20)
+            assert server.described == 1 and server.served == []
+        # next to an honest donor, the liar is skipped and the honest one serves everything
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot], [liar, CountingServer]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            return got, [server.served for server in servers]
+
+    got, (lied, honest) = run(swarm, scenario())
+    assert_same(got, snapshot)
+    assert lied == [] and honest
+
+
+def test_donor_sending_short_parts_is_dropped(swarm, monkeypatch):
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 128 * 1024)
+    snapshot = big_state(version=5, megabytes=1.0, seed=5)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot], [ShortPartServer, CountingServer]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            return got, [server.served for server in servers]
+
+    got, (short, honest) = run(swarm, scenario())
+    assert_same(got, snapshot)
+    assert len(short) == 1  # its first part is refused and it gets no second chance
+    assert len(honest) == math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+
+
+def test_no_donors_or_no_state_is_an_error(swarm):
+    async def scenario():
+        with pytest.raises(StateTransferError, match="no peer"):
+            await download_state(swarm.transports[0], new_protocol(), [], seconds=5)
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [None, None]):  # serving, but nothing published yet
+            with pytest.raises(StateTransferError, match="none of 2"):
+                await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=5)
+        with pytest.raises(StateTransferError):  # nobody serves this protocol at all
+            await download_state(swarm.transports[0], new_protocol(), donor_ids(swarm), seconds=5)
+
+    run(swarm, scenario())
+
+
+def test_training_state_round_trip_through_a_download(swarm):
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        strategy = DiLoCo(inner_steps=5)
+        strategy.params = [p for group in optimizer.param_groups for p in group["params"]]
+        strategy.start = [p.detach().clone() for p in strategy.params]
+        strategy.delta, strategy.momentum = cpu_buffers(strategy.params), cpu_buffers(strategy.params)
+        return model, optimizer, strategy, TrainingState(model, optimizer, strategy)
+
+    def train(model, optimizer, steps: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+
+    model, optimizer, strategy, state = build(0)
+    train(model, optimizer, 3, seed=1)
+    for momentum in strategy.momentum:
+        momentum.normal_()
+    snapshot = state.capture(6, {"strategy": strategy.config()})
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot]):
+            return await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20, min_version=6)
+
+    downloaded = run(swarm, scenario())
+    assert_same(downloaded, snapshot)
+    other_model, other_optimizer, other_strategy, other_state = build(1)
+    other_state.restore(downloaded)
+
+    for (name, a), b in zip(model.named_parameters(), other_model.parameters()):
+        assert torch.equal(a, b), name
+    mine, theirs = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
+    assert set(mine) == set(theirs) == set(range(4))
+    for index in mine:
+        assert set(mine[index]) == set(theirs[index]) == {"step", "exp_avg", "exp_avg_sq"}
+        for key in mine[index]:
+            assert torch.equal(mine[index][key], theirs[index][key]), (index, key)
+    for a, b in zip(strategy.momentum, other_strategy.momentum):
+        assert torch.equal(a, b)
+    # both continue identically
+    train(model, optimizer, 2, seed=9)
+    train(other_model, other_optimizer, 2, seed=9)
+    for a, b in zip(model.parameters(), other_model.parameters()):
+        assert torch.equal(a, b)
