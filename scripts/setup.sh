@@ -31,4 +31,11 @@ if [ ! -d /usr/share/datasets/fashion-mnist ]; then
              "or pass --data-dir to the fashion-mnist task" >&2
     fi
 fi
+# The swarm lab (network namespaces with rate limits, delay and loss) needs iproute2 and iptables.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v iptables >/dev/null; then
+    echo "setup: installing iptables (for the swarm lab)" >&2
+    apt-get install -y -qq iptables iproute2 >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null && apt-get install -y -qq iptables iproute2 >/dev/null; } \
+        || echo "setup: warning: could not install iptables; 'swarmgrad lab' will say what is missing" >&2
+fi
 echo "setup: done ($(.venv/bin/swarmgrad --version))" >&2

@@ -155,6 +155,7 @@ def peer(
     no_final_eval: bool = typer.Option(False, "--no-final-eval", help="Skip the held-out evaluation at the end.", rich_help_panel="Local"),
     checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Resume from and save checkpoints to this directory.", rich_help_panel="Local"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's).", rich_help_panel="Local"),
+    slowdown: float = typer.Option(1.0, "--slowdown", min=1.0, max=100.0, help="Emulate slower hardware: each step takes this many times longer (the swarm lab's stragglers).", rich_help_panel="Local"),
     host: str = Host,
     port: int = Port,
     data_port: int = typer.Option(0, "--data-port", min=0, max=65535, help="TCP port for direct tensor traffic (0: any free one); open it in firewalls."),
@@ -185,7 +186,7 @@ def peer(
     local = LocalOptions(shard=shard, num_shards=num_shards, data_dir=data_dir, max_seconds=max_seconds,
                          max_steps=max_steps, target_accuracy=target_accuracy, eval_every=eval_every,
                          final_eval=not no_final_eval, checkpoint_dir=checkpoint_dir, threads=threads,
-                         trusted_network=trusted_network, wait_peers=wait_peers, wait_seconds=wait)
+                         trusted_network=trusted_network, wait_peers=wait_peers, wait_seconds=wait, slowdown=slowdown)
     if target_accuracy is not None and eval_every == 0:
         typer.echo("error: --target-accuracy needs evaluations: set --eval-every > 0", err=True)
         raise typer.Exit(EXIT_CONFIG_ERROR)

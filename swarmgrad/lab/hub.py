@@ -133,6 +133,22 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
+def _raise_priority() -> None:
+    """Run the wire ahead of the peers: on a busy machine a descheduled hub adds delay (and jitter)
+    that no LinkSpec asked for. Real-time round-robin when allowed (the hub sleeps in epoll and uses
+    a few percent of a core, and the kernel's RT throttling still reserves time for everything
+    else), otherwise the best nice value we may take."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))
+        return
+    except (OSError, AttributeError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m swarmgrad.lab.hub", description=__doc__.split("\n")[0])
     parser.add_argument("--prefix", required=True, help="the lab's id (lets cleanup find this process)")
@@ -142,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     # Signals end the hub quietly; the lab that started it does the cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    _raise_priority()
     hub = Hub(args.tun_fds, [ms / 1000.0 for ms in args.delays_ms], control_fd=sys.stdin.fileno())
     hub.run()
     return 0

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from swarmgrad.averaging.privacy import Privacy, make_per_sample_private
+from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
 from swarmgrad.averaging.state_transfer import StateServer, StateTransferError, download_state
 from swarmgrad.averaging.transport import Libp2pTransport
 from swarmgrad.dht.membership import Membership, check_run_id
@@ -364,12 +364,9 @@ class Peer:
                                 if key not in ("group", "contributors", "transports", "pushed_to", "failed")}
         counters.last_report["peers"] = len(getattr(report, "group", getattr(report, "pushed_to", [])))
 
-    def _releaser(self):
-        for name in ("averager", "moshpit", "gossip"):
-            averager = getattr(self.strategy, name, None)
-            if averager is not None and getattr(averager, "releaser", None) is not None:
-                return averager.releaser
-        return None
+    def _releaser(self) -> PrivateReleaser | None:
+        """The accountant of update-level privacy (None without it, or with per-sample privacy)."""
+        return next((a.releaser for a in self.strategy.averagers() if a.releaser is not None), None)
 
     def _privacy_state(self) -> dict[str, Any] | None:
         holder = self.per_sample if self.per_sample is not None else self._releaser()

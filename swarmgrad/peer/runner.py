@@ -66,6 +66,7 @@ class LocalOptions:
     trusted_network: bool = False
     progress_refresh: float = 1.0
     wait_peers: int = 1  # wait until this many peers train in the run before starting
+    slowdown: float = 1.0  # emulate slower hardware: each local step takes this many times longer
     wait_seconds: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -165,9 +166,12 @@ def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOpti
             if local.max_steps is not None and peer.status().step >= local.max_steps:
                 reason = "max_steps"
                 break
+            tick = time.monotonic()
             inputs, targets = next(batches)
             loss = task.loss_fn(model(inputs), targets)
             loss.backward()
+            if local.slowdown > 1:  # forward and backward dominate a step: stretch them, not averaging
+                time.sleep((local.slowdown - 1) * (time.monotonic() - tick))
             peer.step(batch_size=len(targets), loss=loss)
             now = time.monotonic()
             if now - last_progress >= PROGRESS_EVERY:

@@ -77,6 +77,10 @@ class Strategy(ABC):
     async def swarm_step(self, epoch: int, attempt: int) -> SwarmStepOutcome:
         """Average with the swarm and apply the result; on failure change nothing."""
 
+    def averagers(self) -> list[Any]:
+        """The averagers this strategy opened (for the peer's privacy accounting)."""
+        return []
+
     def solo_step(self) -> None:
         """Finish the epoch without the swarm (nobody else is training), from local values only."""
 

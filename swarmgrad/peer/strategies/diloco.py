@@ -43,6 +43,9 @@ class DiLoCo(Strategy):
         self.averager = self.moshpit_averager({f"delta{i}": d for i, d in enumerate(self.delta)})
         await self.averager.__aenter__()
 
+    def averagers(self) -> list[Any]:
+        return [self.averager] if self.averager is not None else []
+
     async def close(self) -> None:
         if self.averager is not None:
             await self.averager.__aexit__(None, None, None)

@@ -48,6 +48,9 @@ class GossipSGD(Strategy):
             self.moshpit = self.moshpit_averager(named)
             await self.moshpit.__aenter__()
 
+    def averagers(self) -> list[Any]:
+        return [a for a in (self.gossip, self.moshpit) if a is not None]
+
     async def close(self) -> None:
         for averager in (self.gossip, self.moshpit):
             if averager is not None:

@@ -35,6 +35,9 @@ class SyncSGD(Strategy):
         self.averager = self.moshpit_averager({f"grad{i}": g for i, g in enumerate(self.accumulated)})
         await self.averager.__aenter__()
 
+    def averagers(self) -> list[Any]:
+        return [self.averager] if self.averager is not None else []
+
     async def close(self) -> None:
         if self.averager is not None:
             await self.averager.__aexit__(None, None, None)
