@@ -25,6 +25,7 @@ from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
+SHUTDOWN_SECONDS = 10.0
 
 
 class NodeConfig(pydantic.BaseModel):
@@ -100,11 +101,18 @@ class SwarmNode:
         logger.info("node %s up, listening on %s", self.peer_id, " ".join(self.maddrs) or "nothing (client mode)")
 
     async def shutdown(self) -> None:
+        """Stop the DHT and the daemon; bounded, so a daemon that died (or hangs) cannot hold a peer up."""
         if self.dht is not None:
-            await self.dht.protocol.shutdown()
+            try:
+                await asyncio.wait_for(self.dht.protocol.shutdown(), timeout=SHUTDOWN_SECONDS)
+            except (asyncio.TimeoutError, OSError, ConnectionError) as error:
+                logger.warning("DHT did not shut down cleanly (%s); stopping the daemon anyway", type(error).__name__)
             self.dht = None
         if self.p2p is not None:
-            await self.p2p.shutdown()  # waits for p2pd to exit
+            try:
+                await asyncio.wait_for(self.p2p.shutdown(), timeout=SHUTDOWN_SECONDS)  # waits for p2pd to exit
+            except (asyncio.TimeoutError, OSError, ConnectionError) as error:
+                logger.warning("p2pd did not stop within %.0f s (%s)", SHUTDOWN_SECONDS, type(error).__name__)
             self.p2p = None
 
     @property

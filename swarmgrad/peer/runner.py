@@ -101,7 +101,7 @@ def resolve_run(config: NodeConfig, run_id: str, task: str | None, create: bool,
     if conflicts:
         raise ConfigError(f"run {run_id!r} fixes {', '.join(sorted(conflicts))} in its manifest; drop those flags "
                           f"to join it (the run uses {json.dumps({k: options[k] for k in sorted(conflicts)})})")
-    return manifest.task, options, manifest
+    return task or manifest.task, options, manifest  # a different TASK is refused by check_compatible
 
 
 def explicit_data_dir(explicit: dict[str, Any]) -> str | None:

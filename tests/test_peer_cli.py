@@ -1,0 +1,245 @@
+"""`swarmgrad peer` end to end: real peer processes, real p2pd daemons, loopback only, the digits task.
+
+Each test starts a bootstrap node and a few `swarmgrad peer ... --json` processes, reads their event
+lines (ready, progress, eval, done) and checks what the swarm did. Every peer uses --threads 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import signal
+import time
+
+import pytest
+
+from peer_processes import PeerProcess, Swarm
+
+
+@pytest.fixture
+def swarm():
+    """``swarm(prefix)`` starts a bootstrap node for a fresh run id; every process it starts is ended after the test."""
+    started: list[Swarm] = []
+
+    def start(prefix: str = "peer-cli") -> Swarm:
+        run = Swarm(f"{prefix}-{secrets.token_hex(4)}")
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.close()
+
+
+def finished(peer: PeerProcess, timeout: float) -> dict:
+    """The peer's `done` event, after it exited with code 0."""
+    done = peer.done(timeout)
+    code = peer.wait_exit(20)
+    assert code == 0, peer.describe()
+    assert not peer.bad_lines, peer.bad_lines
+    return done
+
+
+def check_event_lines(peer: PeerProcess) -> None:
+    """Every stdout line is a JSON event with a time stamp."""
+    assert peer.events and len(peer.events) == len(peer.lines), peer.describe()
+    assert all(isinstance(event.get("t"), float) and abs(event["t"] - time.time()) < 600 for event in peer.events)
+    kinds = [event["event"] for event in peer.events]
+    assert kinds[0] == "ready" and kinds[-1] == "done" and kinds.count("done") == 1, kinds
+
+
+# a loaded 2-core machine can take half a minute to start three peers: wait for each other that long
+PATIENT = ["--wait", "90"]
+
+STRATEGIES = {
+    "diloco": ["--strategy", "diloco", "--inner-steps", "20"],
+    "sync": ["--strategy", "sync", "--target-batch-size", "512"],
+    "gossip": ["--strategy", "gossip", "--gossip-every", "4", "--averaging", "gossip"],
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_three_peers_train_digits_together(swarm, strategy):
+    run = swarm(f"strategy-{strategy}")
+    peers = [run.peer(*STRATEGIES[strategy], "--shard", str(shard), "--num-shards", "3", "--max-seconds", "10",
+                      "--eval-every", "0", "--wait-peers", "3", *PATIENT, name=f"{strategy}{shard}")
+             for shard in range(3)]
+    readies = [peer.ready(90) for peer in peers]
+    assert sorted(ready["shard"] for ready in readies) == [0, 1, 2]
+    assert all(ready["num_shards"] == 3 and ready["task"] == "digits" for ready in readies)
+    assert all(ready["options"]["strategy"]["name"] == strategy for ready in readies)
+    assert len({ready["peer_id"] for ready in readies}) == 3
+
+    dones = [finished(peer, 60) for peer in peers]
+    for peer, done in zip(peers, dones):
+        check_event_lines(peer)
+        status = done["status"]
+        assert done["reason"] == "max_seconds", done
+        assert done["final"] is not None and done["final"]["accuracy"] >= 0.80, (peer.name, done)
+        assert status["rounds_ok"] >= 1 and status["bytes_sent"] > 0, (peer.name, status)
+        assert status["bytes_received"] > 0, (peer.name, status)
+        assert status["step"] > 0 and status["samples"] > 0
+        assert max(event["peers"] for event in peer.of("progress")) == 3, peer.describe()  # it saw the others
+
+
+def test_private_peers_report_growing_epsilon(swarm):
+    run = swarm("privacy")
+    peers = [run.peer("--strategy", "diloco", "--inner-steps", "20", "--privacy-clip", "1.0", "--privacy-noise", "0.5",
+                      "--shard", str(shard), "--num-shards", "2", "--max-seconds", "12", "--eval-every", "0",
+                      "--wait-peers", "2", *PATIENT, name=f"private{shard}")
+             for shard in range(2)]
+    for peer in peers:
+        ready = peer.ready(90)
+        assert ready["options"]["privacy"]["noise_multiplier"] == 0.5
+        assert ready["options"]["privacy"]["level"] == "sample"
+
+    # while they train, `swarmgrad status` lists both with the privacy they spent
+    for peer in peers:
+        peer.wait_event("progress", 30, lambda event: event["epsilon"] is not None and event["epsilon"] > 0)
+    ids = {peer.last("ready")["peer_id"] for peer in peers}
+    deadline, members = time.monotonic() + 20, []
+    while time.monotonic() < deadline:
+        result = run.run("status", "--run-id", run.run_id, "--initial-peers", run.bootstrap.maddr, "--json")
+        assert result.returncode == 0, result.stderr
+        members = {member["peer_id"]: member for member in json.loads(result.stdout)}
+        if ids <= set(members) and all(isinstance(members[i].get("epsilon"), float) for i in ids):
+            break
+        time.sleep(0.5)
+    assert ids <= set(members), members
+    for peer_id in ids:
+        assert members[peer_id]["role"] == "peer"
+        assert isinstance(members[peer_id]["epsilon"], float) and members[peer_id]["epsilon"] > 0, members[peer_id]
+
+    for peer in peers:
+        done = finished(peer, 60)
+        assert done["final"]["accuracy"] >= 0.70, (peer.name, done)
+        assert done["status"]["rounds_ok"] >= 1, done["status"]
+        epsilons = [event["epsilon"] for event in peer.of("progress")]
+        assert all(isinstance(e, float) and math.isfinite(e) and e > 0 for e in epsilons), epsilons
+        assert all(later >= earlier for earlier, later in zip(epsilons, epsilons[1:])), epsilons
+        assert epsilons[-1] > epsilons[0], epsilons
+        assert done["status"]["epsilon"] == pytest.approx(epsilons[-1])
+
+
+def test_mid_run_joiner_downloads_the_swarms_state(swarm):
+    run = swarm("joiner")
+    common = ["--strategy", "diloco", "--inner-steps", "20", "--num-shards", "3", "--eval-every", "1"]
+    originals = [run.peer(*common, "--shard", str(shard), "--max-seconds", "22", "--wait-peers", "2",
+                          *PATIENT, name=f"original{shard}") for shard in range(2)]
+    for peer in originals:
+        peer.ready(90)
+    time.sleep(6)
+    for peer in originals:
+        assert peer.process.poll() is None, peer.describe()
+        assert peer.progress_value("rounds_ok") >= 1, peer.describe()
+
+    joiner = run.peer(*common, "--shard", "2", "--max-seconds", "5", *PATIENT, name="joiner")
+    ready = joiner.ready(90)
+    assert ready["state_downloads"] >= 1, ready
+    assert ready["epoch"] > 0, ready
+    first = joiner.wait_event("eval", 30)
+    assert first["epoch"] >= ready["epoch"]
+    # the swarm's accuracy at that time: the originals' latest evaluations before the joiner's first
+    swarm_evals = [max((event for event in peer.of("eval") if event["t"] <= first["t"]), key=lambda e: e["t"])
+                   for peer in originals]
+    gaps = [abs(first["accuracy"] - event["accuracy"]) for event in swarm_evals]
+    assert min(gaps) <= 0.02, (first, swarm_evals)
+    assert first["accuracy"] >= 0.5, first  # a fresh model would be near chance (0.1)
+
+    finished(joiner, 30)
+    for peer in originals:
+        finished(peer, 40)
+
+
+def test_swarm_survives_a_sigkilled_peer(swarm):
+    run = swarm("sigkill")
+    peers = [run.peer("--strategy", "diloco", "--inner-steps", "20", "--shard", str(shard), "--num-shards", "3",
+                      "--max-seconds", "18", "--eval-every", "0", "--wait-peers", "3", *PATIENT, name=f"peer{shard}")
+             for shard in range(3)]
+    for peer in peers:
+        peer.ready(90)
+    victim, survivors = peers[0], peers[1:]
+    for peer in peers:
+        peer.wait_event("progress", 30, lambda event: event["rounds_ok"] >= 2)
+    victim.signal(signal.SIGKILL)
+    assert victim.wait_exit(10) == -signal.SIGKILL
+    killed_at = {peer.name: peer.progress_value("rounds_ok") for peer in survivors}
+
+    for peer in survivors:
+        peer.wait_event("progress", 40, lambda event, base=killed_at[peer.name]: event["rounds_ok"] >= base + 2)
+    for peer in survivors:
+        done = finished(peer, 40)
+        assert done["reason"] == "max_seconds"
+        assert done["status"]["rounds_ok"] >= killed_at[peer.name] + 2, (killed_at, done["status"])
+        assert done["final"]["accuracy"] >= 0.80, done
+    assert "done" not in {event["event"] for event in victim.events}
+
+
+def test_restart_resumes_from_checkpoint_with_privacy_budget(swarm, tmp_path):
+    run = swarm("restart")
+    checkpoints = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(checkpoints), "--privacy-clip", "1.0", "--privacy-noise", "1.0",
+             "--inner-steps", "20", "--eval-every", "0"]
+    first = run.peer(*flags, "--max-steps", "300", name="first")
+    ready = first.ready(90)
+    assert ready["epoch"] == 0 and ready["step"] == 0
+    done = finished(first, 60)
+    assert done["reason"] == "max_steps" and done["step"] == 300, done
+    first_epsilon = done["status"]["epsilon"]
+    assert isinstance(first_epsilon, float) and first_epsilon > 0, done
+    assert (checkpoints / "checkpoint.pt").is_file()
+
+    second = run.peer(*flags, "--max-steps", "600", name="second")
+    resumed = second.ready(90)
+    assert resumed["epoch"] > 0 and resumed["step"] >= 300, resumed
+    assert resumed["epoch"] >= done["epoch"] - 1, (resumed, done)
+    again = finished(second, 60)
+    assert again["reason"] == "max_steps" and again["step"] == 600, again
+    assert again["status"]["epsilon"] > first_epsilon, (first_epsilon, again["status"])
+    progress = [event["epsilon"] for event in second.of("progress")]
+    assert progress and progress[0] >= first_epsilon, (first_epsilon, progress)  # the budget was not reset
+    assert again["final"]["accuracy"] >= 0.5, again
+
+
+def test_public_run_manifest_gives_joiners_the_settings(swarm):
+    run = swarm("public")
+    creator = run.peer("--create", "--strategy", "diloco", "--inner-steps", "20", "--max-seconds", "60",
+                       "--eval-every", "0", "--wait-peers", "2", *PATIENT, name="creator")
+    volunteer = run.peer("--max-seconds", "10", "--wait-peers", "2", *PATIENT, task=None, name="volunteer")
+    made = creator.ready(90)
+    joined = volunteer.ready(90)
+    assert made["task"] == "digits" and made["options"]["strategy"]["inner_steps"] == 20
+    assert joined["task"] == "digits", joined
+    assert joined["options"]["strategy"]["inner_steps"] == 20, joined["options"]
+    assert joined["options"] == made["options"]
+    done = finished(volunteer, 40)
+    assert done["status"]["rounds_ok"] >= 1, done["status"]
+
+    # while the creator still trains (and keeps its manifest published)
+    assert creator.process.poll() is None, creator.describe()
+    conflict = run.run("peer", "digits", "--run-id", run.run_id, "--initial-peers", run.bootstrap.maddr,
+                       "--strategy", "sync", "--threads", "1", "--max-seconds", "2", "--json")
+    wrong_task = run.run("peer", "charlm", "--run-id", run.run_id, "--initial-peers", run.bootstrap.maddr,
+                         "--threads", "1", "--max-seconds", "2", "--json")
+
+    creator.signal(signal.SIGTERM)
+    stopped = finished(creator, 30)
+    assert stopped["reason"] == "signal SIGTERM", stopped
+    assert stopped["status"]["rounds_ok"] >= 1
+
+    assert_one_line_error(conflict, "strategy")
+    assert conflict.returncode == 2
+    # a TASK that differs from the manifest's must be refused, not silently replaced by the run's task
+    # (fails while swarmgrad/peer/runner.py resolve_run returns manifest.task and drops the given TASK)
+    assert_one_line_error(wrong_task, "charlm", "digits")
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.returncode != 0, (result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert not any('"event": "ready"' in line for line in result.stdout.splitlines()), result.stdout[-2000:]
