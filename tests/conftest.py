@@ -86,8 +86,9 @@ def member_processes():
             member.process.wait()
 
 
-def p2pd_pids() -> set[int]:
-    """p2pd daemons that are children of this test process (its own, not other sessions')."""
+def p2pd_pids(parent: int | None = None) -> set[int]:
+    """p2pd daemons that are children of ``parent`` (default: this test process, not other sessions')."""
+    parent = os.getpid() if parent is None else parent
     pids = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -99,6 +100,6 @@ def p2pd_pids() -> set[int]:
                 name = comm.read().strip()
         except OSError:
             continue
-        if name == "p2pd" and int(fields[1]) == os.getpid():
+        if name == "p2pd" and int(fields[1]) == parent:
             pids.add(int(entry))
     return pids

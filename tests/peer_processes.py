@@ -15,27 +15,11 @@ import threading
 import time
 from typing import Any, Callable
 
+from conftest import p2pd_pids
+
 SWARMGRAD = [sys.executable, "-m", "swarmgrad"]
 
 Event = dict[str, Any]
-
-
-def child_p2pd_pids(pid: int) -> set[int]:
-    """p2pd daemons whose parent is ``pid``."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/comm") as comm:
-                name = comm.read().strip()
-        except OSError:
-            continue
-        if name == "p2pd" and int(fields[1]) == pid:
-            found.add(int(entry))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -98,7 +82,7 @@ class Process:
 
     def remember_daemons(self) -> None:
         if self.process.poll() is None:
-            self.p2pd |= child_p2pd_pids(self.process.pid)
+            self.p2pd |= p2pd_pids(self.process.pid)
 
     def wait_exit(self, timeout: float) -> int:
         try:
