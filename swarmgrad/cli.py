@@ -300,6 +300,11 @@ def _validated(make_config):
         raise typer.Exit(EXIT_CONFIG_ERROR) from None
 
 
+from swarmgrad.commands.lab import register as _register_lab  # noqa: E402  (after the other commands)
+
+_register_lab(app)
+
+
 def main() -> None:
     app()
 

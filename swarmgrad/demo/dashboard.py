@@ -51,7 +51,7 @@ def peer_row(peer: PeerState, with_epsilon: bool) -> list[str]:
     rounds = f"{peer.stat('rounds_ok', 0):.0f}/{peer.stat('rounds_failed', 0):.0f}" if peer.progress else "-"
     row = [
         escape(short_id(peer.peer_id)),
-        f"[{STATE_STYLES.get(peer.state, '')}]{peer.state}[/]",
+        f"[{STATE_STYLES.get(peer.state, 'white')}]{peer.state}[/]",
         str(peer.step),
         str(peer.epoch),
         "-" if loss is None else f"{loss:.3f}",

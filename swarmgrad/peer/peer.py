@@ -39,6 +39,7 @@ from swarmgrad.runtime import BackgroundLoop
 logger = logging.getLogger(__name__)
 
 MAX_ROUND_ATTEMPTS = 3
+CATCH_UP_RETRY_SECONDS = 5.0
 LOSS_SMOOTHING = 0.05
 
 
@@ -148,6 +149,7 @@ class Peer:
         self._tasks: list[asyncio.Task] = []
         self._last_checkpoint = time.monotonic()
         self._opened = False
+        self._catch_up_retry_at = 0.0
         self.manifest = manifest
 
     # ---- public: sync -----------------------------------------------------------------------------
@@ -274,10 +276,12 @@ class Peer:
 
     async def _swarm_step(self) -> None:
         epoch = self.tracker.local.epoch
+        if time.monotonic() < self._catch_up_retry_at:
+            return  # the last download failed: train on locally for a moment before trying again
         if self.strategy.synchronous:
             ahead = self.tracker.ahead_of(epoch)
             if ahead:  # the swarm moved on without us: take its state instead of averaging stale values
-                await self._catch_up(ahead, epoch + 1)
+                await self._try_catch_up(ahead, epoch + 1)
                 return
         applied, attempts = False, MAX_ROUND_ATTEMPTS
         if self.strategy.synchronous and not self.tracker.others_at(epoch) and not self.tracker.others_at(epoch - 1):
@@ -292,7 +296,7 @@ class Peer:
                 break
             ahead = await self._wait_for_ahead(epoch)
             if ahead:
-                await self._catch_up(ahead, epoch + 1)
+                await self._try_catch_up(ahead, epoch + 1)
                 return
             if not self.tracker.others_at(epoch):
                 break  # nobody else is training: finish the epoch alone
@@ -336,6 +340,16 @@ class Peer:
             except StateTransferError as error:
                 logger.warning("could not download the swarm's state (%s); starting from local values", error)
         self._publish_state()
+
+    async def _try_catch_up(self, donors: list[str], min_version: int) -> None:
+        """Take the swarm's state; if no donor can hand it over, keep training locally and retry later
+        (a donor that just left, or a slow link, must not end this peer)."""
+        try:
+            await self._catch_up(donors, min_version)
+        except StateTransferError as error:
+            self._catch_up_retry_at = time.monotonic() + CATCH_UP_RETRY_SECONDS
+            logger.warning("could not take the swarm's state (%s); training on, retrying in %.0f s",
+                           error, CATCH_UP_RETRY_SECONDS)
 
     async def _catch_up(self, donors: list[str], min_version: int) -> None:
         snapshot = await download_state(self._transport, self._protocol, donors, seconds=self.join_timeout,

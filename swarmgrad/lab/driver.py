@@ -1,0 +1,667 @@
+"""``swarmgrad lab``: run a whole swarm of ``swarmgrad peer`` processes on an emulated internet.
+
+One :class:`~swarmgrad.lab.network.EmulatedNetwork` namespace per peer (its link from the scenario)
+plus one for a bootstrap node on an unshaped link. Every peer reports JSON events on stdout; a
+thread per process feeds them to the main thread, which keeps the demo's :class:`RunLog` (so the
+dashboard, plot and summary are the demo's), applies the churn schedule, watches for hung peers,
+and stops the run once peer 0 is done (target accuracy or its time budget) or the lab's own
+deadline passes. Leaving the ``with EmulatedNetwork`` block, also on Ctrl-C or SIGTERM, kills every
+process and removes the namespaces.
+
+Times in the summary (``seconds_to``, ``evals``, fault ``at``) count from the start of training:
+the first ``ready`` event, i.e. once the initial peers found each other (``--wait-peers``).
+
+What the summary adds to the demo's:
+
+* ``faults``: each churn event with its outcome. A kill is fine ("others kept averaging") if a peer
+  that was running at the time counted more successful rounds afterwards; a restart or join
+  "caught up" if that start of the peer downloaded the swarm's state at least once or ended within
+  one epoch of the others (epochs are given), and not if it then failed with an ``error:`` line.
+* ``nan_seen``: a progress report without a finite loss (the runner reports NaN as None) after the
+  same start of the peer had reported a finite one.
+* ``hung_rounds``: how many times a running peer went silent for more than 3x its round deadline.
+  Approximate: the deadline is not reported, so it is estimated like moshpit's RoundTimer (4x the
+  round time, within 5..600 s, 60 s before any estimate), taking as round time the gap between two
+  progress reports across which the epoch advanced (the training loop waits for the round).
+  With no estimate yet, a hang needs 180 s of silence to count.
+
+The run directory (``logs`` in the summary) keeps each peer's stderr (``peer-I.log``, one section
+per start), its key and checkpoints, and every event in ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from swarmgrad.console import print_json, short_id, stderr, stdout
+from swarmgrad.demo.events import RunLog, integer, number, parse_event
+from swarmgrad.demo.summary import summarize
+from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, check_requirements
+from swarmgrad.lab.scenario import ChurnEvent, PeerSpec, Scenario
+
+TARGETS = (0.85, 0.88)
+BOOTSTRAP_PORT = 31337
+POLL_SECONDS = 0.25
+BOOTSTRAP_SECONDS = 90.0  # a loaded 2-core machine takes a while to start a node
+FORMATION_SECONDS = 240.0  # until the first peer is ready: imports, two p2pd starts, --wait-peers
+WAIT_SECONDS = 180  # `swarmgrad peer --wait`: for the DHT and for the other peers
+END_GRACE_SECONDS = 60.0  # past duration: peer 0's final evaluation, a round in flight
+STOP_GRACE_SECONDS = 15.0  # SIGTERM -> done event; then SIGKILL
+MIN_LATE_SECONDS = 5.0  # budget of a peer (re)started near the end
+# hung-peer watch: mirrors the moshpit RoundTimer (deadline = 4x the round estimate, 5..600 s,
+# 60 s before any estimate); a peer is hung when silent for HANG_FACTOR deadlines
+ROUND_INITIAL, ROUND_MIN, ROUND_MAX, ROUND_SLACK = 60.0, 5.0, 600.0, 4.0
+HANG_FACTOR = 3.0
+CAUGHT_UP_EPOCHS = 1
+START_MARK = "--- start "  # in a peer's log: one section per start
+
+
+@dataclass
+class LabPeer:
+    """The driver's view of peer ``index``: its process (one generation per start) and what it reported."""
+
+    index: int
+    spec: PeerSpec
+    peer_id: str
+    identity: Path
+    checkpoint_dir: Path
+    log_path: Path
+    process: subprocess.Popen | None = None
+    generation: int = 0
+    state: str = "waiting"  # waiting -> starting -> running -> done | exited | killed
+    started_at: float | None = None
+    last_event_t: float | None = None  # of the current generation
+    last_progress_t: float | None = None
+    last_progress_epoch: int | None = None
+    round_estimate: float | None = None
+    hung: bool = False
+    rounds_total: int = 0  # rounds_ok over all generations (a restart starts its counter at 0)
+    rounds_this_gen: int = 0
+    reported_loss: bool = False  # this generation reported a finite loss
+    history: list[dict] = field(default_factory=list)  # (generation, t, epoch, state_downloads, rounds_total)
+    exited_at: dict[int, float] = field(default_factory=dict)  # generation -> when it was seen to exit by itself
+
+
+class Lab:
+    """One lab run; :func:`run_lab` is the entry point."""
+
+    def __init__(self, scenario: Scenario, run_dir: Path, *, json_output: bool, prefix: str | None = None):
+        self.scenario = scenario
+        self.run_dir = run_dir
+        self.json_output = json_output
+        self.prefix = prefix
+        self.specs = scenario.expanded_peers()
+        self.schedule = scenario.schedule()
+        self.run_id = f"lab-{scenario.name}-{os.urandom(3).hex()}"
+        self.created = time.time()
+        self.log = RunLog(started_at=self.created)
+        self.lines: queue.Queue[tuple[int, int, bytes | None]] = queue.Queue()
+        self.peers: list[LabPeer] = []
+        self.bootstrap_maddr: str | None = None
+        self.t0: float | None = None  # start of training: the first `ready`
+        self.done_index: int | None = None  # applied churn events: schedule[:done_index]
+        self.faults: list[dict] = []
+        self.nan_reports: list[dict] = []
+        self.hangs: list[dict] = []
+        self.ended_by = "running"
+        self.ended_at: float | None = None
+        self.net: EmulatedNetwork | None = None
+        self.events_file: IO[str] | None = None
+        self.title = (f"swarmgrad lab {scenario.name}: {len(self.specs)} peers, {scenario.task}, "
+                      f"{scenario.strategy}+{scenario.averaging_kind}, {scenario.compression}")
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def links(self) -> list[LinkSpec]:
+        return [spec.link() for spec in self.specs] + [LinkSpec(math.inf, math.inf, 0.0, 0.0)]
+
+    def prepare(self) -> None:
+        from swarmgrad.dht.identity import Identity
+
+        for index, spec in enumerate(self.specs):
+            identity = Identity.generate()
+            key = self.run_dir / f"peer-{index}.key"
+            identity.save(key)
+            checkpoints = self.run_dir / f"checkpoints-{index}"
+            checkpoints.mkdir()
+            log_path = self.run_dir / f"peer-{index}.log"
+            self.peers.append(LabPeer(index, spec, identity.peer_id, key, checkpoints, log_path))
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[name] = "1"  # one core's worth per peer: the lab shares this machine's cores
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def start_bootstrap(self, net: EmulatedNetwork) -> None:
+        index = len(self.specs)
+        address = net.address(index)
+        log_path = self.run_dir / "bootstrap.log"
+        with open(log_path, "ab") as log:
+            process = net.popen(index, [sys.executable, "-m", "swarmgrad.cli", "bootstrap", "--host", address,
+                                        "--port", str(BOOTSTRAP_PORT)],
+                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=self.run_dir,
+                                env=self.env())
+        assert process.stdout is not None
+        deadline = time.monotonic() + BOOTSTRAP_SECONDS
+        while time.monotonic() < deadline:
+            net.check()
+            ready, _, _ = select.select([process.stdout], [], [], 0.5)
+            if ready:
+                line = process.stdout.readline().decode(errors="replace").strip()
+                if line.startswith("/ip4/"):
+                    self.bootstrap_maddr = line
+                    return
+                if not line and process.poll() is not None:
+                    break
+        raise StartupError(f"the lab's bootstrap node did not start (exit code {process.poll()}); "
+                           f"last lines of {log_path}: {_tail(log_path)}")
+
+    def peer_command(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> list[str]:
+        scenario = self.scenario
+        assert self.net is not None and self.bootstrap_maddr is not None
+        argv = [
+            sys.executable, "-m", "swarmgrad.cli", "-v", "peer", scenario.task, "--run-id", self.run_id,
+            "--host", self.net.address(peer.index), "--initial-peers", self.bootstrap_maddr, "--json",
+            "--threads", "1", "--shard", str(peer.index), "--num-shards", str(len(self.specs)),
+            "--slowdown", f"{peer.spec.slowdown:g}", "--max-seconds", f"{max_seconds:.1f}",
+            "--identity", str(peer.identity), "--checkpoint-dir", str(peer.checkpoint_dir),
+            "--wait-peers", str(wait_peers), "--wait", str(WAIT_SECONDS), *scenario.run_flags(),
+        ]
+        if peer.index == 0:  # one evaluator: after a swarm step every peer holds the same model
+            argv += ["--eval-every", f"{scenario.eval_every:g}"]
+            if scenario.target_accuracy is not None:
+                argv += ["--target-accuracy", f"{scenario.target_accuracy:g}"]
+        else:
+            argv += ["--eval-every", "0", "--no-final-eval"]
+        return argv
+
+    def start_peer(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> None:
+        assert self.net is not None
+        peer.generation += 1
+        argv = self.peer_command(peer, max_seconds=max_seconds, wait_peers=wait_peers)
+        with open(peer.log_path, "ab") as log:
+            log.write(f"{START_MARK}{peer.generation} at {time.strftime('%H:%M:%S')}: {' '.join(argv)}\n".encode())
+            log.flush()
+            peer.process = self.net.popen(peer.index, argv, stdout=subprocess.PIPE, stderr=log,
+                                          stdin=subprocess.DEVNULL, cwd=self.run_dir, env=self.env())
+        peer.state, peer.started_at = "starting", time.time()
+        peer.last_event_t = peer.last_progress_t = peer.last_progress_epoch = None
+        peer.rounds_this_gen, peer.reported_loss, peer.hung = 0, False, False
+        shown = self.log.peers.get(peer.peer_id)
+        if shown is not None and shown.state not in ("ready", "training"):
+            # a new start: its progress shows it training again; the last start's end is history
+            shown.state, shown.done, shown.error = "ready", None, None
+        threading.Thread(target=_follow, args=(peer.process.stdout, peer.index, peer.generation, self.lines),
+                         name=f"lab-peer-{peer.index}", daemon=True).start()
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        while True:
+            try:
+                index, generation, line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            peer = self.peers[index]
+            if line is None or generation != peer.generation:
+                continue  # EOF (the process state comes from poll) or a line from a killed generation
+            event = parse_event(line)
+            if event is None or event["peer_id"] != peer.peer_id:
+                continue
+            self.record_event(peer, event)
+            self.on_event(peer, event)
+
+    def record_event(self, peer: LabPeer, event: dict) -> None:
+        """Every event, with the peer's lab index and start, in ``events.jsonl`` for a post-mortem."""
+        if self.events_file is None:
+            self.events_file = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.events_file.write(json.dumps({"lab_peer": peer.index, "lab_start": peer.generation, **event},
+                                          default=str) + "\n")
+
+    def on_event(self, peer: LabPeer, event: dict) -> None:
+        kind, t = event["event"], float(event["t"])
+        if kind == "ready" and self.t0 is None:
+            self.t0 = t
+            self.log.started_at = t
+        self.log.add(event)
+        peer.last_event_t = t
+        if kind == "ready":
+            peer.state = "running"
+            peer.history.append({"generation": peer.generation, "t": t, "epoch": integer(event.get("epoch")),
+                                 "state_downloads": integer(event.get("state_downloads")),
+                                 "rounds_total": peer.rounds_total})
+        elif kind == "progress":
+            self.on_progress(peer, event, t)
+        elif kind == "done":
+            peer.state = "done"
+            if peer.index == 0:
+                self.ended_by = f"peer 0 done ({event.get('reason')})"
+
+    def on_progress(self, peer: LabPeer, event: dict, t: float) -> None:
+        epoch = integer(event.get("epoch"))
+        previous_t, previous_epoch = peer.last_progress_t, peer.last_progress_epoch
+        if previous_t is not None and previous_epoch is not None and epoch > previous_epoch:
+            # a round ran between these reports (the training loop waits for it): learn its length
+            gap = t - previous_t
+            peer.round_estimate = gap if peer.round_estimate is None else 0.7 * peer.round_estimate + 0.3 * gap
+        loss = number(event.get("loss"))
+        if loss is None and peer.reported_loss:
+            self.nan_reports.append({"peer": peer.index, "t": round(t - (self.t0 or t), 3),
+                                     "step": integer(event.get("step"))})
+        peer.reported_loss = peer.reported_loss or loss is not None
+        rounds = integer(event.get("rounds_ok"))
+        peer.rounds_total += max(0, rounds - peer.rounds_this_gen)
+        peer.rounds_this_gen = max(rounds, peer.rounds_this_gen)
+        peer.last_progress_t, peer.last_progress_epoch, peer.hung = t, epoch, False
+        peer.history.append({"generation": peer.generation, "t": t, "epoch": epoch,
+                             "state_downloads": integer(event.get("state_downloads")),
+                             "rounds_total": peer.rounds_total})
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def elapsed(self, now: float | None = None) -> float:
+        return ((time.time() if now is None else now) - self.t0) if self.t0 is not None else 0.0
+
+    def poll_processes(self) -> None:
+        for peer in self.peers:
+            if peer.process is not None and peer.state in ("starting", "running") and peer.process.poll() is not None:
+                self.drain()  # its last lines (a done event) may still be queued
+                if peer.state in ("starting", "running"):
+                    peer.state = "exited"
+                    peer.exited_at[peer.generation] = time.time()
+                    if peer.peer_id in self.log.peers:
+                        self.log.add({"event": "error", "t": time.time(), "peer_id": peer.peer_id,
+                                      "message": f"exited with code {peer.process.returncode}: "
+                                                 f"{_tail(peer.log_path, 1)}"})
+
+    def apply_churn(self) -> None:
+        if self.t0 is None:
+            return
+        elapsed = self.elapsed()
+        start = self.done_index or 0
+        while start < len(self.schedule) and self.schedule[start].at <= elapsed:
+            self.apply(self.schedule[start])
+            start += 1
+        self.done_index = start
+
+    def apply(self, event: ChurnEvent) -> None:
+        peer = self.peers[event.peer]
+        record: dict[str, Any] = {"at": round(self.elapsed(), 1), "scheduled_at": round(event.at, 1),
+                                  "action": event.action, "peer": event.peer, "peer_id": peer.peer_id,
+                                  "generation": peer.generation, "outcome": None, "ok": None}
+        if event.action == "kill":
+            if peer.process is None or peer.process.poll() is not None:
+                record.update(outcome=f"peer was not running ({peer.state})", ok=False)
+            else:
+                _killpg(peer.process.pid, signal.SIGKILL)
+                peer.process.wait()
+                peer.state = "killed"
+                if peer.peer_id in self.log.peers:  # the demo's dashboard and summary know no "killed" state
+                    self.log.add({"event": "error", "t": time.time(), "peer_id": peer.peer_id,
+                                  "message": f"killed by the lab's churn schedule at {self.elapsed():.0f} s"})
+                record["survivors"] = {other.index: other.rounds_total for other in self.peers
+                                       if other is not peer and other.state in ("starting", "running")}
+                record["epoch"] = peer.last_progress_epoch
+        else:
+            remaining = self.scenario.duration - self.elapsed()
+            self.start_peer(peer, max_seconds=max(MIN_LATE_SECONDS, remaining), wait_peers=1)
+            record["generation"] = peer.generation
+            record["swarm_epoch"] = self.swarm_epoch(exclude=peer)
+        self.faults.append(record)
+
+    def swarm_epoch(self, exclude: LabPeer | None = None) -> int | None:
+        epochs = [p.last_progress_epoch for p in self.peers if p is not exclude and p.last_progress_epoch is not None
+                  and p.state in ("running", "done")]
+        return max(epochs, default=None)
+
+    def watch_hangs(self) -> None:
+        now = time.time()
+        for peer in self.peers:
+            if peer.state != "running" or peer.last_progress_t is None or peer.hung:
+                continue
+            deadline = ROUND_INITIAL if peer.round_estimate is None else \
+                min(ROUND_MAX, max(ROUND_MIN, ROUND_SLACK * peer.round_estimate))
+            silent = now - peer.last_progress_t
+            if silent > HANG_FACTOR * deadline:
+                peer.hung = True
+                self.hangs.append({"peer": peer.index, "at": round(self.elapsed(now), 1),
+                                   "silent_seconds": round(silent, 1), "round_deadline": round(deadline, 1)})
+
+    def should_stop(self) -> bool:
+        first = self.peers[0]
+        if first.state == "done":
+            return True
+        if first.state == "exited":
+            self.ended_by = f"peer 0 exited with code {first.process.returncode if first.process else '?'}"
+            return True
+        if self.t0 is not None and self.elapsed() > self.scenario.duration + END_GRACE_SECONDS:
+            self.ended_by = "time budget"
+            return True
+        return False
+
+    def run(self, net: EmulatedNetwork) -> None:
+        self.net = net
+        self.start_bootstrap(net)
+        initial = [peer for peer in self.peers if peer.spec.start]
+        for peer in initial:
+            self.start_peer(peer, max_seconds=self.scenario.duration, wait_peers=len(initial))
+        live = None
+        if not self.json_output:
+            from rich.live import Live
+
+            live = Live(self.render(), console=stderr, refresh_per_second=4)
+            live.start()
+        try:
+            formed_by = time.time() + FORMATION_SECONDS
+            while True:
+                net.check()
+                self.drain()
+                self.poll_processes()
+                if self.t0 is None:
+                    if self.peers[0].state == "exited" or time.time() > formed_by:
+                        raise StartupError(self.formation_failure())
+                else:
+                    self.apply_churn()
+                    self.watch_hangs()
+                    if self.should_stop():
+                        break
+                if live is not None:
+                    live.update(self.render())
+                time.sleep(POLL_SECONDS)
+            self.ended_at = time.time()
+            self.stop_all(live)
+        finally:
+            if live is not None:
+                live.update(self.render())
+                live.stop()
+
+    def stop_all(self, live: Any) -> None:
+        """SIGTERM every running peer (it leaves the run and reports `done`), SIGKILL what is left after a grace."""
+        running = [p for p in self.peers if p.process is not None and p.process.poll() is None]
+        for peer in running:
+            if peer.state == "done":
+                continue  # reported its end (peer 0): already on its way out
+            try:
+                peer.process.send_signal(signal.SIGTERM)  # the peer stops its own p2pd on the way out
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        while time.monotonic() < deadline and any(p.process.poll() is None for p in running):
+            self.drain()
+            if live is not None:
+                live.update(self.render())
+            time.sleep(POLL_SECONDS)
+        for peer in running:
+            if peer.process.poll() is None:
+                _killpg(peer.process.pid, signal.SIGKILL)
+                peer.process.wait()
+        time.sleep(0.2)  # the reader threads hand over the last lines
+        self.drain()
+        self.poll_processes()
+        if self.events_file is not None:
+            self.events_file.close()
+            self.events_file = None
+
+    def formation_failure(self) -> str:
+        first = self.peers[0]
+        if first.state == "exited":
+            return (f"peer 0 exited with code {first.process.returncode if first.process else '?'} before the "
+                    f"swarm formed; last lines of {first.log_path}: {_tail(first.log_path)}")
+        return (f"no peer was ready after {FORMATION_SECONDS:.0f} s (the machine may be too loaded for "
+                f"{len(self.specs)} peers); last lines of {first.log_path}: {_tail(first.log_path)}")
+
+    # -- report ---------------------------------------------------------------------------------
+
+    def render(self) -> Any:
+        from rich.console import Group
+        from rich.text import Text
+
+        from swarmgrad.demo.dashboard import render_dashboard
+
+        parts = [render_dashboard(self.log, title=self.title), self.lab_table()]
+        upcoming = self.schedule[self.done_index or 0:]
+        if self.t0 is None:
+            parts.append(Text(f"starting {len(self.specs)} peers and a bootstrap node on the emulated network "
+                              f"({time.time() - self.created:.0f} s)"))
+        elif upcoming:
+            event = upcoming[0]
+            parts.append(Text(f"next churn: {event.action} peer {event.peer} in "
+                              f"{max(0.0, event.at - self.elapsed()):.0f} s"))
+        return Group(*parts)
+
+    def lab_table(self) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+        for column in ("#", "peer", "link up/down, delay, loss", "slow", "process"):
+            table.add_column(column, no_wrap=True)
+        for peer in self.peers:
+            state = peer.state if peer.generation <= 1 else f"{peer.state} (start {peer.generation})"
+            if peer.state == "exited" and peer.process is not None:
+                state += f" rc={peer.process.returncode}"
+            label = f" {peer.spec.label}" if peer.spec.label else ""
+            table.add_row(str(peer.index), short_id(peer.peer_id), peer.spec.describe() + label,
+                          f"{peer.spec.slowdown:g}x", state)
+        return table
+
+    def judge_faults(self) -> None:
+        """Fill in each applied churn event's outcome from what the peers reported afterwards."""
+        end = self.ended_at or time.time()
+        for record in self.faults:
+            if record["outcome"] is not None:
+                continue
+            peer = self.peers[record["peer"]]
+            at = self.t0 + record["at"] if self.t0 is not None else end
+            if record["action"] == "kill":
+                survivors = record.pop("survivors", {})
+                growth = {index: self.peers[index].rounds_total - before for index, before in survivors.items()}
+                after = [h["t"] for p in self.peers if p.index in survivors for h in p.history
+                         if h["t"] > at and h["rounds_total"] > survivors[p.index]]
+                grew = sorted(index for index, delta in growth.items() if delta > 0)
+                record.update(rounds_after=sum(growth.values()),
+                              first_round_after=None if not after else round(min(after) - at, 1))
+                if grew:
+                    record.update(ok=True, outcome=f"others kept averaging: +{sum(growth.values())} rounds "
+                                  f"(peers {', '.join(map(str, grew))}), first {min(after) - at:.0f} s after")
+                elif not survivors:
+                    record.update(ok=False, outcome="no other peer was running")
+                else:
+                    record.update(ok=False, outcome=f"no averaging round after it ({end - at:.0f} s left)")
+            else:
+                reports = [h for h in peer.history if h["generation"] == record["generation"]]
+                swarm = self.final_swarm_epoch(exclude=peer)
+                if not reports:
+                    error = generation_error(peer.log_path, record["generation"])
+                    record.update(ok=False, outcome=f"never reported: {error or f'see {peer.log_path}'}")
+                    continue
+                first, last = reports[0]["epoch"], reports[-1]["epoch"]
+                downloads = max(h["state_downloads"] for h in reports)
+                rounds = reports[-1]["rounds_total"] - reports[0]["rounds_total"]
+                close = swarm is not None and abs(last - swarm) <= CAUGHT_UP_EPOCHS
+                record.update(epoch_start=first, epoch_end=last, swarm_epoch_end=swarm, state_downloads=downloads,
+                              rounds_ok=rounds, ok=bool(downloads >= 1 or close))
+                # rounds too: a peer that only ever downloads the swarm's state keeps up without helping
+                numbers = f"epoch {first} -> {last}, swarm at {'-' if swarm is None else swarm}, " \
+                          f"{downloads} state download{'s' if downloads != 1 else ''}, " \
+                          f"{rounds} round{'s' if rounds != 1 else ''} ok"
+                record["outcome"] = ("caught up: " if record["ok"] else "behind: ") + numbers
+                error = generation_error(peer.log_path, record["generation"])
+                exited = peer.exited_at.get(record["generation"])
+                if error and exited is not None and exited <= end:
+                    # caught up, then failed while the run went on: that is what a user wants to know
+                    record.update(ok=False, error=error, outcome=record["outcome"] + f"; then {error}")
+                elif error:  # failed while the lab stopped everyone (its donors left): noted, not judged
+                    record.update(error=error, outcome=record["outcome"] + f"; while stopping: {error}")
+        for event in self.schedule[self.done_index or 0:]:
+            self.faults.append({"at": round(event.at, 1), "scheduled_at": round(event.at, 1), "action": event.action,
+                                "peer": event.peer, "peer_id": self.peers[event.peer].peer_id, "ok": None,
+                                "outcome": f"not reached: the run ended at {self.elapsed(end):.0f} s"})
+
+    def final_swarm_epoch(self, exclude: LabPeer) -> int | None:
+        """The highest epoch the other peers reported (the run's end, or when each stopped)."""
+        epochs = [p.last_progress_epoch for p in self.peers if p is not exclude and p.last_progress_epoch is not None]
+        return max(epochs, default=None)
+
+    def summary(self, plot_path: Path) -> dict:
+        from swarmgrad.demo.plot import plot_run
+
+        self.judge_faults()
+        summary = summarize(self.log, targets=TARGETS)
+        plot = plot_run(self.log, plot_path, self.title, targets=TARGETS)
+        end = self.ended_at or time.time()
+        scenario = self.scenario
+        summary.update({
+            "scenario": {"name": scenario.name, "description": scenario.description, "task": scenario.task,
+                         "duration": scenario.duration, "target_accuracy": scenario.target_accuracy,
+                         "strategy": scenario.strategy, "averaging": scenario.averaging_kind,
+                         "compression": scenario.compression, "inner_steps": scenario.inner_steps,
+                         "num_peers": len(self.specs), "mtu": self.net.mtu if self.net else None},
+            "run_id": self.run_id,
+            "lab_peers": [{"index": p.index, "peer_id": p.peer_id, "link": p.spec.describe(),
+                           "slowdown": p.spec.slowdown, "label": p.spec.label, "state": p.state,
+                           "starts": p.generation, "rounds_ok_total": p.rounds_total,
+                           "state_downloads": p.history[-1]["state_downloads"] if p.history else 0,
+                           "exit_code": None if p.process is None else p.process.returncode,
+                           "error": generation_error(p.log_path, p.generation)} for p in self.peers],
+            "faults": self.faults,
+            "nan_seen": bool(self.nan_reports),
+            "nan_reports": self.nan_reports,
+            "hung_rounds": len(self.hangs),
+            "hangs": self.hangs,
+            "ended_by": self.ended_by,
+            "formation_seconds": None if self.t0 is None else round(self.t0 - self.created, 3),
+            "training_seconds": round(self.elapsed(end), 3),
+            "total_seconds": round(time.time() - self.created, 3),
+            "time_to_85": summary["seconds_to"].get("0.85"),
+            "time_to_88": summary["seconds_to"].get("0.88"),
+            "plot": str(plot),
+            "logs": str(self.run_dir),
+        })
+        return summary
+
+
+def run_lab(scenario: Scenario, *, json_output: bool = False, plot_path: Path | str | None = None,
+            duration_override: float | None = None, quick: bool = False, prefix: str | None = None,
+            run_dir: Path | str | None = None) -> dict:
+    """Run ``scenario`` on an emulated network and return the summary (the demo's, plus ``scenario``,
+    ``faults``, ``nan_seen``, ``hung_rounds``...); prints it as JSON with ``json_output``, else shows a
+    live dashboard on stderr and a faults table and result line on stdout.
+
+    ``prefix`` names the lab's namespaces (default: ``sglab-<pid>-<random>``); ``run_dir`` is where
+    keys, checkpoints and logs go (default: a new ``swarmgrad-lab-NAME-*`` temporary directory, kept).
+    Needs root (StartupError otherwise). KeyboardInterrupt (Ctrl-C, or :class:`LabTerminated` for
+    SIGTERM/SIGHUP) propagates after the lab is torn down.
+    """
+    check_requirements()
+    if duration_override is not None or quick:
+        scenario = scenario.adjusted(duration=duration_override, quick=quick)
+    plot_path = Path(plot_path) if plot_path is not None else Path(f"swarmgrad-lab-{scenario.name}.png")
+    plot_path = plot_path.resolve()  # the peers run elsewhere; the plot goes where the user meant
+    if run_dir is None:
+        run_dir = Path(tempfile.mkdtemp(prefix=f"swarmgrad-lab-{scenario.name}-"))
+    else:
+        run_dir = Path(run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if any(run_dir.iterdir()):
+            raise ConfigError(f"the lab's run directory {run_dir} is not empty")
+    lab = Lab(scenario, run_dir, json_output=json_output, prefix=prefix)
+    lab.prepare()
+    with EmulatedNetwork(lab.links(), prefix=prefix, mtu=scenario.mtu) as net:
+        lab.run(net)
+    summary = lab.summary(plot_path)
+    if json_output:
+        print_json(summary)
+    else:
+        print_report(summary)
+    return summary
+
+
+def print_report(summary: dict) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    if summary["faults"]:
+        table = Table(title="faults", title_justify="left", box=box.SIMPLE_HEAD)
+        for column in ("at", "action", "peer", "outcome"):
+            table.add_column(column, justify="right" if column in ("at", "peer") else "left")
+        for fault in summary["faults"]:
+            style = {True: "green", False: "red"}.get(fault["ok"], "yellow")
+            table.add_row(f"{fault['at']:.0f} s", fault["action"], str(fault["peer"]),
+                          f"[{style}]{escape(fault['outcome'])}[/]")
+        stdout.print(table)
+    final = summary.get("final_accuracy")
+    per_epoch = summary.get("bytes_sent_per_peer_per_epoch")
+    stdout.print(f"{summary['scenario']['name']}: final held-out accuracy {'-' if final is None else f'{final:.4f}'}; "
+                 f"85% after {_seconds(summary['time_to_85'])}, 88% after {_seconds(summary['time_to_88'])} of "
+                 f"training; {summary['training_seconds']:.0f} s training, {summary['total_seconds']:.0f} s in all "
+                 f"({summary['ended_by']})")
+    stdout.print(f"sent per peer per epoch: {'-' if per_epoch is None else f'{per_epoch / 1e6:.2f} MB'}; "
+                 f"NaN loss: {'yes' if summary['nan_seen'] else 'no'}; hung peers: {summary['hung_rounds']}")
+    stdout.print(f"plot: {summary['plot']}   logs: {summary['logs']}")
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.0f} s"
+
+
+def _follow(stream: IO[bytes], index: int, generation: int, lines: queue.Queue) -> None:
+    """Reader thread: one process's stdout lines into the queue, then None at EOF."""
+    try:
+        for line in iter(stream.readline, b""):
+            lines.put((index, generation, line))
+    except (OSError, ValueError):
+        pass
+    finally:
+        lines.put((index, generation, None))
+        stream.close()
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def generation_error(path: Path, generation: int) -> str | None:
+    """The last one-line ``error: ...`` that start ``generation`` of a peer wrote to its log, if any."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    sections = text.split(START_MARK)  # [before the first start, start 1, start 2, ...]
+    if generation < 1 or generation >= len(sections):
+        return None
+    errors = [line.strip() for line in sections[generation].splitlines() if line.startswith("error:")]
+    return errors[-1] if errors else None
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(line.strip() for line in text[-lines:]) or "(empty)"
+
+
+__all__ = ["Lab", "print_report", "run_lab"]
