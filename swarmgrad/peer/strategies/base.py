@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -42,7 +42,6 @@ class SwarmStepOutcome:
 
     applied: bool
     report: AveragingReport | GossipReport | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Strategy(ABC):
