@@ -45,14 +45,11 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import hashlib
 import math
 import os
-import re
 import secrets
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -64,10 +61,19 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.lab.sweep import (
+    ENV_MARKER,
+    PREFIX_RE,
+    cleanup,
+    close_quietly,
+    lab_namespaces,
+    leftovers,
+    run_tool,
+    stale_prefixes,
+    sweep,
+    tun_temp_name,
+)
 
-# Marks every process the lab starts (hub and peers), so cleanup finds them even after their
-# namespace is gone; inherited by their children.
-ENV_MARKER = "SWARMGRAD_LAB"
 TUN_NAME = "lab0"
 IFB_NAME = "labdown"
 HOSTS_PER_OCTET = 250  # peer i -> 10.77.<i // 250>.<i % 250 + 1>; keep in sync with hub.py
@@ -78,8 +84,6 @@ MIN_MTU, MAX_MTU = 1500, 65000
 SERIALIZATION_S = 0.004  # auto MTU: about this long on the wire at the slowest link
 QUEUE_S = 0.1  # tbf queue: this much data at the link rate (a modest home-router buffer)
 
-_NETNS_DIR = Path("/run/netns")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,150}$")
 _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
@@ -142,17 +146,6 @@ def namespace(prefix: str, i: int) -> str:
     return f"{prefix}-{i}"
 
 
-def _tun_temp_name(prefix: str, i: int) -> str:
-    # A tun is created in the root namespace before it moves into its peer's namespace (where it
-    # is renamed lab0), so its first name must be unique on the machine, at most 15 characters,
-    # and derivable from the prefix so that cleanup can find one stranded by a crash.
-    return f"sg{hashlib.sha1(prefix.encode()).hexdigest()[:6]}t{i}"
-
-
-def _tun_temp_stem(prefix: str) -> str:
-    return _tun_temp_name(prefix, 0)[:-1]
-
-
 def default_prefix() -> str:
     """``sglab-<pid>-<random>``: unique per run, and tells :func:`stale_prefixes` whose lab it is."""
     return f"sglab-{os.getpid()}-{secrets.token_hex(3)}"
@@ -190,7 +183,7 @@ class EmulatedNetwork:
         for link in links:
             if not isinstance(link, LinkSpec):
                 raise ConfigError(f"links must be LinkSpec values, got {link!r}")
-        if prefix is not None and not _PREFIX_RE.match(prefix):
+        if prefix is not None and not PREFIX_RE.match(prefix):
             raise ConfigError(f"lab prefix must be letters, digits, '_', '.', '-' (at most 151), got {prefix!r}")
         if mtu is not None and not (isinstance(mtu, int) and MIN_MTU <= mtu <= MAX_MTU):
             raise ConfigError(f"mtu must be an integer in [{MIN_MTU}, {MAX_MTU}], got {mtu!r}")
@@ -282,10 +275,10 @@ class EmulatedNetwork:
         try:
             self._kill_tracked()
             for fd in self._tun_fds:  # only set if start failed before the hub took them
-                _close_quietly(fd)
+                close_quietly(fd)
             self._tun_fds = []
             if self._owns_prefix:
-                _sweep(self.prefix, hub=self._hub)
+                sweep(self.prefix, hub=self._hub)
             self._hub = None
         finally:
             deferred.restore()
@@ -311,11 +304,11 @@ class EmulatedNetwork:
         names = [namespace(self.prefix, i) for i in range(n)]
         # Namespaces first, then the tuns (opened here, in the root namespace, so that this process
         # holds their fds for the hub), then move each tun into its namespace.
-        _run([ip, "-batch", "-"], "\n".join(f"netns add {name}" for name in names) + "\n")
+        run_tool([ip, "-batch", "-"], "\n".join(f"netns add {name}" for name in names) + "\n")
         for i in range(n):
-            self._tun_fds.append(_open_tun(_tun_temp_name(self.prefix, i)))
-        _run([ip, "-batch", "-"], "".join(
-            f"link set {_tun_temp_name(self.prefix, i)} netns {names[i]}\n" for i in range(n)))
+            self._tun_fds.append(_open_tun(tun_temp_name(self.prefix, i)))
+        run_tool([ip, "-batch", "-"], "".join(
+            f"link set {tun_temp_name(self.prefix, i)} netns {names[i]}\n" for i in range(n)))
         for i, link in enumerate(self.links):
             self._configure(i, link)
         self._start_hub()
@@ -324,7 +317,7 @@ class EmulatedNetwork:
         ns = namespace(self.prefix, i)
         ip_lines = [
             "link set lo up",
-            f"link set {_tun_temp_name(self.prefix, i)} name {TUN_NAME}",
+            f"link set {tun_temp_name(self.prefix, i)} name {TUN_NAME}",
             # addrgenmode none: no IPv6 link-local address, so no router solicitations to forward.
             f"link set {TUN_NAME} mtu {self.mtu} addrgenmode none",
             f"addr add {address(i)}/{PREFIX_LEN} dev {TUN_NAME}",  # also the only route: the lab
@@ -343,9 +336,9 @@ class EmulatedNetwork:
                  f"action mirred egress redirect dev {IFB_NAME}"),
                 f"qdisc add dev {IFB_NAME} root {self._tbf(link.down_mbit)}",
             ]
-        _run([self.tools["ip"], "-n", ns, "-batch", "-"], "\n".join(ip_lines) + "\n")
+        run_tool([self.tools["ip"], "-n", ns, "-batch", "-"], "\n".join(ip_lines) + "\n")
         if tc_lines:
-            _run([self.tools["tc"], "-n", ns, "-batch", "-"], "\n".join(tc_lines) + "\n")
+            run_tool([self.tools["tc"], "-n", ns, "-batch", "-"], "\n".join(tc_lines) + "\n")
         rules = []
         for j, other in enumerate(self.links):
             if j != i and other.loss > 0:  # the sender's uplink loss, applied where it is silent
@@ -354,7 +347,7 @@ class EmulatedNetwork:
             rules.append(f"-A INPUT -i {TUN_NAME} {_random_drop(link.loss)}")
         if rules:
             script = "*filter\n" + "\n".join(rules) + "\nCOMMIT\n"
-            _run([self.tools["ip"], "netns", "exec", ns, self.tools["iptables-restore"]], script)
+            run_tool([self.tools["ip"], "netns", "exec", ns, self.tools["iptables-restore"]], script)
 
     def _tbf(self, mbit: float) -> str:
         rate_bytes = mbit * 1e6 / 8
@@ -385,7 +378,7 @@ class EmulatedNetwork:
             raise StartupError(f"the lab's packet hub did not start (exit code {code}); see its stderr above")
         # The hub has its own copies now; ours would keep the tuns alive after the hub is gone.
         for fd in self._tun_fds:
-            _close_quietly(fd)
+            close_quietly(fd)
         self._tun_fds = []
 
     # -- teardown -------------------------------------------------------------------------------
@@ -462,138 +455,11 @@ def check_requirements() -> dict[str, str]:
     return tools
 
 
-# -- leftovers and cleanup ----------------------------------------------------------------------
-
-
-def lab_namespaces(prefix: str) -> list[str]:
-    """The namespaces named ``<prefix>-<i>`` that exist now."""
-    pattern = re.compile(re.escape(prefix) + r"-\d+$")
-    try:
-        names = os.listdir(_NETNS_DIR)
-    except FileNotFoundError:
-        return []
-    return sorted((name for name in names if pattern.match(name)), key=lambda s: int(s.rsplit("-", 1)[1]))
-
-
-def _root_links(prefix: str) -> list[str]:
-    stem = _tun_temp_stem(prefix)
-    return [name for _index, name in socket.if_nameindex() if name.startswith(stem) and name[len(stem):].isdigit()]
-
-
-def _lab_processes(prefix: str) -> dict[int, str]:
-    """Live (not zombie) processes in the lab's namespaces or carrying its marker: pid -> command."""
-    ns_ids = set()
-    for name in lab_namespaces(prefix):
-        try:
-            st = os.stat(_NETNS_DIR / name)
-            ns_ids.add((st.st_dev, st.st_ino))
-        except OSError:
-            pass
-    marker = f"{ENV_MARKER}={prefix}".encode()
-    found: dict[int, str] = {}
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        pid = int(entry)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_bytes()
-            if stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] == b"Z":
-                continue  # exited, waiting to be reaped: holds no namespace or device
-            hit = False
-            if ns_ids:
-                st = os.stat(f"/proc/{pid}/ns/net")
-                hit = (st.st_dev, st.st_ino) in ns_ids
-            if not hit:
-                hit = marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if hit:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                found[pid] = cmdline.strip()[:200]
-        except (OSError, ValueError):
-            continue  # gone meanwhile, or a kernel thread
-    return found
-
-
-def leftovers(prefix: str) -> list[str]:
-    """Everything of lab ``prefix`` that still exists: namespaces, root-namespace links, processes."""
-    items = [f"netns {name}" for name in lab_namespaces(prefix)]
-    items += [f"link {name}" for name in _root_links(prefix)]
-    items += [f"process {pid} {cmd}" for pid, cmd in sorted(_lab_processes(prefix).items())]
-    return items
-
-
-def cleanup(prefix: str) -> list[str]:
-    """Remove what is left of lab ``prefix`` (e.g. after its process was SIGKILLed); returns what it found."""
-    if not _PREFIX_RE.match(prefix):
-        raise ConfigError(f"not a lab prefix: {prefix!r}")
-    found = leftovers(prefix)
-    _sweep(prefix, hub=None)
-    return found
-
-
-def stale_prefixes() -> list[str]:
-    """Prefixes of default-named labs (``sglab-<pid>-<hex>``) whose owning process is gone."""
-    pattern = re.compile(r"^(sglab-(\d+)-[0-9a-f]+)-\d+$")
-    stale = set()
-    for name in os.listdir(_NETNS_DIR) if _NETNS_DIR.exists() else []:
-        match = pattern.match(name)
-        if match and not Path(f"/proc/{match.group(2)}").exists():
-            stale.add(match.group(1))
-    return sorted(stale)
-
-
-def _sweep(prefix: str, hub: subprocess.Popen | None) -> None:
-    """Kill the lab's processes, stop the hub, delete namespaces and stray links. Best effort, in order."""
-    # Whatever still runs in the namespaces (started via exec_argv, or children that left their
-    # process group) goes first, and hard: the tracked processes already had their grace period.
-    _kill_all(lambda: {pid for pid in _lab_processes(prefix) if hub is None or pid != hub.pid})
-    if hub is not None:
-        if hub.stdin:
-            _close_quietly(hub.stdin)  # EOF on the control pipe: the hub exits and its tuns vanish
-        try:
-            hub.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            hub.kill()
-            hub.wait(timeout=5)
-        if hub.stdout:
-            _close_quietly(hub.stdout)
-    _kill_all(lambda: set(_lab_processes(prefix)))
-    ip = shutil.which("ip", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])) or "ip"
-    names = lab_namespaces(prefix)
-    if names:
-        # Deleting the name frees the namespace once no process is left in it; with it go its ifb
-        # device, qdiscs and iptables rules.
-        _run([ip, "-force", "-batch", "-"], "".join(f"netns del {name}\n" for name in names), check=False)
-    for link in _root_links(prefix):
-        _run([ip, "link", "del", link], check=False)
-
-
-def _kill_all(current: Any, timeout: float = 5.0) -> None:
-    pids = current()
-    deadline = time.monotonic() + timeout
-    while pids and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.02)
-        pids = current()
-
-
 # -- small helpers ------------------------------------------------------------------------------
 
 
 def _random_drop(probability: float) -> str:
     return f"-m statistic --mode random --probability {probability:.6f} -j DROP"
-
-
-def _run(argv: list[str], stdin: str | None = None, check: bool = True) -> None:
-    result = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
-    if check and result.returncode != 0:
-        detail = (result.stderr or result.stdout).strip()
-        raise StartupError(f"building the emulated network failed: `{' '.join(argv)}` exited "
-                           f"{result.returncode}: {detail[-600:]}")
 
 
 def _open_tun(name: str) -> int:
@@ -614,16 +480,6 @@ def _readline_with_timeout(stream: Any, timeout: float) -> bytes:
         if not selector.select(timeout):
             return b""
     return stream.readline()
-
-
-def _close_quietly(thing: Any) -> None:
-    try:
-        if isinstance(thing, int):
-            os.close(thing)
-        else:
-            thing.close()
-    except OSError:
-        pass
 
 
 def _killpg(pgid: int, signum: int) -> None:
