@@ -46,12 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from swarmgrad.console import print_json, short_id, stderr, stdout
+from swarmgrad.console import print_json, stderr
 from swarmgrad.demo.events import RunLog, integer, number, parse_event
 from swarmgrad.demo.summary import summarize
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, check_requirements
+from swarmgrad.lab.report import START_MARK, generation_error, judge_faults, print_report, render_lab
 from swarmgrad.lab.scenario import ChurnEvent, PeerSpec, Scenario
+from swarmgrad.lab.sweep import killpg
 
 TARGETS = (0.85, 0.88)
 BOOTSTRAP_PORT = 31337
@@ -66,8 +68,6 @@ MIN_LATE_SECONDS = 5.0  # budget of a peer (re)started near the end
 # 60 s before any estimate); a peer is hung when silent for HANG_FACTOR deadlines
 ROUND_INITIAL, ROUND_MIN, ROUND_MAX, ROUND_SLACK = 60.0, 5.0, 600.0, 4.0
 HANG_FACTOR = 3.0
-CAUGHT_UP_EPOCHS = 1
-START_MARK = "--- start "  # in a peer's log: one section per start
 
 
 @dataclass
@@ -311,7 +311,7 @@ class Lab:
             if peer.process is None or peer.process.poll() is not None:
                 record.update(outcome=f"peer was not running ({peer.state})", ok=False)
             else:
-                _killpg(peer.process.pid, signal.SIGKILL)
+                killpg(peer.process.pid, signal.SIGKILL)
                 peer.process.wait()
                 peer.state = "killed"
                 if peer.peer_id in self.log.peers:  # the demo's dashboard and summary know no "killed" state
@@ -411,7 +411,7 @@ class Lab:
             time.sleep(POLL_SECONDS)
         for peer in running:
             if peer.process.poll() is None:
-                _killpg(peer.process.pid, signal.SIGKILL)
+                killpg(peer.process.pid, signal.SIGKILL)
                 peer.process.wait()
         time.sleep(0.2)  # the reader threads hand over the last lines
         self.drain()
@@ -431,95 +431,11 @@ class Lab:
     # -- report ---------------------------------------------------------------------------------
 
     def render(self) -> Any:
-        from rich.console import Group
-        from rich.text import Text
-
-        from swarmgrad.demo.dashboard import render_dashboard
-
-        parts = [render_dashboard(self.log, title=self.title), self.lab_table()]
-        upcoming = self.schedule[self.done_index or 0:]
-        if self.t0 is None:
-            parts.append(Text(f"starting {len(self.specs)} peers and a bootstrap node on the emulated network "
-                              f"({time.time() - self.created:.0f} s)"))
-        elif upcoming:
-            event = upcoming[0]
-            parts.append(Text(f"next churn: {event.action} peer {event.peer} in "
-                              f"{max(0.0, event.at - self.elapsed()):.0f} s"))
-        return Group(*parts)
-
-    def lab_table(self) -> Any:
-        from rich import box
-        from rich.table import Table
-
-        table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
-        for column in ("#", "peer", "link up/down, delay, loss", "slow", "process"):
-            table.add_column(column, no_wrap=True)
-        for peer in self.peers:
-            state = peer.state if peer.generation <= 1 else f"{peer.state} (start {peer.generation})"
-            if peer.state == "exited" and peer.process is not None:
-                state += f" rc={peer.process.returncode}"
-            label = f" {peer.spec.label}" if peer.spec.label else ""
-            table.add_row(str(peer.index), short_id(peer.peer_id), peer.spec.describe() + label,
-                          f"{peer.spec.slowdown:g}x", state)
-        return table
+        return render_lab(self)
 
     def judge_faults(self) -> None:
         """Fill in each applied churn event's outcome from what the peers reported afterwards."""
-        end = self.ended_at or time.time()
-        for record in self.faults:
-            if record["outcome"] is not None:
-                continue
-            peer = self.peers[record["peer"]]
-            at = self.t0 + record["at"] if self.t0 is not None else end
-            if record["action"] == "kill":
-                survivors = record.pop("survivors", {})
-                growth = {index: self.peers[index].rounds_total - before for index, before in survivors.items()}
-                after = [h["t"] for p in self.peers if p.index in survivors for h in p.history
-                         if h["t"] > at and h["rounds_total"] > survivors[p.index]]
-                grew = sorted(index for index, delta in growth.items() if delta > 0)
-                record.update(rounds_after=sum(growth.values()),
-                              first_round_after=None if not after else round(min(after) - at, 1))
-                if grew:
-                    record.update(ok=True, outcome=f"others kept averaging: +{sum(growth.values())} rounds "
-                                  f"(peers {', '.join(map(str, grew))}), first {min(after) - at:.0f} s after")
-                elif not survivors:
-                    record.update(ok=False, outcome="no other peer was running")
-                else:
-                    record.update(ok=False, outcome=f"no averaging round after it ({end - at:.0f} s left)")
-            else:
-                reports = [h for h in peer.history if h["generation"] == record["generation"]]
-                swarm = self.final_swarm_epoch(exclude=peer)
-                if not reports:
-                    error = generation_error(peer.log_path, record["generation"])
-                    record.update(ok=False, outcome=f"never reported: {error or f'see {peer.log_path}'}")
-                    continue
-                first, last = reports[0]["epoch"], reports[-1]["epoch"]
-                downloads = max(h["state_downloads"] for h in reports)
-                rounds = reports[-1]["rounds_total"] - reports[0]["rounds_total"]
-                close = swarm is not None and abs(last - swarm) <= CAUGHT_UP_EPOCHS
-                record.update(epoch_start=first, epoch_end=last, swarm_epoch_end=swarm, state_downloads=downloads,
-                              rounds_ok=rounds, ok=bool(downloads >= 1 or close))
-                # rounds too: a peer that only ever downloads the swarm's state keeps up without helping
-                numbers = f"epoch {first} -> {last}, swarm at {'-' if swarm is None else swarm}, " \
-                          f"{downloads} state download{'s' if downloads != 1 else ''}, " \
-                          f"{rounds} round{'s' if rounds != 1 else ''} ok"
-                record["outcome"] = ("caught up: " if record["ok"] else "behind: ") + numbers
-                error = generation_error(peer.log_path, record["generation"])
-                exited = peer.exited_at.get(record["generation"])
-                if error and exited is not None and exited <= end:
-                    # caught up, then failed while the run went on: that is what a user wants to know
-                    record.update(ok=False, error=error, outcome=record["outcome"] + f"; then {error}")
-                elif error:  # failed while the lab stopped everyone (its donors left): noted, not judged
-                    record.update(error=error, outcome=record["outcome"] + f"; while stopping: {error}")
-        for event in self.schedule[self.done_index or 0:]:
-            self.faults.append({"at": round(event.at, 1), "scheduled_at": round(event.at, 1), "action": event.action,
-                                "peer": event.peer, "peer_id": self.peers[event.peer].peer_id, "ok": None,
-                                "outcome": f"not reached: the run ended at {self.elapsed(end):.0f} s"})
-
-    def final_swarm_epoch(self, exclude: LabPeer) -> int | None:
-        """The highest epoch the other peers reported (the run's end, or when each stopped)."""
-        epochs = [p.last_progress_epoch for p in self.peers if p is not exclude and p.last_progress_epoch is not None]
-        return max(epochs, default=None)
+        judge_faults(self)
 
     def summary(self, plot_path: Path) -> dict:
         from swarmgrad.demo.plot import plot_run
@@ -595,35 +511,6 @@ def run_lab(scenario: Scenario, *, json_output: bool = False, plot_path: Path | 
     return summary
 
 
-def print_report(summary: dict) -> None:
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
-
-    if summary["faults"]:
-        table = Table(title="faults", title_justify="left", box=box.SIMPLE_HEAD)
-        for column in ("at", "action", "peer", "outcome"):
-            table.add_column(column, justify="right" if column in ("at", "peer") else "left")
-        for fault in summary["faults"]:
-            style = {True: "green", False: "red"}.get(fault["ok"], "yellow")
-            table.add_row(f"{fault['at']:.0f} s", fault["action"], str(fault["peer"]),
-                          f"[{style}]{escape(fault['outcome'])}[/]")
-        stdout.print(table)
-    final = summary.get("final_accuracy")
-    per_epoch = summary.get("bytes_sent_per_peer_per_epoch")
-    stdout.print(f"{summary['scenario']['name']}: final held-out accuracy {'-' if final is None else f'{final:.4f}'}; "
-                 f"85% after {_seconds(summary['time_to_85'])}, 88% after {_seconds(summary['time_to_88'])} of "
-                 f"training; {summary['training_seconds']:.0f} s training, {summary['total_seconds']:.0f} s in all "
-                 f"({summary['ended_by']})")
-    stdout.print(f"sent per peer per epoch: {'-' if per_epoch is None else f'{per_epoch / 1e6:.2f} MB'}; "
-                 f"NaN loss: {'yes' if summary['nan_seen'] else 'no'}; hung peers: {summary['hung_rounds']}")
-    stdout.print(f"plot: {summary['plot']}   logs: {summary['logs']}")
-
-
-def _seconds(value: float | None) -> str:
-    return "never" if value is None else f"{value:.0f} s"
-
-
 def _follow(stream: IO[bytes], index: int, generation: int, lines: queue.Queue) -> None:
     """Reader thread: one process's stdout lines into the queue, then None at EOF."""
     try:
@@ -634,26 +521,6 @@ def _follow(stream: IO[bytes], index: int, generation: int, lines: queue.Queue) 
     finally:
         lines.put((index, generation, None))
         stream.close()
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def generation_error(path: Path, generation: int) -> str | None:
-    """The last one-line ``error: ...`` that start ``generation`` of a peer wrote to its log, if any."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    sections = text.split(START_MARK)  # [before the first start, start 1, start 2, ...]
-    if generation < 1 or generation >= len(sections):
-        return None
-    errors = [line.strip() for line in sections[generation].splitlines() if line.startswith("error:")]
-    return errors[-1] if errors else None
 
 
 def _tail(path: Path, lines: int = 3) -> str:

@@ -66,6 +66,7 @@ from swarmgrad.lab.sweep import (
     PREFIX_RE,
     cleanup,
     close_quietly,
+    killpg,
     lab_namespaces,
     leftovers,
     run_tool,
@@ -389,7 +390,7 @@ class EmulatedNetwork:
         # that outlived their leader are still in the namespace (or carry the marker): _sweep.
         live = [p for p in self._procs if p.poll() is None]
         for process in live:
-            _killpg(process.pid, signal.SIGTERM)
+            killpg(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for process in live:
             try:
@@ -398,7 +399,7 @@ class EmulatedNetwork:
                 pass
         for process in live:
             if process.poll() is None:
-                _killpg(process.pid, signal.SIGKILL)
+                killpg(process.pid, signal.SIGKILL)
         for process in live:
             try:
                 process.wait(timeout=5)
@@ -480,13 +481,6 @@ def _readline_with_timeout(stream: Any, timeout: float) -> bytes:
         if not selector.select(timeout):
             return b""
     return stream.readline()
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class _DeferredSignals:

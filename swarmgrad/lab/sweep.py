@@ -172,3 +172,10 @@ def close_quietly(thing: Any) -> None:
             thing.close()
     except OSError:
         pass
+
+
+def killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
