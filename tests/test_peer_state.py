@@ -1,0 +1,265 @@
+"""Unit tests of peer state: snapshots, TrainingState capture/restore, checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from peer_fakes import attach, model_and_optimizer, train_steps
+
+from swarmgrad.averaging.state_transfer import StateSnapshot, _parse_description, layout
+from swarmgrad.averaging.wire import FrameError
+from swarmgrad.errors import ConfigError
+from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from swarmgrad.peer.state import StateMismatch, TrainingState
+from swarmgrad.peer.strategies import DiLoCo, SyncSGD
+
+# ---- StateSnapshot ------------------------------------------------------------------------------------
+
+
+def test_snapshot_round_trips_every_dtype_and_shape():
+    tensors = {
+        "a": torch.randn(3, 5),
+        "half": torch.randn(7).half(),
+        "bf": torch.randn(2, 2).bfloat16(),
+        "double": torch.randn(4, dtype=torch.float64),
+        "count": torch.tensor(7, dtype=torch.int64),  # 0-dim
+        "mask": torch.tensor([True, False, True]),
+        "bytes": torch.arange(5, dtype=torch.uint8),
+        "small": torch.tensor([-3, 4], dtype=torch.int8),
+        "empty": torch.zeros(0, 3),
+        "strided": torch.randn(6, 4).t(),  # not contiguous
+    }
+    snapshot = StateSnapshot.capture(3, tensors, {"epoch": 3})
+    assert snapshot.version == 3 and snapshot.meta == {"epoch": 3}
+    # each tensor starts on an 8-byte boundary, so it can be viewed in place as its dtype
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) <= snapshot.nbytes
+    assert snapshot.nbytes == layout(snapshot.specs)[1] and snapshot.nbytes % 8 == 0
+    restored = snapshot.tensors()
+    assert list(restored) == list(tensors)
+    for name, tensor in tensors.items():
+        assert restored[name].dtype == tensor.dtype and restored[name].shape == tensor.shape
+        assert torch.equal(restored[name], tensor), name
+    assert [spec[0] for spec in snapshot.specs] == list(tensors)
+
+
+def test_training_state_of_a_batchnorm_model_round_trips():
+    """A BatchNorm's int64 ``num_batches_tracked`` lands at an offset that is not a multiple of 8."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_steps(model, optimizer, 2)
+    snapshot = TrainingState(model, optimizer, attach(SyncSGD(), model, optimizer)).capture(2, {})
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    other_optimizer = torch.optim.Adam(other.parameters(), lr=0.01)
+    TrainingState(other, other_optimizer, attach(SyncSGD(), other, other_optimizer)).restore(snapshot)
+    for key, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value), key
+    assert_same_optimizer_state(optimizer, other_optimizer)
+
+
+def test_snapshot_is_a_copy():
+    source = {"w": torch.zeros(4)}
+    snapshot = StateSnapshot.capture(1, source)
+    source["w"].add_(1.0)
+    assert torch.equal(snapshot.tensors()["w"], torch.zeros(4))
+
+
+def test_snapshot_rejects_unsupported_dtype():
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        StateSnapshot.capture(0, {"z": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_empty_snapshot():
+    snapshot = StateSnapshot.capture(0, {})
+    assert snapshot.nbytes == 0 and snapshot.tensors() == {}
+
+
+def test_digest_identifies_the_layout_not_the_values():
+    a = StateSnapshot.capture(1, {"w": torch.zeros(4), "b": torch.zeros(2)})
+    b = StateSnapshot.capture(9, {"w": torch.ones(4), "b": torch.randn(2)})
+    assert a.digest == b.digest
+    assert a.digest != StateSnapshot.capture(1, {"w": torch.zeros(5), "b": torch.zeros(2)}).digest
+    assert a.digest != StateSnapshot.capture(1, {"w": torch.zeros(4).double(), "b": torch.zeros(2)}).digest
+    assert a.digest != StateSnapshot.capture(1, {"v": torch.zeros(4), "b": torch.zeros(2)}).digest
+    assert a.digest != StateSnapshot.capture(1, {"b": torch.zeros(2), "w": torch.zeros(4)}).digest  # order
+
+
+def test_describe_parses_back_and_is_checked_against_nbytes():
+    snapshot = StateSnapshot.capture(2, {"w": torch.randn(3, 4), "n": torch.tensor(5)}, {"k": [1, 2]})
+    specs, meta = _parse_description(snapshot.describe(), snapshot.nbytes)
+    assert specs == snapshot.specs and meta == snapshot.meta
+    with pytest.raises(FrameError, match="adds up"):
+        _parse_description(snapshot.describe(), snapshot.nbytes + 1)
+    with pytest.raises(FrameError):
+        _parse_description(b"\xc1 not msgpack", snapshot.nbytes)
+
+
+# ---- TrainingState ------------------------------------------------------------------------------------
+
+
+def diloco_state(model, optimizer):
+    strategy = attach(DiLoCo(inner_steps=5), model, optimizer)
+    return strategy, TrainingState(model, optimizer, strategy)
+
+
+def test_training_state_round_trip_with_adam_and_diloco_momentum():
+    model, optimizer = model_and_optimizer(0, lr=0.01, kind="adam")
+    train_steps(model, optimizer, 3)
+    strategy, state = diloco_state(model, optimizer)
+    for m in strategy.momentum:
+        m.normal_()
+    snapshot = state.capture(4, {"strategy": strategy.config()})
+    names = set(snapshot.tensors())
+    assert {"model/0.weight", "optimizer/0/exp_avg", "optimizer/0/exp_avg_sq", "strategy/momentum/0"} <= names
+
+    other_model, other_optimizer = model_and_optimizer(1, lr=0.01, kind="adam")
+    other_strategy, other_state = diloco_state(other_model, other_optimizer)
+    other_state.restore(snapshot)
+    for key, value in model.state_dict().items():
+        assert torch.equal(other_model.state_dict()[key], value), key
+    assert_same_optimizer_state(optimizer, other_optimizer)
+    for mine, theirs in zip(strategy.momentum, other_strategy.momentum):
+        assert torch.equal(mine, theirs)
+    for start, param in zip(other_strategy.start, other_strategy.params):  # the new start is the state's params
+        assert torch.equal(start, param.detach())
+    # the restored pair trains exactly like the original
+    train_steps(model, optimizer, 2, seed=5)
+    train_steps(other_model, other_optimizer, 2, seed=5)
+    for a, b in zip(model.parameters(), other_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def assert_same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    state_a, state_b = a.state_dict()["state"], b.state_dict()["state"]
+    assert set(state_a) == set(state_b)
+    for index in state_a:
+        assert set(state_a[index]) == set(state_b[index])
+        for key, value in state_a[index].items():
+            other = state_b[index][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other) and value.dtype == other.dtype, (index, key)
+            else:
+                assert value == other, (index, key)
+
+
+def test_restore_refuses_wrong_shapes_and_names_and_changes_nothing():
+    model, optimizer = model_and_optimizer(0, kind="adam")
+    train_steps(model, optimizer, 1)
+    _, state = diloco_state(model, optimizer)
+    snapshot = state.capture(1, {})
+
+    wide = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    wide_optimizer = torch.optim.Adam(wide.parameters())
+    before = {k: v.clone() for k, v in wide.state_dict().items()}
+    with pytest.raises(StateMismatch, match="model/0.weight"):
+        TrainingState(wide, wide_optimizer, attach(DiLoCo(), wide, wide_optimizer)).restore(snapshot)
+    assert all(torch.equal(before[k], v) for k, v in wide.state_dict().items())
+
+    deeper = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    deeper_optimizer = torch.optim.Adam(deeper.parameters())
+    with pytest.raises(StateMismatch, match="missing"):
+        TrainingState(deeper, deeper_optimizer, attach(DiLoCo(), deeper, deeper_optimizer)).restore(snapshot)
+
+    # optimizer state for a parameter this optimizer does not have
+    tensors = dict(snapshot.tensors())
+    tensors["optimizer/9/exp_avg"] = torch.zeros(3)
+    bad = StateSnapshot.capture(1, tensors, snapshot.meta)
+    fresh_model, fresh_optimizer = model_and_optimizer(3, kind="adam")
+    _, fresh_state = diloco_state(fresh_model, fresh_optimizer)
+    before = {k: v.clone() for k, v in fresh_model.state_dict().items()}
+    with pytest.raises(StateMismatch, match="parameter 9"):
+        fresh_state.restore(bad)
+    assert all(torch.equal(before[k], v) for k, v in fresh_model.state_dict().items())
+    assert fresh_optimizer.state_dict()["state"] == {}
+
+    # optimizer state of the wrong shape
+    tensors = dict(snapshot.tensors())
+    tensors["optimizer/0/exp_avg"] = torch.zeros(2, 2)
+    with pytest.raises(StateMismatch, match="optimizer/0/exp_avg"):
+        fresh_state.restore(StateSnapshot.capture(1, tensors, snapshot.meta))
+
+
+def test_restore_with_foreign_strategy_state_changes_nothing():
+    """restore() promises StateMismatch *changing nothing*: that covers the strategy part too."""
+    model, optimizer = model_and_optimizer(0, kind="adam")
+    train_steps(model, optimizer, 1)
+    sync_state = TrainingState(model, optimizer, attach(SyncSGD(), model, optimizer))
+    snapshot = sync_state.capture(1, {})  # no strategy tensors
+
+    other_model, other_optimizer = model_and_optimizer(2, kind="adam")
+    _, other_state = diloco_state(other_model, other_optimizer)  # expects strategy/momentum/*
+    before = {k: v.clone() for k, v in other_model.state_dict().items()}
+    with pytest.raises(ConfigError) as caught:
+        other_state.restore(snapshot)
+    assert all(torch.equal(before[k], v) for k, v in other_model.state_dict().items()), "model was changed"
+    assert other_optimizer.state_dict()["state"] == {}, "optimizer was changed"
+    assert isinstance(caught.value, StateMismatch)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+
+def sample_snapshot(version: int = 3) -> StateSnapshot:
+    # 48 bytes of float32 first, so the int64 that follows is 8-byte aligned (see test_snapshot_of_mixed_dtypes...)
+    return StateSnapshot.capture(version, {"w": torch.randn(4, 3), "step": torch.tensor(4)}, {"strategy": {"name": "x"}})
+
+
+def test_checkpoint_round_trip(tmp_path):
+    assert load_checkpoint(tmp_path, "run") is None
+    snapshot = sample_snapshot()
+    path = save_checkpoint(tmp_path / "deep" / "dir", "run", snapshot, {"epsilon": 1.5, "rounds": 4})
+    assert path.name == CHECKPOINT_FILE
+    loaded, extra = load_checkpoint(tmp_path / "deep" / "dir", "run")
+    assert extra == {"epsilon": 1.5, "rounds": 4}
+    assert loaded.version == 3 and loaded.specs == snapshot.specs and loaded.meta == snapshot.meta
+    assert torch.equal(loaded.data, snapshot.data)
+    assert os.listdir(tmp_path / "deep" / "dir") == [CHECKPOINT_FILE]  # no temporary left behind
+
+
+def test_checkpoint_of_another_run_is_refused(tmp_path):
+    save_checkpoint(tmp_path, "run-a", sample_snapshot(), {})
+    with pytest.raises(ConfigError, match="run-a"):
+        load_checkpoint(tmp_path, "run-b")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_corrupt_checkpoint_is_a_config_error(tmp_path, damage):
+    path = save_checkpoint(tmp_path, "run", sample_snapshot(), {})
+    content = path.read_bytes()
+    path.write_bytes({"garbage": b"not a checkpoint" * 10, "truncated": content[: len(content) // 2],
+                      "empty": b""}[damage])
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_checkpoint(tmp_path, "run")
+
+
+@pytest.mark.parametrize("cut", [4, 3])
+def test_checkpoint_whose_bytes_do_not_fit_the_layout_is_refused(tmp_path, cut):
+    snapshot = sample_snapshot()
+    short = StateSnapshot(snapshot.version, snapshot.specs, snapshot.meta, snapshot.data[:-cut].clone())
+    save_checkpoint(tmp_path, "run", short, {})
+    with pytest.raises(ConfigError):
+        load_checkpoint(tmp_path, "run")
+    long = StateSnapshot(snapshot.version, snapshot.specs, snapshot.meta,
+                         torch.cat([snapshot.data, torch.zeros(cut, dtype=torch.uint8)]))
+    save_checkpoint(tmp_path, "run", long, {})
+    with pytest.raises(ConfigError):
+        load_checkpoint(tmp_path, "run")
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, "run", sample_snapshot(1), {"n": 1})
+
+    def crash(payload, file):
+        file.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, "run", sample_snapshot(2), {"n": 2})
+    monkeypatch.undo()
+    loaded, extra = load_checkpoint(tmp_path, "run")
+    assert loaded.version == 1 and extra == {"n": 1}
+    assert os.listdir(tmp_path) == [CHECKPOINT_FILE]
