@@ -13,7 +13,8 @@ from typing import Any, Coroutine, List, Optional
 
 import typer
 
-from swarmgrad.errors import ConfigError, SwarmgradError
+from swarmgrad.commands.exits import EXIT_CONFIG_ERROR, call_reporting_errors
+from swarmgrad.errors import ConfigError
 from swarmgrad.version import __version__
 
 app = typer.Typer(
@@ -24,9 +25,6 @@ app = typer.Typer(
     add_completion=False,
 )
 
-EXIT_RUNTIME_ERROR = 1
-EXIT_CONFIG_ERROR = 2
-EXIT_INTERRUPTED = 130
 
 InitialPeers = typer.Option(
     None,
@@ -51,7 +49,7 @@ def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
     """Run a command's coroutine, turning user-fixable errors into one line and an exit code."""
     from swarmgrad.runtime import run
 
-    return _call(lambda: run(coroutine))
+    return call_reporting_errors(lambda: run(coroutine))
 
 
 def _version_callback(value: bool) -> None:
@@ -190,7 +188,7 @@ def peer(
     if target_accuracy is not None and eval_every == 0:
         typer.echo("error: --target-accuracy needs evaluations: set --eval-every > 0", err=True)
         raise typer.Exit(EXIT_CONFIG_ERROR)
-    _call(lambda: run_peer(config, run_id, task, create, explicit, local, json_output, wait))
+    call_reporting_errors(lambda: run_peer(config, run_id, task, create, explicit, local, json_output, wait))
 
 
 def _run_options(strategy, averaging, compression, inner_steps, outer_lr, target_batch_size, every, group_size,
@@ -227,21 +225,6 @@ def _run_options(strategy, averaging, compression, inner_steps, outer_lr, target
     if hparams:
         explicit["hparams"] = hparams
     return explicit
-
-
-def _call(function):
-    """Run a blocking command body, turning user-fixable errors into one line and an exit code."""
-    try:
-        return function()
-    except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(EXIT_CONFIG_ERROR) from None
-    except SwarmgradError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(EXIT_RUNTIME_ERROR) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 @app.command()

@@ -6,18 +6,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
 
-from swarmgrad.errors import ConfigError, SwarmgradError
+from swarmgrad.commands.exits import call_reporting_errors
 
-EXIT_RUNTIME_ERROR = 1
-EXIT_CONFIG_ERROR = 2
-EXIT_INTERRUPTED = 130
+INTERRUPTED = "interrupted: the lab is torn down"
+
 
 
 class _DefaultRun(TyperGroup):
@@ -45,21 +43,6 @@ def register(app: typer.Typer) -> None:
     app.add_typer(lab_app, name="lab")
 
 
-def _guarded(function: Callable[[], Any]) -> Any:
-    """User-fixable errors as one ``error:`` line; Ctrl-C/SIGTERM after the lab is torn down."""
-    try:
-        return function()
-    except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(EXIT_CONFIG_ERROR) from None
-    except SwarmgradError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(EXIT_RUNTIME_ERROR) from None
-    except KeyboardInterrupt as interrupt:  # LabTerminated (SIGTERM/SIGHUP) carries its own exit code
-        typer.echo("interrupted: the lab is torn down", err=True)
-        raise typer.Exit(getattr(interrupt, "exit_code", EXIT_INTERRUPTED)) from None
-
-
 @lab_app.command("run")
 def run(
     scenario: str = typer.Argument(..., help="Built-in scenario name (swarmgrad lab list) or path to a .toml file."),
@@ -79,8 +62,8 @@ def run(
     from swarmgrad.lab.driver import run_lab
     from swarmgrad.lab.scenario import load_scenario
 
-    _guarded(lambda: run_lab(load_scenario(scenario), json_output=json_output, plot_path=plot,
-                             duration_override=duration, quick=quick))
+    call_reporting_errors(lambda: run_lab(load_scenario(scenario), json_output=json_output, plot_path=plot,
+                                          duration_override=duration, quick=quick), interrupted=INTERRUPTED)
 
 
 @lab_app.command("list")
@@ -88,7 +71,7 @@ def list_scenarios() -> None:
     """The built-in scenarios, one per line with a description."""
     from swarmgrad.lab.scenario import builtin_scenarios
 
-    scenarios = _guarded(builtin_scenarios)
+    scenarios = call_reporting_errors(builtin_scenarios)
     width = max(map(len, scenarios), default=0)
     for name, description in scenarios.items():
         typer.echo(f"{name:<{width}}  {description}")
@@ -113,7 +96,7 @@ def clean(
         if not removed:
             typer.echo("nothing to clean: no leftovers of dead labs")
 
-    _guarded(body)
+    call_reporting_errors(body)
 
 
 __all__ = ["lab_app", "register"]
