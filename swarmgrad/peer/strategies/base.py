@@ -66,7 +66,9 @@ class Strategy(ABC):
         self.ctx = ctx
 
     async def close(self) -> None:
-        """Release what ``open`` took."""
+        """Release what ``open`` took: the averagers it entered."""
+        for averager in self.averagers():
+            await averager.__aexit__(None, None, None)
 
     @abstractmethod
     def after_backward(self, batch_size: int) -> bool:

@@ -46,10 +46,6 @@ class DiLoCo(Strategy):
     def averagers(self) -> list[Any]:
         return [self.averager] if self.averager is not None else []
 
-    async def close(self) -> None:
-        if self.averager is not None:
-            await self.averager.__aexit__(None, None, None)
-
     def after_backward(self, batch_size: int) -> bool:
         self.ctx.optimizer.step()
         self.ctx.optimizer.zero_grad(set_to_none=True)

@@ -51,11 +51,6 @@ class GossipSGD(Strategy):
     def averagers(self) -> list[Any]:
         return [a for a in (self.gossip, self.moshpit) if a is not None]
 
-    async def close(self) -> None:
-        for averager in (self.gossip, self.moshpit):
-            if averager is not None:
-                await averager.__aexit__(None, None, None)
-
     def after_backward(self, batch_size: int) -> bool:
         self.ctx.optimizer.step()
         self.ctx.optimizer.zero_grad(set_to_none=True)

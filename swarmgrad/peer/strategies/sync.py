@@ -38,10 +38,6 @@ class SyncSGD(Strategy):
     def averagers(self) -> list[Any]:
         return [self.averager] if self.averager is not None else []
 
-    async def close(self) -> None:
-        if self.averager is not None:
-            await self.averager.__aexit__(None, None, None)
-
     @torch.no_grad()
     def after_backward(self, batch_size: int) -> bool:
         for param, total in zip(self.params, self.accumulated):
