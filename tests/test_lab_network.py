@@ -226,6 +226,19 @@ def test_uplink_and_downlink_rates(rated):
     assert 7 <= down <= 13
 
 
+def test_traffic_counters_see_what_a_peer_sends(rated):
+    sent_before, _ = rated.traffic(1)
+    _, received_before = rated.traffic(0)
+    _mbit(rated, 1, 0, 7203, size=2_000_000)
+    sent, _ = rated.traffic(1)
+    _, received = rated.traffic(0)
+    # the payload plus TCP/IP headers and the handshake: a little more, never less
+    assert 2_000_000 <= sent - sent_before <= 2_300_000
+    assert 2_000_000 <= received - received_before <= 2_300_000
+    with pytest.raises(ConfigError):
+        rated.traffic(3)
+
+
 # -- lifecycle ----------------------------------------------------------------------------------------
 
 def test_exit_removes_everything():

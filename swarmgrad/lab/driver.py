@@ -150,15 +150,17 @@ class Lab:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
+    def bootstrap_command(self, address: str) -> list[str]:
+        """A DHT node that prints its multiaddrs on stdout (``/ip4/...`` lines) and serves until SIGTERM."""
+        return [sys.executable, "-m", "swarmgrad.cli", "bootstrap", "--host", address, "--port", str(BOOTSTRAP_PORT)]
+
     def start_bootstrap(self, net: EmulatedNetwork) -> None:
         index = len(self.specs)
         address = net.address(index)
         log_path = self.run_dir / "bootstrap.log"
         with open(log_path, "ab") as log:
-            process = net.popen(index, [sys.executable, "-m", "swarmgrad.cli", "bootstrap", "--host", address,
-                                        "--port", str(BOOTSTRAP_PORT)],
-                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=self.run_dir,
-                                env=self.env())
+            process = net.popen(index, self.bootstrap_command(address), stdout=subprocess.PIPE, stderr=log,
+                                stdin=subprocess.DEVNULL, cwd=self.run_dir, env=self.env())
         assert process.stdout is not None
         deadline = time.monotonic() + BOOTSTRAP_SECONDS
         while time.monotonic() < deadline:
@@ -175,6 +177,7 @@ class Lab:
                            f"last lines of {log_path}: {_tail(log_path)}")
 
     def peer_command(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> list[str]:
+        """``swarmgrad peer --json`` for ``peer``; a subclass may run other software that reports the same events."""
         scenario = self.scenario
         assert self.net is not None and self.bootstrap_maddr is not None
         argv = [
@@ -185,13 +188,16 @@ class Lab:
             "--identity", str(peer.identity), "--checkpoint-dir", str(peer.checkpoint_dir),
             "--wait-peers", str(wait_peers), "--wait", str(WAIT_SECONDS), *scenario.run_flags(),
         ]
-        if peer.index == 0:  # one evaluator: after a swarm step every peer holds the same model
-            argv += ["--eval-every", f"{scenario.eval_every:g}"]
-            if scenario.target_accuracy is not None:
-                argv += ["--target-accuracy", f"{scenario.target_accuracy:g}"]
-        else:
-            argv += ["--eval-every", "0", "--no-final-eval"]
-        return argv
+        return argv + self.eval_flags(peer)
+
+    def eval_flags(self, peer: LabPeer) -> list[str]:
+        """Peer 0 is the one evaluator: after a swarm step every peer holds the same model."""
+        if peer.index != 0:
+            return ["--eval-every", "0", "--no-final-eval"]
+        flags = ["--eval-every", f"{self.scenario.eval_every:g}"]
+        if self.scenario.target_accuracy is not None:
+            flags += ["--target-accuracy", f"{self.scenario.target_accuracy:g}"]
+        return flags
 
     def start_peer(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> None:
         assert self.net is not None

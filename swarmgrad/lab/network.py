@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import json
 import math
 import os
 import secrets
@@ -240,6 +241,18 @@ class EmulatedNetwork:
         process = subprocess.Popen(self.exec_argv(i, argv), env=env, **kwargs)
         self._procs.append(process)
         return process
+
+    def traffic(self, i: int) -> tuple[int, int]:
+        """Bytes peer ``i`` has sent and received on its link so far, IP headers and retransmissions
+        included (the kernel's counters of ``lab0``): the same measure for any software in the lab.
+        Received bytes count before the link's loss is applied."""
+        self._check_index(i)
+        result = subprocess.run([self.tools.get("ip", "ip"), "-n", self.namespace(i), "-s", "-j", "link", "show",
+                                 TUN_NAME], capture_output=True, text=True, check=False, timeout=10)
+        if result.returncode != 0:
+            raise StartupError(f"cannot read the traffic counters of peer {i}: {result.stderr.strip()[-300:]}")
+        stats = json.loads(result.stdout)[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     @property
     def hub_pid(self) -> int | None:

@@ -29,7 +29,7 @@ from swarmgrad.peer.peer import Peer
 from swarmgrad.peer.settings import averaging_from_dict
 from swarmgrad.peer.strategies import strategy_from_dict
 from swarmgrad.runtime import run
-from swarmgrad.tasks import get_task
+from swarmgrad.tasks import Task, get_task
 from swarmgrad.tasks.base import endless_batches
 from swarmgrad.tasks.train import make_optimizer
 
@@ -108,8 +108,13 @@ def explicit_data_dir(explicit: dict[str, Any]) -> str | None:
     return explicit.get("_data_dir")
 
 
+def load_task(name: str, data_dir: str | None) -> Task:
+    """``--data-dir`` goes to the Fashion-MNIST tasks only; the others read no files."""
+    return get_task(name, data_dir=data_dir) if name.startswith("fashion-mnist") else get_task(name)
+
+
 def _fingerprint(task: str, data_dir: str | None) -> str | None:
-    spec = get_task(task, data_dir=data_dir) if task == "fashion-mnist" else get_task(task)
+    spec = load_task(task, data_dir)
     return spec.data_fingerprint() if spec.data_fingerprint else None
 
 
@@ -127,7 +132,7 @@ def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOpti
     """Train until a stop condition or SIGTERM/SIGINT; returns the final summary (also emitted as ``done``)."""
     if local.threads:
         torch.set_num_threads(local.threads)
-    task = get_task(task_name, data_dir=local.data_dir) if task_name == "fashion-mnist" else get_task(task_name)
+    task = load_task(task_name, local.data_dir)
     if manifest is not None:
         check_compatible(manifest, task_name, task.data_fingerprint() if task.data_fingerprint else None)
     hparams = {**task.default_hparams, **options.get("hparams", {})}

@@ -1,0 +1,79 @@
+"""The lab benchmarks' own logic: the chaos schedule they draw and the ratios they report.
+
+The benchmarks themselves run whole swarms for many minutes (their numbers are in the issue
+notes); what is tested here is what decides their verdicts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import chaos  # noqa: E402
+import time_to_accuracy as tta  # noqa: E402
+
+from swarmgrad.lab.scenario import load_scenario  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chaos_draws_three_kills_and_two_restarts_that_make_a_valid_schedule(seed):
+    base = load_scenario(chaos.SCENARIO)
+    faulty = chaos.with_faults(base, seed)
+    events = faulty.schedule()  # validates: kills hit running peers, restarts follow their kill
+    kills = [e for e in events if e.action == "kill"]
+    restarts = [e for e in events if e.action == "restart"]
+    assert len(kills) == 3 and len(restarts) == 2
+    assert len({e.peer for e in kills}) == 3 and 0 not in {e.peer for e in kills}
+    for kill in kills:
+        assert chaos.KILL_WINDOW[0] * base.duration <= kill.at <= chaos.KILL_WINDOW[1] * base.duration
+    for restart in restarts:
+        kill = next(k for k in kills if k.peer == restart.peer)
+        assert restart.at - kill.at >= chaos.RESTART_DELAY[0] * base.duration - 0.1
+    assert chaos.with_faults(base, seed) == faulty  # the seed reproduces the run
+    assert chaos.without_faults(base).churn == []
+
+
+def _result(to88: float | None, training: float = 500.0, error: str | None = None) -> dict:
+    return {"seconds_to": {"0.85": None, "0.88": to88}, "training_seconds": training, "error": error}
+
+
+def test_ratios_meet_or_miss_the_targets():
+    found = tta.ratios({"swarmgrad": _result(100.0), "hivemind": _result(350.0),
+                        "compute-only": _result(80.0)}, 0.88)
+    assert found["hivemind_over_swarmgrad"] == {"value": 3.5, "lower_bound": False, "target": 3.0, "met": True}
+    assert found["swarmgrad_over_compute_only"]["value"] == 1.25
+    assert found["swarmgrad_over_compute_only"]["met"] is True
+    slow = tta.ratios({"swarmgrad": _result(200.0), "hivemind": _result(500.0), "compute-only": _result(100.0)}, 0.88)
+    assert slow["hivemind_over_swarmgrad"]["met"] is False
+    assert slow["swarmgrad_over_compute_only"]["met"] is False
+
+
+def test_a_run_that_never_reached_the_target_gives_a_bound():
+    found = tta.ratios({"swarmgrad": _result(100.0), "hivemind": _result(None, training=480.0),
+                        "compute-only": _result(None)}, 0.88)
+    assert found["hivemind_over_swarmgrad"] == {"value": 4.8, "lower_bound": True, "target": 3.0, "met": True}
+    assert "swarmgrad_over_compute_only" not in found  # no time for the ideal: no ratio
+    failed = tta.ratios({"swarmgrad": _result(100.0), "hivemind": _result(None, error="boom")}, 0.88)
+    assert "hivemind_over_swarmgrad" not in failed
+
+
+def test_the_benchmark_scenario_is_what_the_issue_asks_for():
+    scenario = load_scenario(tta.SCENARIO)
+    peers = scenario.expanded_peers()
+    assert sum(p.start for p in peers) == 8
+    assert {p.up_mbit for p in peers} <= {10, 25, 50, 100} and {p.down_mbit for p in peers} <= {10, 25, 50, 100}
+    delays = [p.delay_ms for p in peers]
+    assert 2 * (2 * min(delays)) >= 20 and 2 * (2 * max(delays)) <= 80  # round trips between peers
+    assert all(p.loss == 0.005 for p in peers)
+    assert sum(p.slowdown == 3 for p in peers) == 1
+    actions = [(e.action, e.at / scenario.duration) for e in scenario.schedule()]
+    assert actions == [("kill", 0.3), ("join", 0.5)]
+    from swarmgrad.tasks import get_task
+
+    model = get_task(scenario.task).make_model()
+    assert sum(p.numel() for p in model.parameters()) >= 5_000_000
