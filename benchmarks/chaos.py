@@ -35,13 +35,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from swarmgrad.errors import SwarmgradError  # noqa: E402
-from swarmgrad.lab.driver import run_lab  # noqa: E402
-from swarmgrad.lab.network import check_requirements  # noqa: E402
-from swarmgrad.lab.scenario import Scenario, load_scenario, validate_scenario  # noqa: E402
+from swarmgrad.errors import SwarmgradError
+from swarmgrad.lab.driver import run_lab
+from swarmgrad.lab.network import check_requirements
+from swarmgrad.lab.scenario import Scenario, load_scenario, validate_scenario
 
 SCENARIO = Path(__file__).with_name("scenarios") / "chaos.toml"
 KILLS, RESTARTS = 3, 2

@@ -14,10 +14,10 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import chaos  # noqa: E402
-import time_to_accuracy as tta  # noqa: E402
+import chaos
+import time_to_accuracy as tta
 
-from swarmgrad.lab.scenario import load_scenario  # noqa: E402
+from swarmgrad.lab.scenario import load_scenario
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -71,9 +71,58 @@ def test_the_benchmark_scenario_is_what_the_issue_asks_for():
     assert 2 * (2 * min(delays)) >= 20 and 2 * (2 * max(delays)) <= 80  # round trips between peers
     assert all(p.loss == 0.005 for p in peers)
     assert sum(p.slowdown == 3 for p in peers) == 1
-    actions = [(e.action, e.at / scenario.duration) for e in scenario.schedule()]
+    actions = [(e.action, e.at / tta.NOMINAL_RUN) for e in scenario.schedule()]
     assert actions == [("kill", 0.3), ("join", 0.5)]
+    assert scenario.duration >= tta.HIVEMIND_TARGET_RATIO * tta.NOMINAL_RUN  # room to measure a 3x slower system
     from swarmgrad.tasks import get_task
 
     model = get_task(scenario.task).make_model()
     assert sum(p.numel() for p in model.parameters()) >= 5_000_000
+
+
+# -- a real run (root) ------------------------------------------------------------------------------
+
+def _lab_unavailable() -> str | None:
+    from swarmgrad.errors import StartupError
+    from swarmgrad.lab import network
+
+    try:
+        network.check_requirements()
+    except StartupError as error:
+        return str(error)
+    return None
+
+
+_LAB_REASON = _lab_unavailable()
+
+
+@pytest.mark.skipif(_LAB_REASON is not None, reason=f"emulated network unavailable: {_LAB_REASON}")
+def test_quick_benchmark_runs_swarmgrad_and_hivemind_on_one_network_and_cleans_up(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    from swarmgrad.lab.sweep import NETNS_DIR
+
+    def lab_namespaces() -> set[str]:
+        return {name for name in os.listdir(NETNS_DIR) if name.startswith("sglab-")} if os.path.isdir(NETNS_DIR) \
+            else set()
+
+    before = lab_namespaces()
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "time_to_accuracy.py"), "--quick", "--systems", "swarmgrad,hivemind",
+         "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=420, env={**os.environ, "TMPDIR": str(tmp_path)}, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert json.loads((tmp_path / "time-to-accuracy.json").read_text())["systems"].keys() == {"swarmgrad", "hivemind"}
+    assert (tmp_path / "time-to-accuracy.png").stat().st_size > 0
+    for name, system in report["systems"].items():
+        assert system["error"] is None, (name, system["logs"])
+        assert system["curve"] and system["final_accuracy"] >= 0.8, (name, system["curve"], system["logs"])
+        assert system["mb_sent_per_peer"] > 0 and system["mb_received_per_peer"] > 0
+        assert sum(system["rounds_ok"].values()) > 0, (name, system["logs"])  # the peers averaged
+        assert not system["nan_seen"]
+    assert lab_namespaces() <= before
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
+    assert leftover.stdout.strip() == "", leftover.stdout

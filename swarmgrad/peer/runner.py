@@ -183,10 +183,11 @@ def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOpti
                 last_progress = now
                 emit(_progress_event(peer))
             if local.eval_every > 0 and now - last_eval >= local.eval_every and peer.epoch != eval_epoch:
+                evaluated_at = time.time()  # the model's time: the event says when it had this accuracy
                 metrics = task.evaluate(model, max_batches=local.eval_batches)
                 last_eval, eval_epoch = time.monotonic(), peer.epoch
-                emit({"event": "eval", "peer_id": peer.peer_id, "step": peer.status().step, "epoch": peer.epoch,
-                      "accuracy": metrics["accuracy"], "loss": metrics["loss"]})
+                emit({"event": "eval", "t": evaluated_at, "peer_id": peer.peer_id, "step": peer.status().step,
+                      "epoch": peer.epoch, "accuracy": metrics["accuracy"], "loss": metrics["loss"]})
                 if local.target_accuracy is not None and metrics["accuracy"] >= local.target_accuracy:
                     reason, final = "target_accuracy", metrics
                     break
