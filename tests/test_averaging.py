@@ -13,6 +13,7 @@ from conftest import run_async
 
 from swarmgrad.averaging import Averager
 from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.errors import ConfigError
 
 RUN = "avg-test"
 WINDOW = 0.5
@@ -55,6 +56,38 @@ def test_four_peers_reach_exact_weighted_mean():
                     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
     run_async(scenario())
+
+
+def test_swap_storage_averages_without_copying_and_alternates_two_buffers():
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            nodes = await start_nodes(stack, 3)
+            generator = torch.Generator().manual_seed(1)
+            tensors = [torch.randn(50, 1000, generator=generator) for _ in nodes]
+            averagers = [await stack.enter_async_context(
+                Averager(node, RUN, [tensor], group_size=3, grid_dims=1, matchmaking_seconds=WINDOW, swap_storage=True))
+                for node, tensor in zip(nodes, tensors)]
+            pointers = [{tensor.data_ptr()} for tensor in tensors]
+            for round_index in range(3):
+                for tensor in tensors:  # new local values each round: the swapped-in buffer is read next time
+                    tensor.add_(torch.randn(tensor.shape, generator=generator))
+                expected = sum(tensors) / len(tensors)
+                reports = await asyncio.gather(*(a.step(weight=1.0) for a in averagers))
+                assert all(report.ok for report in reports), [r.error for r in reports]
+                for tensor, seen in zip(tensors, pointers):
+                    torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-5)
+                    seen.add(tensor.data_ptr())
+            # the average landed in the result buffer, which became the tensor: two storages, swapped
+            assert all(len(seen) == 2 for seen in pointers)
+
+    run_async(scenario())
+
+
+def test_swap_storage_refuses_what_it_cannot_swap():
+    node = SwarmNode()
+    for tensors in ([torch.zeros(3), torch.zeros(4)], [torch.zeros(4, 4).t()], [torch.zeros(3, dtype=torch.float64)]):
+        with pytest.raises(ConfigError, match="swap_storage"):
+            Averager(node, RUN, tensors, swap_storage=True)
 
 
 @pytest.mark.parametrize("codec, tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 3e-2)])

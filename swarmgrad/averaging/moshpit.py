@@ -91,7 +91,13 @@ def default_coordinates(peer_id: str, dims: int, side: int) -> list[int]:
 
 
 class Averager:
-    """Averages a fixed set of tensors in place with moshpit groups of the run's peers."""
+    """Averages a fixed set of tensors in place with moshpit groups of the run's peers.
+
+    ``swap_storage=True`` (one contiguous float32 CPU tensor, no privacy): after a successful round
+    the tensor's storage is *replaced* by the buffer the average landed in (``Tensor.set_``), which
+    saves a copy of the whole tensor per round. Only for a tensor that nothing else views: a view
+    taken before the round keeps the old values.
+    """
 
     def __init__(
         self,
@@ -111,6 +117,7 @@ class Averager:
         trusted_network: bool = False,
         privacy: Privacy | None = None,
         transport: Transport | None = None,
+        swap_storage: bool = False,
     ):
         if group_size < 2 or not 2 <= min_group_size <= group_size:
             raise ConfigError(f"need 2 <= min_group_size <= group_size, got {min_group_size} and {group_size}")
@@ -139,6 +146,10 @@ class Averager:
         # with privacy the contribution is a released copy, never the tensors themselves
         self.releaser = PrivateReleaser(privacy) if privacy is not None else None
         flat = _flat_view(self.tensors) if self.releaser is None else None
+        if swap_storage and flat is None:
+            raise ConfigError("swap_storage needs one contiguous float32 CPU tensor and no privacy (the result "
+                              "buffer becomes the tensor's storage)")
+        self.swap_storage = swap_storage
         self._buffer = flat if flat is not None else torch.empty(self.schema.total, dtype=torch.float32)
         self._result = torch.zeros(self.schema.total, dtype=torch.float32)  # reused, touched once
         self._rounds: dict[str, GroupAllReduce] = {}
@@ -250,7 +261,10 @@ class Averager:
                 self.feedback.discard()
             logger.info("round %s failed: %s", plan.round_id, result.error)
             return
-        self.schema.unflatten_into(allreduce.result, self.tensors)
+        if self.swap_storage:
+            self._swap_in(allreduce.result)
+        else:
+            self.schema.unflatten_into(allreduce.result, self.tensors)
         if self.feedback is not None:
             self.feedback.commit()
         self.timer.observe(result.seconds)
@@ -258,6 +272,15 @@ class Averager:
             dim = report.round_index % len(self.coordinates)
             self.coordinates[dim] = plan.members.index(self.node.peer_id) % self.group_size
         report.ok = True
+
+    @torch.no_grad()
+    def _swap_in(self, result: torch.Tensor) -> None:
+        """The tensor takes the result buffer as its storage, and its old storage becomes the next
+        round's result buffer: no copy of the average. Every writer of the buffer has finished (the
+        all-reduce awaited its tasks and served streams before reporting success)."""
+        tensor = self.tensors[0]
+        tensor.set_(result.view(tensor.shape))
+        self._buffer, self._result = result, self._buffer
 
     async def _round_key(self, index: int, attempt: int = 0) -> str:
         if self.coordinates is None:
