@@ -18,6 +18,23 @@ from swarmgrad.runtime import configure_logging, run
 configure_logging(20)
 
 
+def lab_unavailable() -> str | None:
+    """Why the swarm lab's emulated network cannot run here (not root, tools or namespaces missing), or None."""
+    from swarmgrad.errors import StartupError
+    from swarmgrad.lab import network
+
+    try:
+        tools = network.check_requirements()
+    except StartupError as error:
+        return str(error)
+    probe = f"sglab-probe-{os.getpid()}"
+    made = subprocess.run([tools["ip"], "netns", "add", probe], capture_output=True, text=True, check=False)
+    subprocess.run([tools["ip"], "netns", "del", probe], capture_output=True, check=False)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here: {made.stderr.strip()}"
+    return None
+
+
 def run_async(coroutine):
     return run(coroutine)
 

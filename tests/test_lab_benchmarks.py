@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import lab_unavailable
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -82,18 +83,7 @@ def test_the_benchmark_scenario_is_what_the_issue_asks_for():
 
 # -- a real run (root) ------------------------------------------------------------------------------
 
-def _lab_unavailable() -> str | None:
-    from swarmgrad.errors import StartupError
-    from swarmgrad.lab import network
-
-    try:
-        network.check_requirements()
-    except StartupError as error:
-        return str(error)
-    return None
-
-
-_LAB_REASON = _lab_unavailable()
+_LAB_REASON = lab_unavailable()
 
 
 @pytest.mark.skipif(_LAB_REASON is not None, reason=f"emulated network unavailable: {_LAB_REASON}")

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import typer
+from conftest import lab_unavailable
 from typer.testing import CliRunner
 
 from swarmgrad.commands.lab import register
-from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.errors import ConfigError
 from swarmgrad.lab import network
 from swarmgrad.lab.driver import Lab, generation_error, print_report
 from swarmgrad.lab.scenario import QUICK_PEERS, builtin_scenarios, load_scenario, parse_scenario
@@ -342,20 +343,7 @@ def test_cli_refuses_without_root(cli, monkeypatch):
 # -- real runs (root) -------------------------------------------------------------------------------
 
 
-def _unavailable() -> str | None:
-    try:
-        tools = network.check_requirements()
-    except StartupError as error:
-        return str(error)
-    probe = f"sglab-probe-{os.getpid()}"
-    made = subprocess.run([tools["ip"], "netns", "add", probe], capture_output=True, text=True, check=False)
-    subprocess.run([tools["ip"], "netns", "del", probe], capture_output=True, check=False)
-    if made.returncode != 0:
-        return f"cannot create network namespaces here: {made.stderr.strip()}"
-    return None
-
-
-_REASON = _unavailable()
+_REASON = lab_unavailable()
 needs_lab = pytest.mark.skipif(_REASON is not None, reason=f"emulated network unavailable: {_REASON}")
 
 

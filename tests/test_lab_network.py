@@ -17,26 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import lab_unavailable
 
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.lab import network
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, cleanup, leftovers
 
-
-def _unavailable() -> str | None:
-    try:
-        tools = network.check_requirements()
-    except StartupError as error:
-        return str(error)
-    probe = f"sglab-probe-{os.getpid()}"
-    made = subprocess.run([tools["ip"], "netns", "add", probe], capture_output=True, text=True, check=False)
-    subprocess.run([tools["ip"], "netns", "del", probe], capture_output=True, check=False)
-    if made.returncode != 0:
-        return f"cannot create network namespaces here: {made.stderr.strip()}"
-    return None
-
-
-_REASON = _unavailable()
+_REASON = lab_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"emulated network unavailable: {_REASON}")
 
 INF = math.inf
