@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e15
 MAX_RECEIVE_REFERENCES = 32  # per-sender references kept; an evicted sender starts over from zero
+UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many membership refreshes
 
 
 @dataclass
@@ -152,6 +153,9 @@ class GossipAverager:
         self._pending: list[_Push] = []
         self._members: list[str] = []
         self._members_read_at = -math.inf
+        # peers a push just failed to reach (gone, or hung while leaving), skipped until then: a
+        # departed peer costs one push timeout, not one per step until its membership expires
+        self._unreachable: dict[str, float] = {}
         self._received_bytes = 0
         self._sent_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per receiver: version, last x^ sent
         self._received_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per sender: version, last x^ received
@@ -216,10 +220,16 @@ class GossipAverager:
         return len(pending)
 
     async def _live_members(self) -> list[str]:
-        if time.monotonic() - self._members_read_at > self.members_refresh_seconds:
+        now = time.monotonic()
+        if now - self._members_read_at > self.members_refresh_seconds:
             self._members = [m.peer_id for m in await list_members(self.node, self.run_id) if m.role == "peer"]
-            self._members_read_at = time.monotonic()
-        return self._members
+            self._members_read_at = now
+        self._unreachable = {peer: until for peer, until in self._unreachable.items() if until > now}
+        return [peer for peer in self._members if peer not in self._unreachable]
+
+    def _mark_unreachable(self, peer: str) -> None:
+        self._unreachable[peer] = time.monotonic() + UNREACHABLE_FACTOR * self.members_refresh_seconds
+        self._members_read_at = -math.inf  # and read the membership again: it may have left
 
     async def _push(self, peer: str, neighbors: int) -> tuple[bool, int]:
         """Give ``weight / (neighbors + 1)`` away to ``peer``; True if it took it."""
@@ -257,6 +267,7 @@ class GossipAverager:
         except Exception as error:  # may or may not have arrived: the share is lost, never doubled
             logger.info("push to %s failed (%s: %s); its share is lost", peer, type(error).__name__, error)
             self._sent_refs.pop(peer, None)
+            self._mark_unreachable(peer)
             return False, channel.bytes_sent if channel else 0
         finally:
             if channel is not None:
@@ -284,6 +295,7 @@ class GossipAverager:
             return False, channel.bytes_sent if channel else 0
         except Exception as error:  # may or may not have arrived: lost, never doubled
             logger.info("sparse push to %s failed (%s: %s); its share is lost", peer, type(error).__name__, error)
+            self._mark_unreachable(peer)
             return False, channel.bytes_sent if channel else 0
         finally:
             if channel is not None:
