@@ -6,8 +6,8 @@
 
 Every system trains the scenario's swarm (by default 8 peers, the 5M-parameter CNN on
 Fashion-MNIST, 10-100 Mbit/s links with 20-80 ms round trips and 0.5% loss, one peer 3x slower,
-one killed at 72 s and a new one joining at 120 s: 30% and 50% of a 240 s run, about swarmgrad's
-time to 88% here; the budget is 720 s) in the swarm lab, one system after
+one killed at 72 s and a new one joining at 120 s: 30% and 50% of a 240 s run, swarmgrad's time
+to 88% on a loaded 2-core machine; the budget is 720 s) in the swarm lab, one system after
 the other in this one invocation, each on a fresh emulated network built from the same links:
 
 - ``swarmgrad``: DiLoCo + moshpit + int8, the scenario as written;
