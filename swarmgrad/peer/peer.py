@@ -37,6 +37,7 @@ from swarmgrad.peer.strategies import DiLoCo, GossipSGD, Strategy, StrategyConte
 from swarmgrad.runtime import BackgroundLoop
 
 logger = logging.getLogger(__name__)
+CLOSE_PART_SECONDS = 10.0  # strategy, progress, membership, state server: each; then the node (<= 10 s)
 
 MAX_ROUND_ATTEMPTS = 3
 CATCH_UP_RETRY_SECONDS = 5.0
@@ -431,7 +432,11 @@ class Peer:
             steps.append(self._server.__aexit__(None, None, None))
         for closing in steps:
             try:
-                await closing
+                # each part gets a deadline: the peer leaves in bounded time even if a part hangs
+                # (e.g. on a groupmate that is leaving too), and `with peer` never outlives its 60 s
+                await asyncio.wait_for(closing, CLOSE_PART_SECONDS)
+            except asyncio.TimeoutError:
+                logger.warning("while closing the peer: a part did not finish within %.0f s", CLOSE_PART_SECONDS)
             except Exception as error:  # keep closing the rest
                 logger.debug("while closing the peer: %s: %s", type(error).__name__, error)
         await self.node.shutdown()
