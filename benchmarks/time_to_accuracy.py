@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 from rich.console import Console
 from rich.table import Table
 
+from swarmgrad.demo.summary import TARGETS
 from swarmgrad.errors import SwarmgradError
 from swarmgrad.lab.driver import BOOTSTRAP_PORT, WAIT_SECONDS, Lab, LabPeer
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, check_requirements
@@ -58,7 +59,6 @@ from swarmgrad.lab.scenario import Scenario, load_scenario
 SCENARIO = Path(__file__).with_name("scenarios") / "time-to-accuracy.toml"
 HIVEMIND_RUNNER = Path(__file__).with_name("hivemind_peer.py")
 SYSTEMS = ("swarmgrad", "gossip", "hivemind", "compute-only")
-TARGETS = (0.85, 0.88)
 HIVEMIND_TARGET_RATIO = 3.0  # hivemind's time to 88% over swarmgrad's: at least this
 COMPUTE_TARGET_RATIO = 1.5  # swarmgrad's time to 88% over compute-only's: at most this
 QUICK_ACCURACY = (0.85, 0.9)  # digits: the quick run times these instead

@@ -20,7 +20,7 @@ import pytest
 from conftest import lab_unavailable
 
 from swarmgrad.errors import ConfigError, StartupError
-from swarmgrad.lab import network
+from swarmgrad.lab import host, network
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, cleanup, leftovers
 
 _REASON = lab_unavailable()
@@ -333,6 +333,6 @@ def test_missing_root_or_tools_is_a_startup_error(monkeypatch):
     with pytest.raises(StartupError, match="root"):
         EmulatedNetwork([LinkSpec(1, 1, 0, 0)]).start()
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(network.shutil, "which", lambda tool, path=None: None if "iptables" in tool else "/x")
+    monkeypatch.setattr(host.shutil, "which", lambda tool, path=None: None if "iptables" in tool else "/x")
     with pytest.raises(StartupError, match="apt-get install -y iptables"):
         network.check_requirements()

@@ -22,11 +22,9 @@ from swarmgrad.demo.dashboard import render_dashboard
 from swarmgrad.demo.events import RunLog
 from swarmgrad.demo.plot import plot_run
 from swarmgrad.demo.processes import ChildPeer, PeerProcesses
-from swarmgrad.demo.summary import summarize
+from swarmgrad.demo.summary import TARGETS, summarize
 from swarmgrad.dht.membership import Membership
 from swarmgrad.dht.node import NodeConfig, SwarmNode
-
-TARGETS = (0.85, 0.88)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ What the summary adds to the demo's:
 
 The run directory (``logs`` in the summary) keeps each peer's stderr (``peer-I.log``, one section
 per start), its key and checkpoints, and every event in ``events.jsonl``.
+
+This module runs the lab: starting processes, the event loop, churn, the hang watch, stopping.
+:mod:`swarmgrad.lab.peers` holds what it knows of each peer process; :mod:`swarmgrad.lab.report`
+judges the faults and builds the summary, dashboard and printed report.
 """
 
 from __future__ import annotations
@@ -42,20 +46,18 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from swarmgrad.console import print_json, stderr
 from swarmgrad.demo.events import RunLog, integer, number, parse_event
-from swarmgrad.demo.summary import summarize
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, check_requirements
-from swarmgrad.lab.report import START_MARK, generation_error, judge_faults, print_report, render_lab
-from swarmgrad.lab.scenario import ChurnEvent, PeerSpec, Scenario
+from swarmgrad.lab.peers import HANG_FACTOR, LabPeer, follow_lines, tail_log
+from swarmgrad.lab.report import START_MARK, generation_error, judge_faults, lab_summary, print_report, render_lab
+from swarmgrad.lab.scenario import ChurnEvent, Scenario
 from swarmgrad.lab.sweep import killpg
 
-TARGETS = (0.85, 0.88)
 BOOTSTRAP_PORT = 31337
 POLL_SECONDS = 0.25
 BOOTSTRAP_SECONDS = 90.0  # a loaded 2-core machine takes a while to start a node
@@ -64,36 +66,6 @@ WAIT_SECONDS = 180  # `swarmgrad peer --wait`: for the DHT and for the other pee
 END_GRACE_SECONDS = 60.0  # past duration: peer 0's final evaluation, a round in flight
 STOP_GRACE_SECONDS = 15.0  # SIGTERM -> done event; then SIGKILL
 MIN_LATE_SECONDS = 5.0  # budget of a peer (re)started near the end
-# hung-peer watch: mirrors the moshpit RoundTimer (deadline = 4x the round estimate, 5..600 s,
-# 60 s before any estimate); a peer is hung when silent for HANG_FACTOR deadlines
-ROUND_INITIAL, ROUND_MIN, ROUND_MAX, ROUND_SLACK = 60.0, 5.0, 600.0, 4.0
-HANG_FACTOR = 3.0
-
-
-@dataclass
-class LabPeer:
-    """The driver's view of peer ``index``: its process (one generation per start) and what it reported."""
-
-    index: int
-    spec: PeerSpec
-    peer_id: str
-    identity: Path
-    checkpoint_dir: Path
-    log_path: Path
-    process: subprocess.Popen | None = None
-    generation: int = 0
-    state: str = "waiting"  # waiting -> starting -> running -> done | exited | killed
-    started_at: float | None = None
-    last_event_t: float | None = None  # of the current generation
-    last_progress_t: float | None = None
-    last_progress_epoch: int | None = None
-    round_estimate: float | None = None
-    hung: bool = False
-    rounds_total: int = 0  # rounds_ok over all generations (a restart starts its counter at 0)
-    rounds_this_gen: int = 0
-    reported_loss: bool = False  # this generation reported a finite loss
-    history: list[dict] = field(default_factory=list)  # (generation, t, epoch, state_downloads, rounds_total)
-    exited_at: dict[int, float] = field(default_factory=dict)  # generation -> when it was seen to exit by itself
 
 
 class Lab:
@@ -174,7 +146,7 @@ class Lab:
                 if not line and process.poll() is not None:
                     break
         raise StartupError(f"the lab's bootstrap node did not start (exit code {process.poll()}); "
-                           f"last lines of {log_path}: {_tail(log_path)}")
+                           f"last lines of {log_path}: {tail_log(log_path)}")
 
     def peer_command(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> list[str]:
         """``swarmgrad peer --json`` for ``peer``; a subclass may run other software that reports the same events."""
@@ -215,7 +187,7 @@ class Lab:
         if shown is not None and shown.state not in ("ready", "training"):
             # a new start: its progress shows it training again; the last start's end is history
             shown.state, shown.done, shown.error = "ready", None, None
-        threading.Thread(target=_follow, args=(peer.process.stdout, peer.index, peer.generation, self.lines),
+        threading.Thread(target=follow_lines, args=(peer.process.stdout, peer.index, peer.generation, self.lines),
                          name=f"lab-peer-{peer.index}", daemon=True).start()
 
     # -- events ---------------------------------------------------------------------------------
@@ -266,8 +238,7 @@ class Lab:
         previous_t, previous_epoch = peer.last_progress_t, peer.last_progress_epoch
         if previous_t is not None and previous_epoch is not None and epoch > previous_epoch:
             # a round ran between these reports (the training loop waits for it): learn its length
-            gap = t - previous_t
-            peer.round_estimate = gap if peer.round_estimate is None else 0.7 * peer.round_estimate + 0.3 * gap
+            peer.learn_round(t - previous_t)
         loss = number(event.get("loss"))
         if loss is None and peer.reported_loss:
             self.nan_reports.append({"peer": peer.index, "t": round(t - (self.t0 or t), 3),
@@ -296,7 +267,7 @@ class Lab:
                     if peer.peer_id in self.log.peers:
                         self.log.add({"event": "error", "t": time.time(), "peer_id": peer.peer_id,
                                       "message": f"exited with code {peer.process.returncode}: "
-                                                 f"{_tail(peer.log_path, 1)}"})
+                                                 f"{tail_log(peer.log_path, 1)}"})
 
     def apply_churn(self) -> None:
         if self.t0 is None:
@@ -343,8 +314,7 @@ class Lab:
         for peer in self.peers:
             if peer.state != "running" or peer.last_progress_t is None or peer.hung:
                 continue
-            deadline = ROUND_INITIAL if peer.round_estimate is None else \
-                min(ROUND_MAX, max(ROUND_MIN, ROUND_SLACK * peer.round_estimate))
+            deadline = peer.round_deadline()
             silent = now - peer.last_progress_t
             if silent > HANG_FACTOR * deadline:
                 peer.hung = True
@@ -430,9 +400,9 @@ class Lab:
         first = self.peers[0]
         if first.state == "exited":
             return (f"peer 0 exited with code {first.process.returncode if first.process else '?'} before the "
-                    f"swarm formed; last lines of {first.log_path}: {_tail(first.log_path)}")
+                    f"swarm formed; last lines of {first.log_path}: {tail_log(first.log_path)}")
         return (f"no peer was ready after {FORMATION_SECONDS:.0f} s (the machine may be too loaded for "
-                f"{len(self.specs)} peers); last lines of {first.log_path}: {_tail(first.log_path)}")
+                f"{len(self.specs)} peers); last lines of {first.log_path}: {tail_log(first.log_path)}")
 
     # -- report ---------------------------------------------------------------------------------
 
@@ -444,41 +414,8 @@ class Lab:
         judge_faults(self)
 
     def summary(self, plot_path: Path) -> dict:
-        from swarmgrad.demo.plot import plot_run
-
-        self.judge_faults()
-        summary = summarize(self.log, targets=TARGETS)
-        plot = plot_run(self.log, plot_path, self.title, targets=TARGETS)
-        end = self.ended_at or time.time()
-        scenario = self.scenario
-        summary.update({
-            "scenario": {"name": scenario.name, "description": scenario.description, "task": scenario.task,
-                         "duration": scenario.duration, "target_accuracy": scenario.target_accuracy,
-                         "strategy": scenario.strategy, "averaging": scenario.averaging_kind,
-                         "compression": scenario.compression, "inner_steps": scenario.inner_steps,
-                         "num_peers": len(self.specs), "mtu": self.net.mtu if self.net else None},
-            "run_id": self.run_id,
-            "lab_peers": [{"index": p.index, "peer_id": p.peer_id, "link": p.spec.describe(),
-                           "slowdown": p.spec.slowdown, "label": p.spec.label, "state": p.state,
-                           "starts": p.generation, "rounds_ok_total": p.rounds_total,
-                           "state_downloads": p.history[-1]["state_downloads"] if p.history else 0,
-                           "exit_code": None if p.process is None else p.process.returncode,
-                           "error": generation_error(p.log_path, p.generation)} for p in self.peers],
-            "faults": self.faults,
-            "nan_seen": bool(self.nan_reports),
-            "nan_reports": self.nan_reports,
-            "hung_rounds": len(self.hangs),
-            "hangs": self.hangs,
-            "ended_by": self.ended_by,
-            "formation_seconds": None if self.t0 is None else round(self.t0 - self.created, 3),
-            "training_seconds": round(self.elapsed(end), 3),
-            "total_seconds": round(time.time() - self.created, 3),
-            "time_to_85": summary["seconds_to"].get("0.85"),
-            "time_to_88": summary["seconds_to"].get("0.88"),
-            "plot": str(plot),
-            "logs": str(self.run_dir),
-        })
-        return summary
+        """The run's summary (see the module docstring); also draws the plot at ``plot_path``."""
+        return lab_summary(self, plot_path)
 
 
 def run_lab(scenario: Scenario, *, json_output: bool = False, plot_path: Path | str | None = None,
@@ -517,24 +454,4 @@ def run_lab(scenario: Scenario, *, json_output: bool = False, plot_path: Path | 
     return summary
 
 
-def _follow(stream: IO[bytes], index: int, generation: int, lines: queue.Queue) -> None:
-    """Reader thread: one process's stdout lines into the queue, then None at EOF."""
-    try:
-        for line in iter(stream.readline, b""):
-            lines.put((index, generation, line))
-    except (OSError, ValueError):
-        pass
-    finally:
-        lines.put((index, generation, None))
-        stream.close()
-
-
-def _tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(line.strip() for line in text[-lines:]) or "(empty)"
-
-
-__all__ = ["Lab", "print_report", "run_lab"]
+__all__ = ["Lab", "LabPeer", "generation_error", "print_report", "run_lab"]

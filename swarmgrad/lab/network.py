@@ -34,11 +34,15 @@ than the wire between them.
 
 Lifetime: ``with EmulatedNetwork(links) as net:`` builds everything and tears it down on exit,
 also on exceptions and KeyboardInterrupt. While the block runs, SIGTERM and SIGHUP raise
-:class:`LabTerminated` (a KeyboardInterrupt) in the main thread, so a CLI gets cleanup by catching
-KeyboardInterrupt outside the ``with`` and exiting with ``exc.exit_code`` (130 for Ctrl-C). If the
-lab's process is killed with SIGKILL, the hub exits by itself (its control pipe closes) and
-:func:`cleanup` ``(prefix)`` removes the namespaces and the peer processes left behind;
-:func:`stale_prefixes` lists labs whose owning process is gone.
+:class:`LabTerminated` (a KeyboardInterrupt; see :mod:`swarmgrad.lab.signals`) in the main thread,
+so a CLI gets cleanup by catching KeyboardInterrupt outside the ``with`` and exiting with
+``exc.exit_code`` (130 for Ctrl-C). If the lab's process is killed with SIGKILL, the hub exits by
+itself (its control pipe closes) and :func:`cleanup` ``(prefix)`` removes the namespaces and the
+peer processes left behind; :func:`stale_prefixes` lists labs whose owning process is gone.
+
+This module builds, runs and tears down the network. :func:`check_requirements` (what the machine
+must have) is in :mod:`swarmgrad.lab.host`, the signal handling in :mod:`swarmgrad.lab.signals`, the
+leftover sweep in :mod:`swarmgrad.lab.sweep`; the names other code uses are re-exported here.
 """
 
 from __future__ import annotations
@@ -49,12 +53,10 @@ import json
 import math
 import os
 import secrets
-import shutil
 import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.lab.host import check_requirements
+from swarmgrad.lab.signals import DeferredSignals, LabTerminated, restore_handlers, terminate_on_signals
 from swarmgrad.lab.sweep import (
     ENV_MARKER,
     PREFIX_RE,
@@ -89,21 +93,6 @@ QUEUE_S = 0.1  # tbf queue: this much data at the link rate (a modest home-route
 _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
-_TOOLS = {
-    "ip": "apt-get install -y iproute2",
-    "tc": "apt-get install -y iproute2",
-    "iptables": "apt-get install -y iptables",
-    "iptables-restore": "apt-get install -y iptables",
-}
-
-
-class LabTerminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP arrived while a lab was open; raised so that ``with`` blocks unwind."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"terminated by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.exit_code = 128 + signum
 
 
 @dataclass(frozen=True)
@@ -285,7 +274,7 @@ class EmulatedNetwork:
             return
         self._closed = True
         # A second Ctrl-C or SIGTERM must not abandon a half-done teardown.
-        deferred = _DeferredSignals()
+        deferred = DeferredSignals()
         try:
             self._kill_tracked()
             for fd in self._tun_fds:  # only set if start failed before the hub took them
@@ -422,51 +411,12 @@ class EmulatedNetwork:
     # -- signals --------------------------------------------------------------------------------
 
     def _install_signal_handlers(self) -> None:
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
-            return
-
-        raised = False
-
-        def terminate(signum: int, _frame: object) -> None:
-            # Once only: a second SIGTERM while the first unwinds towards __exit__ must not abort
-            # the teardown before it starts (close() holds signals itself once it runs).
-            nonlocal raised
-            if not raised:
-                raised = True
-                raise LabTerminated(signum)
-
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            self._old_handlers[signum] = signal.signal(signum, terminate)
+        if self.handle_signals:
+            self._old_handlers = terminate_on_signals()
 
     def _restore_signal_handlers(self) -> None:
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(self._old_handlers)
         self._old_handlers = {}
-
-
-# -- requirements -------------------------------------------------------------------------------
-
-
-def check_requirements() -> dict[str, str]:
-    """Absolute paths of the tools the lab needs; StartupError saying what is missing and how to get it."""
-    if os.geteuid() != 0:
-        raise StartupError("the emulated network needs root (network namespaces, tun devices, tc, iptables); "
-                           "run it with sudo or as root")
-    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin", "/bin"])
-    tools: dict[str, str] = {}
-    missing = []
-    for tool, install in _TOOLS.items():
-        found = shutil.which(tool, path=search)
-        if found:
-            tools[tool] = found
-        else:
-            missing.append(f"{tool} ({install})")
-    if missing:
-        raise StartupError("the emulated network needs " + ", ".join(missing))
-    if not os.path.exists("/dev/net/tun"):
-        raise StartupError("the emulated network needs /dev/net/tun (the tun driver); "
-                           "in a container, pass --device /dev/net/tun")
-    return tools
 
 
 # -- small helpers ------------------------------------------------------------------------------
@@ -494,32 +444,6 @@ def _readline_with_timeout(stream: Any, timeout: float) -> bytes:
         if not selector.select(timeout):
             return b""
     return stream.readline()
-
-
-class _DeferredSignals:
-    """Holds SIGINT/SIGTERM/SIGHUP during teardown (a second Ctrl-C must not abandon it half done),
-    then delivers them again once the caller's own handlers are back."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.pending: list[int] = []
-        self.saved: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            self.saved = {s: signal.signal(s, self._hold) for s in self.SIGNALS}
-
-    def _hold(self, signum: int, _frame: object) -> None:
-        if signum not in self.pending:
-            self.pending.append(signum)
-
-    def restore(self) -> None:
-        for signum, handler in self.saved.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        self.saved = {}
-
-    def redeliver(self) -> None:
-        for signum in self.pending:
-            signal.raise_signal(signum)
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""What a lab shows and reports beyond the demo's: its live table, each fault's outcome, the printed report."""
+"""What a lab shows and reports beyond the demo's: its live table, each fault's outcome, its summary and the
+printed report."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmgrad.console import short_id, stdout
+from swarmgrad.demo.summary import TARGETS, summarize
 
 if TYPE_CHECKING:
-    from swarmgrad.lab.driver import Lab, LabPeer
+    from swarmgrad.lab.driver import Lab
+    from swarmgrad.lab.peers import LabPeer
 
 CAUGHT_UP_EPOCHS = 1
 START_MARK = "--- start "  # in a peer's log: one section per start
@@ -107,6 +110,45 @@ def final_swarm_epoch(lab: Lab, exclude: LabPeer) -> int | None:
     """The highest epoch the other peers reported (the run's end, or when each stopped)."""
     epochs = [p.last_progress_epoch for p in lab.peers if p is not exclude and p.last_progress_epoch is not None]
     return max(epochs, default=None)
+
+
+def lab_summary(lab: Lab, plot_path: Path) -> dict:
+    """The demo's summary of the run plus the lab's own (see :mod:`swarmgrad.lab.driver`); draws the plot."""
+    from swarmgrad.demo.plot import plot_run
+
+    lab.judge_faults()
+    summary = summarize(lab.log, targets=TARGETS)
+    plot = plot_run(lab.log, plot_path, lab.title, targets=TARGETS)
+    end = lab.ended_at or time.time()
+    scenario = lab.scenario
+    summary.update({
+        "scenario": {"name": scenario.name, "description": scenario.description, "task": scenario.task,
+                     "duration": scenario.duration, "target_accuracy": scenario.target_accuracy,
+                     "strategy": scenario.strategy, "averaging": scenario.averaging_kind,
+                     "compression": scenario.compression, "inner_steps": scenario.inner_steps,
+                     "num_peers": len(lab.specs), "mtu": lab.net.mtu if lab.net else None},
+        "run_id": lab.run_id,
+        "lab_peers": [{"index": p.index, "peer_id": p.peer_id, "link": p.spec.describe(),
+                       "slowdown": p.spec.slowdown, "label": p.spec.label, "state": p.state,
+                       "starts": p.generation, "rounds_ok_total": p.rounds_total,
+                       "state_downloads": p.history[-1]["state_downloads"] if p.history else 0,
+                       "exit_code": None if p.process is None else p.process.returncode,
+                       "error": generation_error(p.log_path, p.generation)} for p in lab.peers],
+        "faults": lab.faults,
+        "nan_seen": bool(lab.nan_reports),
+        "nan_reports": lab.nan_reports,
+        "hung_rounds": len(lab.hangs),
+        "hangs": lab.hangs,
+        "ended_by": lab.ended_by,
+        "formation_seconds": None if lab.t0 is None else round(lab.t0 - lab.created, 3),
+        "training_seconds": round(lab.elapsed(end), 3),
+        "total_seconds": round(time.time() - lab.created, 3),
+        "time_to_85": summary["seconds_to"].get("0.85"),
+        "time_to_88": summary["seconds_to"].get("0.88"),
+        "plot": str(plot),
+        "logs": str(lab.run_dir),
+    })
+    return summary
 
 
 def print_report(summary: dict) -> None:

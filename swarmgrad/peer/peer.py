@@ -426,18 +426,18 @@ class Peer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        steps = [self.strategy.close(), self.tracker.__aexit__(None, None, None),
-                 self.membership.__aexit__(None, None, None)]
+        parts = [("strategy", self.strategy.close()), ("progress", self.tracker.__aexit__(None, None, None)),
+                 ("membership", self.membership.__aexit__(None, None, None))]
         if self._server is not None:
-            steps.append(self._server.__aexit__(None, None, None))
-        for closing in steps:
+            parts.append(("state server", self._server.__aexit__(None, None, None)))
+        for name, closing in parts:
             try:
                 # each part gets a deadline: the peer leaves in bounded time even if a part hangs
                 # (e.g. on a groupmate that is leaving too), and `with peer` never outlives its 60 s
                 await asyncio.wait_for(closing, CLOSE_PART_SECONDS)
             except asyncio.TimeoutError:
-                logger.warning("while closing the peer: a part did not finish within %.0f s", CLOSE_PART_SECONDS)
+                logger.warning("while closing the peer: its %s did not finish within %.0f s", name, CLOSE_PART_SECONDS)
             except Exception as error:  # keep closing the rest
-                logger.debug("while closing the peer: %s: %s", type(error).__name__, error)
+                logger.debug("while closing the peer's %s: %s: %s", name, type(error).__name__, error)
         await self.node.shutdown()
         self._opened = False
