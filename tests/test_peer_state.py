@@ -8,7 +8,8 @@ import pytest
 import torch
 from peer_fakes import attach, model_and_optimizer, train_steps
 
-from swarmgrad.averaging.state_transfer import StateSnapshot, _parse_description, layout
+from swarmgrad.averaging import state_transfer
+from swarmgrad.averaging.state_transfer import StateSnapshot, _parse_description, layout, parts_holding
 from swarmgrad.averaging.wire import FrameError
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
@@ -97,12 +98,57 @@ def test_describe_parses_back_and_is_checked_against_nbytes():
         _parse_description(b"\xc1 not msgpack", snapshot.nbytes)
 
 
+def test_parts_holding_covers_exactly_the_kept_tensors(monkeypatch):
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 100)
+    # byte ranges: a 0..40, b 40..240, c 240..244 (+4 padding), d 248..348, e 352..352 (empty)
+    specs = (("a", "float32", (10,)), ("b", "float32", (50,)), ("c", "float32", (1,)),
+             ("d", "int8", (100,)), ("e", "float32", (0,)))
+    assert layout(specs)[1] == 352
+    assert parts_holding(specs, None) == [0, 1, 2, 3]
+    assert parts_holding(specs, lambda name: name == "a") == [0]
+    assert parts_holding(specs, lambda name: name == "b") == [0, 1, 2]
+    assert parts_holding(specs, lambda name: name == "c") == [2]
+    assert parts_holding(specs, lambda name: name == "d") == [2, 3]
+    assert parts_holding(specs, lambda name: name in ("a", "e")) == [0]  # an empty tensor needs no part
+    assert parts_holding(specs, lambda name: False) == []
+
+
 # ---- TrainingState ------------------------------------------------------------------------------------
 
 
 def diloco_state(model, optimizer):
     strategy = attach(DiLoCo(inner_steps=5), model, optimizer)
     return strategy, TrainingState(model, optimizer, strategy)
+
+
+def test_restore_keeping_the_optimizer_takes_model_and_strategy_only():
+    """A peer that steps its own optimizer catches up from a state without optimizer tensors and
+    keeps its own Adam moments; without keep_optimizer the same state would reset them."""
+    model, optimizer = model_and_optimizer(0, lr=0.01, kind="adam")
+    train_steps(model, optimizer, 3)
+    strategy, state = diloco_state(model, optimizer)
+    for m in strategy.momentum:
+        m.normal_()
+    full = state.capture(4, {"strategy": strategy.config()})
+    swarm_part = StateSnapshot.capture(4, {k: v for k, v in full.tensors().items() if not k.startswith("optimizer/")},
+                                       full.meta)
+    assert swarm_part.nbytes < full.nbytes / 2  # Adam's two moments were most of it
+
+    mine, my_optimizer = model_and_optimizer(1, lr=0.01, kind="adam")
+    train_steps(mine, my_optimizer, 2, seed=9)
+    my_strategy, my_state = diloco_state(mine, my_optimizer)
+    own_moments = {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                   for i, s in my_optimizer.state_dict()["state"].items()}
+    my_state.restore(swarm_part, keep_optimizer=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(mine.state_dict()[key], value), key
+    for theirs, got in zip(strategy.momentum, my_strategy.momentum):
+        assert torch.equal(theirs, got)
+    for index, moments in own_moments.items():
+        for key, value in moments.items():
+            assert torch.equal(my_optimizer.state_dict()["state"][index][key], value), (index, key)
+    my_state.restore(swarm_part)  # the same state, taken whole: it holds no optimizer state
+    assert my_optimizer.state_dict()["state"] == {}
 
 
 def test_training_state_round_trip_with_adam_and_diloco_momentum():

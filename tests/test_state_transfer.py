@@ -208,6 +208,32 @@ def test_download_spreads_parts_over_both_donors(swarm):
     assert sorted(served[0] + served[1]) == list(range(parts))  # each part fetched exactly once
 
 
+def test_download_of_some_tensors_fetches_only_their_parts(swarm):
+    """``keep``: only the parts holding the kept tensors travel, and the snapshot holds just them."""
+    generator = torch.Generator().manual_seed(3)
+    tensors = {"model/w": torch.randn(1_500_000, generator=generator),  # 6 MB
+               "optimizer/0/exp_avg": torch.randn(3_000_000, generator=generator),  # 12 MB
+               "strategy/momentum/0": torch.randn(1_000_000, generator=generator)}  # 4 MB
+    snapshot = StateSnapshot.capture(3, tensors, {"epoch": 3})
+    keep = lambda name: not name.startswith("optimizer/")  # noqa: E731
+    wanted = state_transfer.parts_holding(snapshot.specs, keep)
+    total = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    assert len(wanted) < total
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20, keep=keep)
+            return got, sorted(itertools.chain.from_iterable(server.served for server in servers))
+
+    got, served = run(swarm, scenario())
+    assert served == wanted  # each wanted part once, no other part
+    assert got.version == 3 and got.meta == {"epoch": 3}
+    assert list(got.tensors()) == ["model/w", "strategy/momentum/0"]
+    for name, tensor in got.tensors().items():
+        assert torch.equal(tensor, tensors[name]), name
+
+
 def test_many_small_parts_are_spread_and_complete(swarm, monkeypatch):
     monkeypatch.setattr(state_transfer, "PART_BYTES", 64 * 1024)
     snapshot = big_state(version=2, megabytes=2.0, seed=1)

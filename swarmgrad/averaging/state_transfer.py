@@ -5,7 +5,8 @@ before the donor moved on can finish). A joiner asks every candidate donor for i
 description, picks the freshest version held by the most donors, and fetches the bytes in parts
 spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
 has its parts fetched from the others, and nothing is used until every byte arrived and every
-floating-point value is finite.
+floating-point value is finite. A joiner that needs only some of the tensors (``keep``) fetches only
+the parts that hold them.
 
 Protocol (one channel per donor, any number of requests on it):
     -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
@@ -21,7 +22,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import torch
@@ -188,11 +189,13 @@ class _Offer:
 
 
 async def download_state(transport: Transport, protocol: str, donors: list[str], *, seconds: float = 60.0,
-                         min_version: int = 0, max_bytes: int = MAX_STATE_BYTES) -> StateSnapshot:
+                         min_version: int = 0, max_bytes: int = MAX_STATE_BYTES,
+                         keep: Callable[[str], bool] | None = None) -> StateSnapshot:
     """The freshest state among ``donors``, fetched in parts spread over every donor that holds it.
 
-    Raises StateTransferError when no donor offers a version >= ``min_version`` or the transfer
-    cannot be completed within ``seconds``.
+    ``keep``: which tensors (by name) to fetch; the snapshot holds only those, and only the parts
+    that hold them travel. Raises StateTransferError when no donor offers a version >=
+    ``min_version`` or the transfer cannot be completed within ``seconds``.
     """
     if not donors:
         raise StateTransferError("no peer to download the state from")
@@ -212,7 +215,7 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
             newest = max(offer.version for offer in fresh)
             layout = Counter(offer.digest for offer in fresh if offer.version == newest).most_common(1)[0][0]
             sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
-            return await _fetch(sources, part_seconds=max(2.0, seconds / 4))
+            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep)
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
@@ -233,12 +236,24 @@ async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: 
         raise
 
 
-async def _fetch(sources: list[_Offer], part_seconds: float) -> StateSnapshot:
-    """Every part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on."""
+def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Callable[[str], bool] | None) -> list[int]:
+    """Indices of the ``PART_BYTES`` parts that hold the tensors ``keep`` accepts (all, without it)."""
+    offsets, total = layout(specs)
+    if keep is None:
+        return list(range(math.ceil(total / PART_BYTES)))
+    parts: set[int] = set()
+    for (name, _, _), (start, length) in zip(specs, offsets):
+        if length and keep(name):
+            parts.update(range(start // PART_BYTES, (start + length - 1) // PART_BYTES + 1))
+    return sorted(parts)
+
+
+async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None) -> StateSnapshot:
+    """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on."""
     first = sources[0]
-    data = torch.empty(first.nbytes, dtype=torch.uint8)
+    data = torch.zeros(first.nbytes, dtype=torch.uint8)
     target = memoryview(data.numpy())
-    parts = list(range(math.ceil(first.nbytes / PART_BYTES)))
+    parts = parts_holding(first.specs, keep)
     random.shuffle(sources)  # joiners arriving together start on different donors
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in parts:
@@ -272,6 +287,9 @@ async def _fetch(sources: list[_Offer], part_seconds: float) -> StateSnapshot:
     if len(done) != len(parts):
         raise StateTransferError(f"every donor failed: {len(parts) - len(done)} of {len(parts)} parts missing")
     snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
+    if keep is not None:  # repack what was fetched; the parts left out are zeros
+        kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}
+        snapshot = StateSnapshot.capture(first.version, kept, first.meta)
     for name, tensor in snapshot.tensors().items():
         if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
             raise StateTransferError(f"donor state has NaN or Inf in {name!r}; not using it")

@@ -353,14 +353,19 @@ class Peer:
                            error, CATCH_UP_RETRY_SECONDS)
 
     async def _catch_up(self, donors: list[str], min_version: int) -> None:
+        # a peer that steps its own optimizer and has its state keeps it, and so downloads about
+        # half the bytes (Adam: params + 2 moments): a peer on a slow link that fell behind gets
+        # back in step before the swarm moves on again. A fresh joiner takes the donors' state.
+        keep_optimizer = self.strategy.local_optimizer and bool(self.optimizer.state)
+        keep = (lambda name: not name.startswith("optimizer/")) if keep_optimizer else None
         snapshot = await download_state(self._transport, self._protocol, donors, seconds=self.join_timeout,
-                                        min_version=min_version)
-        self.state.restore(snapshot)
+                                        min_version=min_version, keep=keep)
+        self.state.restore(snapshot, keep_optimizer=keep_optimizer)
         self._counters.state_downloads += 1
         self.tracker.next_epoch(snapshot.version)
         self._publish_state()
-        logger.info("took the swarm's state at epoch %d (%d bytes from %d donor(s))",
-                    snapshot.version, snapshot.nbytes, len(donors))
+        logger.info("took the swarm's state at epoch %d (%d bytes from %d donor(s)%s)", snapshot.version,
+                    snapshot.nbytes, len(donors), "; kept its own optimizer state" if keep_optimizer else "")
 
     def _publish_state(self) -> None:
         assert self._server is not None

@@ -55,8 +55,9 @@ class TrainingState:
     def capture(self, version: int, meta: dict[str, Any]) -> StateSnapshot:
         return StateSnapshot.capture(version, self.tensors(), {**meta, "optimizer_scalars": self.optimizer_scalars()})
 
-    def restore(self, snapshot: StateSnapshot) -> None:
-        """Load a snapshot; raises StateMismatch (changing nothing) when it does not fit."""
+    def restore(self, snapshot: StateSnapshot, keep_optimizer: bool = False) -> None:
+        """Load a snapshot; raises StateMismatch (changing nothing) when it does not fit.
+        ``keep_optimizer``: leave the optimizer's state as it is (the snapshot may then hold none)."""
         tensors = snapshot.tensors()
         model_state = self.model.state_dict()
         model_part = {key.removeprefix("model/"): value for key, value in tensors.items() if key.startswith("model/")}
@@ -67,7 +68,8 @@ class TrainingState:
             if tuple(value.shape) != tuple(model_state[key].shape) or value.dtype != model_state[key].dtype:
                 raise StateMismatch(f"state tensor model/{key} is {value.dtype}{tuple(value.shape)}, "
                                     f"the model has {model_state[key].dtype}{tuple(model_state[key].shape)}")
-        optimizer_state = self._optimizer_state(tensors, snapshot.meta.get("optimizer_scalars", {}))
+        optimizer_state = None if keep_optimizer else \
+            self._optimizer_state(tensors, snapshot.meta.get("optimizer_scalars", {}))
         strategy_part = {key.removeprefix("strategy/"): value for key, value in tensors.items()
                          if key.startswith("strategy/")}
         expected = self.strategy.expected_state()
@@ -79,8 +81,9 @@ class TrainingState:
                 raise StateMismatch(f"strategy state {key} is {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
         with torch.no_grad():
             self.model.load_state_dict({key: value.clone() for key, value in model_part.items()})
-        current = self.optimizer.state_dict()
-        self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": current["param_groups"]})
+        if optimizer_state is not None:
+            current = self.optimizer.state_dict()
+            self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": current["param_groups"]})
         self.strategy.load_state_tensors({key: value.clone() for key, value in strategy_part.items()})
 
     def _optimizer_state(self, tensors: dict[str, torch.Tensor], scalars: Any) -> dict[int, dict[str, Any]]:

@@ -50,6 +50,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     averagings: ClassVar[tuple[str, ...]]  # averaging kinds this strategy works with
     synchronous: ClassVar[bool] = True  # swarm steps are numbered epochs that every peer takes together
+    # each peer steps its own inner optimizer (its state is local, not the swarm's): a peer that
+    # already has one keeps it when it takes the swarm's state, and downloads only the rest
+    local_optimizer: ClassVar[bool] = True
 
     ctx: StrategyContext
 

@@ -17,6 +17,7 @@ class SyncSGD(Strategy):
 
     name = "sync"
     averagings = ("moshpit",)
+    local_optimizer = False  # every peer steps the same optimizer with the swarm's gradient
 
     def __init__(self, target_batch_size: int = 4096):
         if not 1 <= target_batch_size <= 10**9:
