@@ -396,6 +396,7 @@ class HivemindPeer:
             # like swarmgrad's runner: at most every --eval-every seconds, and only once the swarm stepped
             if args.eval_every > 0 and now - last_eval >= args.eval_every and opt.local_epoch != eval_epoch:
                 evaluated_at = time.time()  # the model's time, as swarmgrad's runner reports it
+                emit({"event": "progress", **self.status(), "evaluating": True})  # as swarmgrad's runner does
                 metrics = self.evaluate(args.eval_batches)
                 last_eval, eval_epoch = time.monotonic(), opt.local_epoch
                 emit({"event": "eval", "t": evaluated_at, "peer_id": self.peer_id, "step": self.progress.step,

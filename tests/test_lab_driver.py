@@ -250,6 +250,24 @@ def test_faults_nan_and_hangs_from_events(tmp_path):
     assert [h["peer"] for h in lab.hangs] == [0] and lab.hangs[0]["round_deadline"] == 52.0
 
 
+def test_an_evaluating_peer_is_not_a_hung_round(tmp_path):
+    """The evaluator says an evaluation follows; its silence until the next report is not a hang,
+    and the watch resumes with that report."""
+    lab = _lab(tmp_path, MINIMAL)
+    t0 = 1000.0
+    lab.peers[0].generation = 1
+    _event(lab, 0, "ready", t0, epoch=0, state_downloads=0)
+    _progress(lab, 0, t0 + 5, epoch=1, rounds=1)
+    _event(lab, 0, "progress", t0 + 6, step=10, epoch=1, loss=0.5, rounds_ok=1, rounds_failed=0, evaluating=True)
+    lab.peers[0].round_estimate = 2.0  # 8 s deadline: 24 s of silence would count
+    lab.peers[0].last_progress_t = time.time() - 100
+    lab.watch_hangs()
+    assert lab.hangs == []
+    _progress(lab, 0, time.time() - 100, epoch=1, rounds=1)  # reported again (no longer evaluating), then silent
+    lab.watch_hangs()
+    assert [h["peer"] for h in lab.hangs] == [0]
+
+
 def test_kill_and_the_dashboard(tmp_path):
     from io import StringIO
 

@@ -23,7 +23,8 @@ What the summary adds to the demo's:
   Approximate: the deadline is not reported, so it is estimated like moshpit's RoundTimer (4x the
   round time, within 5..600 s, 60 s before any estimate), taking as round time the gap between two
   progress reports across which the epoch advanced (the training loop waits for the round).
-  With no estimate yet, a hang needs 180 s of silence to count.
+  With no estimate yet, a hang needs 180 s of silence to count. A peer whose last report says an
+  evaluation follows (``"evaluating": true``) is not watched until it reports again.
 
 The run directory (``logs`` in the summary) keeps each peer's stderr (``peer-I.log``, one section
 per start), its key and checkpoints, and every event in ``events.jsonl``.
@@ -248,6 +249,7 @@ class Lab:
         peer.rounds_total += max(0, rounds - peer.rounds_this_gen)
         peer.rounds_this_gen = max(rounds, peer.rounds_this_gen)
         peer.last_progress_t, peer.last_progress_epoch, peer.hung = t, epoch, False
+        peer.evaluating = bool(event.get("evaluating"))
         peer.history.append({"generation": peer.generation, "t": t, "epoch": epoch,
                              "state_downloads": integer(event.get("state_downloads")),
                              "rounds_total": peer.rounds_total})
@@ -312,8 +314,8 @@ class Lab:
     def watch_hangs(self) -> None:
         now = time.time()
         for peer in self.peers:
-            if peer.state != "running" or peer.last_progress_t is None or peer.hung:
-                continue
+            if peer.state != "running" or peer.last_progress_t is None or peer.hung or peer.evaluating:
+                continue  # an evaluation runs on the training thread: its silence is not a hung round
             deadline = peer.round_deadline()
             silent = now - peer.last_progress_t
             if silent > HANG_FACTOR * deadline:

@@ -40,6 +40,7 @@ class LabPeer:
     last_progress_epoch: int | None = None
     round_estimate: float | None = None
     hung: bool = False
+    evaluating: bool = False  # its last progress report said an evaluation follows (silence is expected)
     rounds_total: int = 0  # rounds_ok over all generations (a restart starts its counter at 0)
     rounds_this_gen: int = 0
     reported_loss: bool = False  # this generation reported a finite loss

@@ -184,6 +184,8 @@ def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOpti
                 emit(_progress_event(peer))
             if local.eval_every > 0 and now - last_eval >= local.eval_every and peer.epoch != eval_epoch:
                 evaluated_at = time.time()  # the model's time: the event says when it had this accuracy
+                # say so first: a long evaluation (seconds on a big model) is not a hung round
+                emit({**_progress_event(peer), "evaluating": True})
                 metrics = task.evaluate(model, max_batches=local.eval_batches)
                 last_eval, eval_epoch = time.monotonic(), peer.epoch
                 emit({"event": "eval", "t": evaluated_at, "peer_id": peer.peer_id, "step": peer.status().step,
