@@ -121,15 +121,20 @@ def diloco_state(model, optimizer):
     return strategy, TrainingState(model, optimizer, strategy)
 
 
-def test_restore_keeping_the_optimizer_takes_model_and_strategy_only():
-    """A peer that steps its own optimizer catches up from a state without optimizer tensors and
-    keeps its own Adam moments; without keep_optimizer the same state would reset them."""
+def trained_adam_diloco():
+    """A model trained 3 Adam steps, DiLoCo with random outer momentum, and its state at version 4."""
     model, optimizer = model_and_optimizer(0, lr=0.01, kind="adam")
     train_steps(model, optimizer, 3)
     strategy, state = diloco_state(model, optimizer)
     for m in strategy.momentum:
         m.normal_()
-    full = state.capture(4, {"strategy": strategy.config()})
+    return model, optimizer, strategy, state.capture(4, {"strategy": strategy.config()})
+
+
+def test_restore_keeping_the_optimizer_takes_model_and_strategy_only():
+    """A peer that steps its own optimizer catches up from a state without optimizer tensors and
+    keeps its own Adam moments; without keep_optimizer the same state would reset them."""
+    model, optimizer, strategy, full = trained_adam_diloco()
     swarm_part = StateSnapshot.capture(4, {k: v for k, v in full.tensors().items() if not k.startswith("optimizer/")},
                                        full.meta)
     assert swarm_part.nbytes < full.nbytes / 2  # Adam's two moments were most of it
@@ -152,12 +157,7 @@ def test_restore_keeping_the_optimizer_takes_model_and_strategy_only():
 
 
 def test_training_state_round_trip_with_adam_and_diloco_momentum():
-    model, optimizer = model_and_optimizer(0, lr=0.01, kind="adam")
-    train_steps(model, optimizer, 3)
-    strategy, state = diloco_state(model, optimizer)
-    for m in strategy.momentum:
-        m.normal_()
-    snapshot = state.capture(4, {"strategy": strategy.config()})
+    model, optimizer, strategy, snapshot = trained_adam_diloco()
     names = set(snapshot.tensors())
     assert {"model/0.weight", "optimizer/0/exp_avg", "optimizer/0/exp_avg_sq", "strategy/momentum/0"} <= names
 
