@@ -134,7 +134,7 @@ def trained_adam_diloco():
 def test_restore_keeping_the_optimizer_takes_model_and_strategy_only():
     """A peer that steps its own optimizer catches up from a state without optimizer tensors and
     keeps its own Adam moments; without keep_optimizer the same state would reset them."""
-    model, optimizer, strategy, full = trained_adam_diloco()
+    model, _, strategy, full = trained_adam_diloco()
     swarm_part = StateSnapshot.capture(4, {k: v for k, v in full.tensors().items() if not k.startswith("optimizer/")},
                                        full.meta)
     assert swarm_part.nbytes < full.nbytes / 2  # Adam's two moments were most of it
