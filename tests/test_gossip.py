@@ -7,6 +7,7 @@ import sys
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hivemind.p2p import PeerID
 
 from swarmgrad.averaging import GossipAverager
 from swarmgrad.averaging.framestream import FastChannel
-from swarmgrad.averaging.gossip import exponential_neighbors
+from swarmgrad.averaging.gossip import MIN_WEIGHT_FRACTION, _Push, exponential_neighbors
 from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.dht import Membership, NodeConfig, SwarmNode, list_members
 
@@ -57,6 +58,61 @@ def test_exponential_graph_visits_every_offset():
     assert seen == {("peer01",), ("peer02",), ("peer04",)}
     assert exponential_neighbors(["only"], "only", 0, 2) == []
     assert len(exponential_neighbors(members, "peer03", 0, fanout=2)) == 2
+
+
+def lone_averager(values: torch.Tensor, weight: float = 1.0) -> GossipAverager:
+    """An averager whose pushes are faked (no node): for the local push-sum arithmetic."""
+    averager = GossipAverager(SimpleNamespace(peer_id="me"), "arith", [values], weight=weight, codec="int8")
+    averager.schema.flatten_into(averager.tensors, averager._values)
+    return averager
+
+
+def test_a_peer_that_only_pushes_stays_finite_and_waits_once_starved():
+    """Each push halves the weight. A peer that receives nothing (its groupmates slow or busy) used
+    to reach weights float32 cannot carry, and its model turned to garbage, then NaN, mid-run. Now
+    the arithmetic never puts a weight into the tensors, and a starved peer waits to receive."""
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    averager, original = lone_averager(values.clone()), values.clone()
+    generator = torch.Generator().manual_seed(1)
+    pushes = 0
+
+    async def live_members() -> list[str]:
+        return ["me", "other"]
+
+    async def push(peer: str, neighbors: int) -> tuple[bool, int]:
+        nonlocal pushes
+        pushes += 1
+        lossy = averager._values + 1e-3 * torch.randn(1000, generator=generator)  # what int8 delivers
+        averager._give(averager.weight / (neighbors + 1), lossy)
+        return True, 0
+
+    averager._live_members, averager._push = live_members, push
+    for _ in range(300):
+        run_async(averager.step())
+    assert pushes == 41 and averager.weight == 2.0**-41  # gave until below 2**-40, then waited
+    assert averager.weight < MIN_WEIGHT_FRACTION
+    assert bool(torch.isfinite(averager.tensors[0]).all())
+    assert (averager.tensors[0] - original).abs().max() < 0.05  # only the compression errors it kept
+    # one push in and it mixes again: the arriving values dominate a starved peer's estimate
+    arriving = torch.zeros(1000)
+    averager._pending.append(_Push(0.5, arriving))
+    run_async(averager.step())
+    assert pushes == 42 and averager.weight == pytest.approx((0.5 + 2.0**-41) / 2)
+    assert (averager.tensors[0] - arriving).abs().max() < 0.01  # the push after the merge kept its error
+
+
+def test_push_sum_arithmetic_holds_at_any_weight_magnitude():
+    for weight in (1e-300, 1.0, 1e14):
+        values = torch.randn(64, generator=torch.Generator().manual_seed(2))
+        averager = lone_averager(values.clone(), weight=weight)
+        other = torch.randn(64, generator=torch.Generator().manual_seed(3))
+        averager._pending.append(_Push(weight / 3, other))
+        averager._merge()
+        torch.testing.assert_close(averager.tensors[0], (3 * values + other) / 4)
+        arrives = averager._values + 0.01
+        averager._give(averager.weight / 2, arrives)  # keeps x - (x^ - x): the error stays here
+        torch.testing.assert_close(averager.tensors[0], (3 * values + other) / 4 - 0.01)
+        assert averager.weight == pytest.approx(weight * 4 / 3 / 2)
 
 
 def test_eight_peers_reach_the_weighted_mean_and_conserve_mass():

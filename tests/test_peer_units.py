@@ -402,3 +402,15 @@ def test_averaging_round_trip(settings):
 def test_averaging_from_dict_refuses_bad_settings(data):
     with pytest.raises(ConfigError):
         averaging_from_dict(data)
+
+
+def test_a_diverged_models_evaluation_is_still_reported():
+    """A NaN or Inf loss (a model that diverged) becomes None in eval/done events: JSON has no NaN,
+    and the peer must report and leave rather than crash on its last line."""
+    from swarmgrad.peer.runner import _finite_metrics, json_lines
+
+    metrics = _finite_metrics({"accuracy": 0.1, "loss": float("nan")})
+    assert metrics == {"accuracy": 0.1, "loss": None}
+    assert _finite_metrics({"accuracy": 0.9, "loss": float("inf")})["loss"] is None
+    assert _finite_metrics({"accuracy": 0.9, "loss": 0.25}) == {"accuracy": 0.9, "loss": 0.25}
+    json_lines({"event": "done", "final": metrics})  # allow_nan=False: would raise on a raw NaN

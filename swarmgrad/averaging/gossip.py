@@ -59,6 +59,10 @@ from swarmgrad.runtime import timeout
 logger = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e15
+# a peer that gave away all but this fraction of its starting weight waits to receive before it
+# gives more: weights halve with every push, and a peer that only pushes (its groupmates are slow
+# or busy) would otherwise reach weights that no arithmetic can carry (2**-150 is 0 in float32)
+MIN_WEIGHT_FRACTION = 2.0**-40
 MAX_RECEIVE_REFERENCES = 32  # per-sender references kept; an evicted sender starts over from zero
 UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many membership refreshes
 
@@ -145,6 +149,7 @@ class GossipAverager:
         self.tensors = [t for _, t in named]
         self.schema = Schema.of(named)
         self.weight, self.fanout = float(weight), fanout
+        self.min_weight = self.weight * MIN_WEIGHT_FRACTION
         self.members_refresh_seconds, self.push_timeout, self.max_pending = members_refresh_seconds, push_timeout, max_pending
         self.transport, self.direct, self.trusted_network = transport, direct, trusted_network
         self.protocol = f"swarmgrad/{self.run_id}/gossip/{self.schema.digest[:12]}/{self.codec.spec}"
@@ -186,6 +191,8 @@ class GossipAverager:
         neighbors = exponential_neighbors(await self._live_members(), self.node.peer_id, self.step_index, self.fanout)
         self.step_index += 1
         self.schema.flatten_into(self.tensors, self._values)
+        if self.weight < self.min_weight:
+            neighbors = []  # starved: nothing left worth giving until a push arrives
         if neighbors and all_finite(self._values):
             try:
                 outcomes = await asyncio.gather(*(self._push(peer, len(neighbors)) for peer in neighbors))
@@ -212,11 +219,14 @@ class GossipAverager:
             self.weight = self.sparse.mean_weight
             self.schema.unflatten_into(self._values, self.tensors)
             return len(pending)
-        total = self._values.mul_(self.weight)
+        # x <- (w x + sum w_k x_k) / W with the ratios w/W, w_k/W taken in double precision first:
+        # the tensors never carry a weight's magnitude (float32 would lose tiny or huge ones)
+        merged = self.weight + sum(push.weight for push in pending)
+        total = self._values.mul_(self.weight / merged)
         for push in pending:
-            total.add_(push.values, alpha=push.weight)
-        self.weight += sum(push.weight for push in pending)
-        self.schema.unflatten_into(total.div_(self.weight), self.tensors)
+            total.add_(push.values, alpha=push.weight / merged)
+        self.weight = merged
+        self.schema.unflatten_into(total, self.tensors)
         return len(pending)
 
     async def _live_members(self) -> list[str]:
@@ -319,7 +329,8 @@ class GossipAverager:
         kept, before = self.weight - given, None
         if not torch.equal(arrives, self._values):
             before = self._values
-            self._values = self._values.mul(self.weight).sub_(arrives, alpha=given).div_(kept)
+            # (w x - g x^) / (w - g) = x + g / (w - g) (x - x^): scale-free, whatever w's magnitude
+            self._values = torch.add(self._values, self._values - arrives, alpha=given / kept)
             self.schema.unflatten_into(self._values, self.tensors)
         self.weight = kept
         return before

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import signal
 import sys
@@ -189,7 +190,7 @@ def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOpti
                 metrics = task.evaluate(model, max_batches=local.eval_batches)
                 last_eval, eval_epoch = time.monotonic(), peer.epoch
                 emit({"event": "eval", "t": evaluated_at, "peer_id": peer.peer_id, "step": peer.status().step,
-                      "epoch": peer.epoch, "accuracy": metrics["accuracy"], "loss": metrics["loss"]})
+                      "epoch": peer.epoch, **_finite_metrics(metrics)})
                 if local.target_accuracy is not None and metrics["accuracy"] >= local.target_accuracy:
                     reason, final = "target_accuracy", metrics
                     break
@@ -198,11 +199,16 @@ def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOpti
             final = task.evaluate(model)
         status = peer.status()
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
-               "reason": reason, "final": None if final is None else {"accuracy": final["accuracy"],
-                                                                        "loss": final["loss"]},
+               "reason": reason, "final": None if final is None else _finite_metrics(final),
                "status": status.to_json(), "seconds": time.time() - started}
     emit(summary)
     return summary
+
+
+def _finite_metrics(metrics: dict[str, float]) -> dict[str, float | None]:
+    """Accuracy and loss for an event; a diverged model's NaN/Inf loss becomes None (JSON has no NaN,
+    and the peer must still report its evaluation and leave cleanly)."""
+    return {key: float(metrics[key]) if math.isfinite(metrics[key]) else None for key in ("accuracy", "loss")}
 
 
 def _progress_event(peer: Peer) -> dict[str, Any]:
