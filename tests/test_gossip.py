@@ -101,6 +101,27 @@ def test_a_peer_that_only_pushes_stays_finite_and_waits_once_starved():
     assert (averager.tensors[0] - arriving).abs().max() < 0.01  # the push after the merge kept its error
 
 
+def test_weight_lost_by_the_whole_swarm_does_not_stop_the_mixing():
+    """Failed pushes lose mass, and everyone's weight shrinks alike: a peer light in absolute terms
+    but not against its neighbours keeps pushing."""
+    averager = lone_averager(torch.ones(8))
+    pushes = []
+
+    async def live_members() -> list[str]:
+        return ["me", "other"]
+
+    async def push(peer: str, neighbors: int) -> tuple[bool, int]:
+        pushes.append(averager.weight)
+        averager._give(averager.weight / 2, averager._values.clone())
+        return True, 0
+
+    averager._live_members, averager._push = live_members, push
+    averager.weight = 2.0**-60  # far below its starting weight of 1
+    averager._pending.append(_Push(2.0**-61, torch.ones(8)))
+    run_async(averager.step())
+    assert pushes == [2.0**-60 + 2.0**-61]
+
+
 def test_push_sum_arithmetic_holds_at_any_weight_magnitude():
     for weight in (1e-300, 1.0, 1e14):
         values = torch.randn(64, generator=torch.Generator().manual_seed(2))

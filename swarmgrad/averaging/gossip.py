@@ -59,9 +59,11 @@ from swarmgrad.runtime import timeout
 logger = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e15
-# a peer that gave away all but this fraction of its starting weight waits to receive before it
-# gives more: weights halve with every push, and a peer that only pushes (its groupmates are slow
-# or busy) would otherwise reach weights that no arithmetic can carry (2**-150 is 0 in float32)
+# a peer whose weight fell below this fraction of what its neighbours hold (the last push it merged,
+# or its starting weight) waits to receive before it gives more: weights halve with every push, and
+# a peer that only pushes (its neighbours are slower) would otherwise reach weights no arithmetic
+# can carry (2**-150 is 0 in float32). Relative to the neighbours, so that mass lost with failed
+# pushes, which shrinks everyone's weight alike, never stops the swarm from mixing.
 MIN_WEIGHT_FRACTION = 2.0**-40
 MAX_RECEIVE_REFERENCES = 32  # per-sender references kept; an evicted sender starts over from zero
 UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many membership refreshes
@@ -149,7 +151,7 @@ class GossipAverager:
         self.tensors = [t for _, t in named]
         self.schema = Schema.of(named)
         self.weight, self.fanout = float(weight), fanout
-        self.min_weight = self.weight * MIN_WEIGHT_FRACTION
+        self._neighbour_weight = self.weight  # the scale of the weights around us (see MIN_WEIGHT_FRACTION)
         self.members_refresh_seconds, self.push_timeout, self.max_pending = members_refresh_seconds, push_timeout, max_pending
         self.transport, self.direct, self.trusted_network = transport, direct, trusted_network
         self.protocol = f"swarmgrad/{self.run_id}/gossip/{self.schema.digest[:12]}/{self.codec.spec}"
@@ -191,7 +193,7 @@ class GossipAverager:
         neighbors = exponential_neighbors(await self._live_members(), self.node.peer_id, self.step_index, self.fanout)
         self.step_index += 1
         self.schema.flatten_into(self.tensors, self._values)
-        if self.weight < self.min_weight:
+        if self.weight < self._neighbour_weight * MIN_WEIGHT_FRACTION:
             neighbors = []  # starved: nothing left worth giving until a push arrives
         if neighbors and all_finite(self._values):
             try:
@@ -222,6 +224,7 @@ class GossipAverager:
         # x <- (w x + sum w_k x_k) / W with the ratios w/W, w_k/W taken in double precision first:
         # the tensors never carry a weight's magnitude (float32 would lose tiny or huge ones)
         merged = self.weight + sum(push.weight for push in pending)
+        self._neighbour_weight = max(push.weight for push in pending)
         total = self._values.mul_(self.weight / merged)
         for push in pending:
             total.add_(push.values, alpha=push.weight / merged)
