@@ -251,7 +251,7 @@ def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Calla
 async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None) -> StateSnapshot:
     """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on."""
     first = sources[0]
-    data = torch.zeros(first.nbytes, dtype=torch.uint8)
+    data = torch.empty(first.nbytes, dtype=torch.uint8)
     target = memoryview(data.numpy())
     parts = parts_holding(first.specs, keep)
     random.shuffle(sources)  # joiners arriving together start on different donors
@@ -287,7 +287,7 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
     if len(done) != len(parts):
         raise StateTransferError(f"every donor failed: {len(parts) - len(done)} of {len(parts)} parts missing")
     snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
-    if keep is not None:  # repack what was fetched; the parts left out are zeros
+    if keep is not None:  # repack the kept tensors: every byte of theirs was fetched, the rest is unset
         kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}
         snapshot = StateSnapshot.capture(first.version, kept, first.meta)
     for name, tensor in snapshot.tensors().items():

@@ -32,7 +32,7 @@ from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
 from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, publish_manifest
 from swarmgrad.peer.progress import ProgressTracker
 from swarmgrad.peer.settings import Averaging, Gossip, Moshpit
-from swarmgrad.peer.state import TrainingState
+from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies import DiLoCo, GossipSGD, Strategy, StrategyContext
 from swarmgrad.runtime import BackgroundLoop
 
@@ -357,9 +357,8 @@ class Peer:
         # half the bytes (Adam: params + 2 moments): a peer on a slow link that fell behind gets
         # back in step before the swarm moves on again. A fresh joiner takes the donors' state.
         keep_optimizer = self.strategy.local_optimizer and bool(self.optimizer.state)
-        keep = (lambda name: not name.startswith("optimizer/")) if keep_optimizer else None
         snapshot = await download_state(self._transport, self._protocol, donors, seconds=self.join_timeout,
-                                        min_version=min_version, keep=keep)
+                                        min_version=min_version, keep=not_optimizer if keep_optimizer else None)
         self.state.restore(snapshot, keep_optimizer=keep_optimizer)
         self._counters.state_downloads += 1
         self.tracker.next_epoch(snapshot.version)

@@ -23,6 +23,14 @@ class StatefulStrategy(Protocol):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
+OPTIMIZER_PREFIX = "optimizer/"
+
+
+def not_optimizer(name: str) -> bool:
+    """Every state tensor but the optimizer's: what a peer that keeps its own optimizer state downloads."""
+    return not name.startswith(OPTIMIZER_PREFIX)
+
+
 class StateMismatch(ConfigError):
     """A downloaded or saved state does not fit this peer's model or optimizer."""
 
@@ -38,7 +46,7 @@ class TrainingState:
         for index, state in self.optimizer.state_dict()["state"].items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    named[f"optimizer/{index}/{key}"] = value
+                    named[f"{OPTIMIZER_PREFIX}{index}/{key}"] = value
         named.update({f"strategy/{key}": value for key, value in self.strategy.state_tensors().items()})
         return named
 
@@ -90,7 +98,7 @@ class TrainingState:
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
-            if not key.startswith("optimizer/"):
+            if not_optimizer(key):
                 continue
             _, index_text, name = key.split("/", 2)
             index = int(index_text)
