@@ -13,7 +13,8 @@ round, so every round is a real average, checked against the mean of the initial
 - raw-p2pd / raw-tcp: no averaging, only traffic: every peer sends each other peer 2*size/N bytes
   at once (what a butterfly all-reduce sends: reduce-scatter + all-gather), over hivemind P2P binary
   streams through p2pd, or over plain asyncio TCP; the upper bounds for the two data planes.
-- swarmgrad: swarmgrad.averaging.Averager on a SwarmNode per peer; skipped if it cannot be imported.
+- swarmgrad: swarmgrad.averaging.Averager on a NetworkRuntime (around a SwarmNode) per peer, one group of
+  all peers; skipped if it cannot be imported.
 """
 
 from __future__ import annotations
@@ -198,16 +199,19 @@ def swarmgrad_peer(ctx: PeerContext, cfg: BenchConfig) -> dict:
 
 
 async def _swarmgrad_rounds(ctx: PeerContext, cfg: BenchConfig) -> dict:
-    from swarmgrad.averaging import Averager
+    from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 
     initial, expected = peer_tensor(ctx.rank, cfg.numel), expected_mean(cfg.peers, cfg.numel)
     tensor = initial.clone()
     async with contextlib.AsyncExitStack() as stack:
         node = await start_swarm_node(ctx, stack)
+        runtime = await stack.enter_async_context(NetworkRuntime(
+            "bench", node=node, direct=cfg.transport != "libp2p", trusted_network=cfg.transport == "direct-plain"))
+        # one group of every peer: matchmaking ends as soon as all of them declared (the window, 1 s as
+        # before the runtime refactor, is only waited out when some are missing)
+        settings = Moshpit(group_size=cfg.peers, min_group_size=cfg.peers, matchmaking_seconds=1.0)
         averager = await stack.enter_async_context(
-            Averager(node, run_id="bench", tensors=[tensor], group_size=cfg.peers,
-                     min_group_size=cfg.peers, codec=cfg.codec, direct=cfg.transport != "libp2p",
-                     trusted_network=cfg.transport == "direct-plain", swap_storage=True)
+            Averager(runtime, [tensor], settings=settings, codec=cfg.codec, swap_storage=True)
         )  # fmt: skip  (swap_storage: the average becomes the tensor's storage, no 100 MB copy per round)
         await ctx.async_sync()
         seconds, oks, errors, sent, received, transports, transfer = [], [], [], [], [], set(), []
@@ -240,7 +244,7 @@ def _group_size(report: Any) -> int:
 def swarmgrad_missing() -> str | None:
     """Why swarmgrad cannot be benchmarked here, or None if it can."""
     try:
-        from swarmgrad.averaging import Averager  # noqa: F401
+        from swarmgrad.averaging import Averager, NetworkRuntime  # noqa: F401
         from swarmgrad.dht import NodeConfig, SwarmNode  # noqa: F401
     except ImportError as error:
         return f"not available: {type(error).__name__}: {error}"

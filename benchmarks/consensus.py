@@ -7,8 +7,10 @@ Every peer (a spawned process) holds one float32 tensor, torch.randn seeded by i
 weight rank + 1; its error is ||x_i - mean|| / ||mean||, computed in every peer after every step.
 - gossip: GossipAverager (push-sum), target the weighted mean. Peers step on their own clocks and
   report through a queue; a coordinator thread here stops them (an Event) once all are within target.
-- moshpit: Averager, groups of 4 (at least 2), lockstep rounds (the all-gather of errors after each
-  round is the barrier before the next); weight=1.0 everywhere, so the target is the unweighted mean.
+- moshpit: Averager, groups of 4 (at least 2, a 1 s matchmaking window), lockstep rounds (the
+  all-gather of errors after each round is the barrier before the next); weight=1.0 everywhere, so
+  the target is the unweighted mean.
+Each configuration is its own run: a NetworkRuntime per peer around the peer's one SwarmNode.
 One process group per peer count runs every configuration in turn (starting 16 peers with a p2pd
 each takes tens of seconds on 2 cores); a failed configuration gets an error row and the ones after
 it a fresh group. The first group also measures the cost of privacy on a 4-peer moshpit step.
@@ -42,6 +44,7 @@ from rich.table import Table
 from _harness import MB, GroupFailed, PeerContext, fmt, log, run_group, start_swarm_node, verdict
 
 GROUP_SIZE = 4
+WINDOW = 1.0  # moshpit matchmaking seconds (the Averager's default before the runtime refactor; now 2 s)
 PRIVACY_PEERS, PRIVACY_ROUNDS = 4, 6  # one warm-up round, then the median of the rest
 STALL_ROUNDS, STALL_SECONDS = 10, 15.0  # no 10% progress for this long: stop, report "stalled"
 PROGRESS_FIELDS = ("steps", "error", "seconds", "bytes")  # a gossip peer's report after each step
@@ -102,15 +105,14 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
-async def wait_for_members(node: Any, run_id: str, count: int, timeout_s: float) -> None:
-    """The clock starts only once this peer sees the whole run (gossip picks neighbours from it)."""
-    from swarmgrad.dht import list_members
-
+async def wait_for_members(runtime: Any, count: int, timeout_s: float) -> None:
+    """The clock starts only once this peer's presence lists the whole run (gossip picks neighbours
+    from it; moshpit sizes its grid from it)."""
     deadline = time.monotonic() + timeout_s
-    while len(await list_members(node, run_id)) < count:
+    while len(runtime.members()) < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"saw fewer than {count} members of {run_id} after {timeout_s:.0f} s")
-        await asyncio.sleep(0.3)
+            raise TimeoutError(f"saw fewer than {count} members of {runtime.run_id} after {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
 
 
 def consensus_peer(ctx: PeerContext, cfg: GroupConfig) -> dict:
@@ -135,52 +137,50 @@ async def _run_jobs(ctx: PeerContext, cfg: GroupConfig) -> dict:
 
 
 async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
-    from swarmgrad.averaging import GossipAverager
-    from swarmgrad.dht import Membership
+    from swarmgrad.averaging import GossipAverager, NetworkRuntime
 
     run_id, tensor, stop = f"consensus-{index}-gossip-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel), cfg.stops[index]
-    async with Membership(node, run_id, ttl=10):
-        async with GossipAverager(node, run_id, [tensor], weight=ctx.rank + 1.0, codec=job.codec) as gossip:
-            await wait_for_members(node, run_id, cfg.peers, 60.0)
-            await ctx.async_sync()
-            start, steps, sent = time.monotonic(), 0, 0
+    async with NetworkRuntime(run_id, node=node) as runtime, \
+            GossipAverager(runtime, [tensor], weight=ctx.rank + 1.0, codec=job.codec) as gossip:
+        await wait_for_members(runtime, cfg.peers, 60.0)
+        await ctx.async_sync()
+        start, steps, sent = time.monotonic(), 0, 0
+        error = rel_error(tensor, mean)
+        while not stop.is_set() and time.monotonic() - start < cfg.time_limit:
+            report = await asyncio.wait_for(gossip.step(), cfg.time_limit)  # only a hung step is an error
+            steps, sent = steps + 1, sent + report.bytes_sent
             error = rel_error(tensor, mean)
-            while not stop.is_set() and time.monotonic() - start < cfg.time_limit:
-                report = await asyncio.wait_for(gossip.step(), cfg.time_limit)  # only a hung step is an error
-                steps, sent = steps + 1, sent + report.bytes_sent
-                error = rel_error(tensor, mean)
-                cfg.progress.put(("progress", index, ctx.rank, (steps, error, time.monotonic() - start, sent)))
-            elapsed = time.monotonic() - start
-            await ctx.async_sync()  # keep serving pushes until every peer has stopped pushing
-            return {"steps": steps, "bytes": sent, "error": error, "seconds": elapsed, "total_s": elapsed}
+            cfg.progress.put(("progress", index, ctx.rank, (steps, error, time.monotonic() - start, sent)))
+        elapsed = time.monotonic() - start
+        await ctx.async_sync()  # keep serving pushes until every peer has stopped pushing
+        return {"steps": steps, "bytes": sent, "error": error, "seconds": elapsed, "total_s": elapsed}
 
 
 async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
-    from swarmgrad.averaging import Averager
-    from swarmgrad.dht import Membership
+    from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 
     run_id, tensor = f"consensus-{index}-moshpit-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel)
-    async with Membership(node, run_id, ttl=10):
-        averager = Averager(node, run_id, [tensor], group_size=GROUP_SIZE, min_group_size=2, codec=job.codec)
-        async with averager:
-            await wait_for_members(node, run_id, cfg.peers, 60.0)  # the grid's dimensions come from the member count
-            await ctx.async_sync()
-            start, sent, failed, history = time.monotonic(), 0, 0, []
-            result: dict = {}
-            for round_index in range(10_000):
-                report = await asyncio.wait_for(averager.step(weight=1.0, round_index=round_index), cfg.time_limit)
-                sent, failed = sent + report.bytes_sent, failed + (not report.ok)
-                done_at, error = time.monotonic() - start, rel_error(tensor, mean)
-                everyone = await ctx.async_exchange((error, done_at, sent))  # every peer decides alike
-                history.append(max(e for e, _, _ in everyone))
-                converged = history[-1] <= cfg.target
-                result.update(steps=round_index + 1, bytes=sent, error=error, failed=failed, trace=history,
-                              seconds=max(t for _, t, _ in everyone), total_s=done_at, converged=converged,
-                              stalled=not converged and _stalled(history))
-                if converged or result["stalled"] or everyone[0][1] > cfg.time_limit:  # rank 0's clock decides
-                    break
-            await ctx.async_sync()
-            return result
+    settings = Moshpit(group_size=GROUP_SIZE, min_group_size=2, matchmaking_seconds=WINDOW)
+    async with NetworkRuntime(run_id, node=node) as runtime, \
+            Averager(runtime, [tensor], settings=settings, codec=job.codec) as averager:
+        await wait_for_members(runtime, cfg.peers, 60.0)  # the grid's dimensions come from the member count
+        await ctx.async_sync()
+        start, sent, failed, history = time.monotonic(), 0, 0, []
+        result: dict = {}
+        for round_index in range(10_000):
+            report = await asyncio.wait_for(averager.step(weight=1.0, round_index=round_index), cfg.time_limit)
+            sent, failed = sent + report.bytes_sent, failed + (not report.ok)
+            done_at, error = time.monotonic() - start, rel_error(tensor, mean)
+            everyone = await ctx.async_exchange((error, done_at, sent))  # every peer decides alike
+            history.append(max(e for e, _, _ in everyone))
+            converged = history[-1] <= cfg.target
+            result.update(steps=round_index + 1, bytes=sent, error=error, failed=failed, trace=history,
+                          seconds=max(t for _, t, _ in everyone), total_s=done_at, converged=converged,
+                          stalled=not converged and _stalled(history))
+            if converged or result["stalled"] or everyone[0][1] > cfg.time_limit:  # rank 0's clock decides
+                break
+        await ctx.async_sync()
+        return result
 
 
 def _stalled(history: list[float]) -> bool:
@@ -202,17 +202,17 @@ async def privacy_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int)
 async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: str, tensor: torch.Tensor,
                          privacy: Any) -> list[float]:
     """PRIVACY_ROUNDS steps of one 4-peer group; rank 0's seconds. Every rank syncs alike."""
-    from swarmgrad.averaging import Averager
-    from swarmgrad.dht import Membership
+    from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 
     active = ctx.rank < PRIVACY_PEERS
     seconds: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
         if active:
-            await stack.enter_async_context(Membership(node, run_id, ttl=10))
-            group = dict(group_size=PRIVACY_PEERS, min_group_size=PRIVACY_PEERS)
-            averager = await stack.enter_async_context(Averager(node, run_id, [tensor], **group, privacy=privacy))
-            await wait_for_members(node, run_id, PRIVACY_PEERS, 60.0)
+            runtime = await stack.enter_async_context(NetworkRuntime(run_id, node=node))
+            settings = Moshpit(group_size=PRIVACY_PEERS, min_group_size=PRIVACY_PEERS, matchmaking_seconds=WINDOW)
+            averager = await stack.enter_async_context(
+                Averager(runtime, [tensor], settings=settings, codec="none", privacy=privacy))
+            await wait_for_members(runtime, PRIVACY_PEERS, 60.0)
         for round_index in range(PRIVACY_ROUNDS):
             await ctx.async_sync()
             if active:

@@ -121,7 +121,7 @@ def make_lab(system: str, options: Options, run_dir: Path) -> Lab:
         return Lab(gossip, run_dir, json_output=False)
     if system == "hivemind":
         initial = sum(1 for spec in scenario.expanded_peers() if spec.start)
-        epoch_samples = initial * (scenario.inner_steps or 50) * batch_size(scenario)
+        epoch_samples = initial * scenario.run_config.strategy.inner_steps * batch_size(scenario)
         return HivemindLab(scenario, run_dir, json_output=False, target_batch_size=epoch_samples)
     if system == "compute-only":
         return ComputeOnlyLab(scenario, run_dir, json_output=False)

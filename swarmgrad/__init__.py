@@ -9,27 +9,26 @@ The public names load on first use, so ``swarmgrad --help`` does not pay for imp
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from swarmgrad.lazy import lazy_exports
 from swarmgrad.version import __version__
 
 _PUBLIC = {
     "Peer": "swarmgrad.peer.peer",
     "PeerStatus": "swarmgrad.peer.peer",
-    "DiLoCo": "swarmgrad.peer.strategies",
-    "SyncSGD": "swarmgrad.peer.strategies",
-    "GossipSGD": "swarmgrad.peer.strategies",
-    "Moshpit": "swarmgrad.peer.settings",
-    "Gossip": "swarmgrad.peer.settings",
+    "RunConfig": "swarmgrad.peer.config",
+    "RunConfigMismatch": "swarmgrad.peer.config",
+    "DiLoCo": "swarmgrad.peer.config",
+    "SyncSGD": "swarmgrad.peer.config",
+    "GossipSGD": "swarmgrad.peer.config",
+    "Moshpit": "swarmgrad.averaging.settings",
+    "Gossip": "swarmgrad.averaging.settings",
+    "Timing": "swarmgrad.timing",
     "Privacy": "swarmgrad.averaging.privacy",
-    "NodeConfig": "swarmgrad.dht.node",
+    "BudgetExhausted": "swarmgrad.averaging.privacy",
+    "NodeConfig": "swarmgrad.dht.config",
 }
 
 __all__ = ["__version__", *_PUBLIC]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'swarmgrad' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)

@@ -1,4 +1,4 @@
-"""The ``swarmgrad`` command: bootstrap, status, keygen and demo.
+"""The ``swarmgrad`` command: bootstrap, status, peer, keygen, demo and lab.
 
 Logs go to stderr; what scripts read (addresses, JSON) goes to stdout. Errors a user can fix are
 printed as one ``error: ...`` line with a non-zero exit code, never as a traceback.
@@ -13,8 +13,14 @@ from typing import Any, Coroutine, List, Optional
 
 import typer
 
+from swarmgrad.averaging.privacy import Privacy
+from swarmgrad.averaging.settings import Moshpit
 from swarmgrad.commands.exits import EXIT_CONFIG_ERROR, call_reporting_errors
+from swarmgrad.commands.options import BootstrapOptions, PeerOptions
+from swarmgrad.commands.run_options import AVERAGINGS, STRATEGIES
+from swarmgrad.demo.settings import DemoSettings
 from swarmgrad.errors import ConfigError
+from swarmgrad.peer.config import DiLoCo, GossipSGD, RunConfig, SyncSGD
 from swarmgrad.version import __version__
 
 app = typer.Typer(
@@ -26,18 +32,34 @@ app = typer.Typer(
 )
 
 
-InitialPeers = typer.Option(
-    None,
-    "--initial-peers",
-    "-p",
-    envvar="SWARMGRAD_INITIAL_PEERS",
-    metavar="MADDR",
-    help="Multiaddr of a running node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...; repeat the flag or separate with commas.",
-)
+INITIAL_PEERS_HELP = ("Multiaddr of a running node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...; repeat the flag or "
+                      "separate with commas.")
+HOST_HELP = "Listen address; 0.0.0.0 to accept peers from other machines"
+PORT_HELP = "TCP port to listen on; 0 picks a free one"
+InitialPeers = typer.Option(None, "--initial-peers", "-p", envvar="SWARMGRAD_INITIAL_PEERS", metavar="MADDR",
+                            help=INITIAL_PEERS_HELP)
 RunId = typer.Option(..., "--run-id", "-r", envvar="SWARMGRAD_RUN_ID", help="Name of the training run.")
 JsonOutput = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of a table.")
-Host = typer.Option("127.0.0.1", "--host", envvar="SWARMGRAD_HOST", help="Listen address; 0.0.0.0 to accept peers from other machines.")
-Port = typer.Option(0, "--port", envvar="SWARMGRAD_PORT", help="TCP port to listen on; 0 picks a free one.")
+# `peer` and `bootstrap` read SWARMGRAD_* variables themselves (commands/options.py): one per option
+ConfigFile = typer.Option(None, "--config", "-c", envvar="SWARMGRAD_CONFIG", metavar="FILE.toml",
+                          help="TOML file of options (keys: the flag names without --); flags and SWARMGRAD_* "
+                               "variables override it.")
+PrintConfig = typer.Option(False, "--print-config", help="Print the merged options as TOML (--config reads it back) "
+                           "and exit without starting anything.", show_default=False)
+_RUN_DEFAULTS = RunConfig()  # the run defaults that help texts show: the model's, never a copy
+
+
+def _either(names: Any) -> str:
+    *most, last = list(names)
+    return f"{', '.join(most)} or {last}" if most else last
+
+
+def _natural_averagings() -> str:
+    """Which averaging each strategy gets when none is chosen, as RunConfig decides it."""
+    by_kind: dict[str, list[str]] = {}
+    for name, strategy in STRATEGIES.items():
+        by_kind.setdefault(RunConfig(strategy=strategy()).averaging.kind, []).append(name)
+    return ", ".join(f"{kind} for {' and '.join(names)}" for kind, names in by_kind.items())
 
 
 def _split_addresses(values: Optional[List[str]]) -> list[str]:
@@ -70,8 +92,9 @@ def _main(
 
 @app.command()
 def bootstrap(
-    host: str = Host,
-    port: int = Port,
+    ctx: typer.Context,
+    host: Optional[str] = typer.Option(None, "--host", help=f"{HOST_HELP} (default {BootstrapOptions.model_fields['host'].default})."),
+    port: Optional[int] = typer.Option(None, "--port", help=f"{PORT_HELP} (default {BootstrapOptions.model_fields['port'].default})."),
     identity: Optional[Path] = typer.Option(
         None, "--identity", "-i", help="Key file (created if missing) so the node keeps its peer id across restarts."
     ),
@@ -79,25 +102,26 @@ def bootstrap(
     announce: Optional[List[str]] = typer.Option(
         None, "--announce", metavar="MADDR", help="Address to advertise instead of the listen address (port forwarding)."
     ),
-    initial_peers: Optional[List[str]] = InitialPeers,
+    initial_peers: Optional[List[str]] = typer.Option(None, "--initial-peers", "-p", metavar="MADDR", help=INITIAL_PEERS_HELP),
+    config_file: Optional[Path] = ConfigFile,
+    print_config: bool = PrintConfig,
+    json_output: bool = typer.Option(False, "--json", help="With --print-config: print JSON instead of TOML."),
 ) -> None:
     """Start a long-lived DHT and relay node that others join through.
 
     Prints its multiaddrs, one per line, on stdout; runs until SIGINT or SIGTERM.
+
+    Precedence: each option is taken from its flag, else from its SWARMGRAD_* environment variable (SWARMGRAD_HOST for --host), else from the --config TOML file (keys are the flag names without --), else its default.
     """
     from swarmgrad.commands.bootstrap import run_bootstrap
-    from swarmgrad.dht.node import NodeConfig
+    from swarmgrad.commands.options import node_config
 
-    def config() -> NodeConfig:
-        return NodeConfig(
-            host=host,
-            port=port,
-            identity_path=identity,
-            announce_maddrs=_split_addresses(announce),
-            initial_peers=_split_addresses(initial_peers),
-        )
-
-    _run(run_bootstrap(_validated(config), run_id))
+    loaded = _load_options(ctx, BootstrapOptions, config_file)
+    network = _validated(lambda: node_config(loaded))
+    if print_config:
+        _print_config(loaded, json_output)
+        return
+    _run(run_bootstrap(network, loaded.options.run_id))
 
 
 @app.command()
@@ -121,110 +145,114 @@ def status(
     _run(run_status(config, run_id, json_output=json_output, watch=watch, interval=interval))
 
 
+def _local_default(name: str) -> Any:
+    return PeerOptions.model_fields[name].default
+
+
 @app.command()
 def peer(
+    ctx: typer.Context,
     task: Optional[str] = typer.Argument(
-        None, help="Task to train: fashion-mnist, digits, charlm, or module:attribute. Omit to use the run's manifest."
-    ),
-    run_id: str = RunId,
-    initial_peers: Optional[List[str]] = InitialPeers,
-    create: bool = typer.Option(False, "--create", help="Publish this run's settings (a signed manifest) for others to join."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="diloco (default), sync or gossip.", rich_help_panel="Run"),
-    averaging: Optional[str] = typer.Option(None, "--averaging", help="moshpit (default) or gossip.", rich_help_panel="Run"),
-    compression: Optional[str] = typer.Option(None, "--compression", help="none, fp16, bf16, int8 (default), topk:F, powersgd:R.", rich_help_panel="Run"),
-    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", min=1, help="diloco: local steps between averaging (default 50).", rich_help_panel="Run"),
-    outer_lr: Optional[float] = typer.Option(None, "--outer-lr", help="diloco: outer learning rate (default 0.7).", rich_help_panel="Run"),
-    target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", min=1, help="sync: swarm-wide samples per step (default 4096).", rich_help_panel="Run"),
-    every: Optional[int] = typer.Option(None, "--gossip-every", min=1, help="gossip: local steps between parameter averaging (default 4).", rich_help_panel="Run"),
-    group_size: Optional[int] = typer.Option(None, "--group-size", min=2, help="moshpit: peers per group (default 16).", rich_help_panel="Run"),
-    privacy_clip: Optional[float] = typer.Option(None, "--privacy-clip", help="Differential privacy: clip norm (turns privacy on).", rich_help_panel="Run"),
+        None, help="Task to train: fashion-mnist, digits, charlm, or module:attribute. Omit to use the run's manifest.",
+        show_default=False),
+    run_id: Optional[str] = typer.Option(None, "--run-id", "-r", help="Name of the training run (required).", show_default=False),
+    initial_peers: Optional[List[str]] = typer.Option(None, "--initial-peers", "-p", metavar="MADDR", help=INITIAL_PEERS_HELP),
+    create: bool = typer.Option(False, "--create", help="Publish this run's settings (a signed manifest) for others to join; "
+                                "without --initial-peers this peer starts the run as its first peer.", show_default=False),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help=f"{_either(STRATEGIES)} (default {_RUN_DEFAULTS.strategy.name}).", rich_help_panel="Run"),
+    averaging: Optional[str] = typer.Option(None, "--averaging", help=f"{_either(AVERAGINGS)} (default: {_natural_averagings()}).", rich_help_panel="Run"),
+    compression: Optional[str] = typer.Option(None, "--compression", help=f"none, fp16, bf16, int8, topk:F, powersgd:R (default {_RUN_DEFAULTS.compression}).", rich_help_panel="Run"),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help=f"diloco: local steps between averaging (default {DiLoCo().inner_steps}).", rich_help_panel="Run"),
+    outer_lr: Optional[float] = typer.Option(None, "--outer-lr", help=f"diloco: outer learning rate (default {DiLoCo().outer_lr}).", rich_help_panel="Run"),
+    target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", help=f"sync: swarm-wide samples per step (default {SyncSGD().target_batch_size}).", rich_help_panel="Run"),
+    gossip_every: Optional[int] = typer.Option(None, "--gossip-every", help=f"gossip: local steps between parameter averaging (default {GossipSGD().every}).", rich_help_panel="Run"),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help=f"moshpit: peers per group (default {Moshpit().group_size}).", rich_help_panel="Run"),
+    privacy_clip: Optional[float] = typer.Option(None, "--privacy-clip", help="Differential privacy: clip norm (with --privacy-noise, turns privacy on; default off).", rich_help_panel="Run"),
     privacy_noise: Optional[float] = typer.Option(None, "--privacy-noise", help="Differential privacy: noise multiplier.", rich_help_panel="Run"),
-    privacy_level: str = typer.Option("sample", "--privacy-level", help="sample (per-sample DP-SGD) or update (each released update).", rich_help_panel="Run"),
-    max_epsilon: Optional[float] = typer.Option(None, "--max-epsilon", help="Stop releasing past this epsilon.", rich_help_panel="Run"),
+    privacy_level: Optional[str] = typer.Option(None, "--privacy-level", help=f"update (each released update) or sample (per-sample DP-SGD) (default {Privacy.model_fields['level'].default}).", rich_help_panel="Run"),
+    max_epsilon: Optional[float] = typer.Option(None, "--max-epsilon", help="Stop releasing past this epsilon (default: no limit).", rich_help_panel="Run"),
     lr: Optional[float] = typer.Option(None, "--lr", help="Inner learning rate (default: the task's).", rich_help_panel="Run"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Local batch size (default: the task's).", rich_help_panel="Run"),
-    shard: Optional[int] = typer.Option(None, "--shard", min=0, help="This peer's data shard (default: a random one).", rich_help_panel="Local"),
-    num_shards: int = typer.Option(1, "--num-shards", min=1, help="How many shards the training set is cut into.", rich_help_panel="Local"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Local batch size (default: the task's).", rich_help_panel="Run"),
+    seed: Optional[int] = typer.Option(None, "--seed", help=f"Seed of the model's initial weights (default {_RUN_DEFAULTS.seed}).", rich_help_panel="Run"),
+    shard: Optional[int] = typer.Option(None, "--shard", help="This peer's data shard (default: a random one).", rich_help_panel="Local"),
+    num_shards: Optional[int] = typer.Option(None, "--num-shards", help=f"How many shards the training set is cut into (default {_local_default('num_shards')}).", rich_help_panel="Local"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="fashion-mnist: directory with the IDX files.", rich_help_panel="Local"),
-    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", min=0, help="Stop after this many seconds.", rich_help_panel="Local"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop after this many local steps.", rich_help_panel="Local"),
-    target_accuracy: Optional[float] = typer.Option(None, "--target-accuracy", min=0, max=1, help="Stop once a held-out evaluation reaches it.", rich_help_panel="Local"),
-    eval_every: float = typer.Option(10.0, "--eval-every", min=0, help="Seconds between held-out evaluations (0: only at the end).", rich_help_panel="Local"),
-    no_final_eval: bool = typer.Option(False, "--no-final-eval", help="Skip the held-out evaluation at the end.", rich_help_panel="Local"),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Stop after this many seconds.", rich_help_panel="Local"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many local steps.", rich_help_panel="Local"),
+    target_accuracy: Optional[float] = typer.Option(None, "--target-accuracy", help="Stop once a held-out evaluation reaches it.", rich_help_panel="Local"),
+    eval_every: Optional[float] = typer.Option(None, "--eval-every", help=f"Seconds between held-out evaluations; 0: only at the end (default {_local_default('eval_every')}).", rich_help_panel="Local"),
+    no_final_eval: bool = typer.Option(False, "--no-final-eval", help="Skip the held-out evaluation at the end.", rich_help_panel="Local", show_default=False),
     checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Resume from and save checkpoints to this directory.", rich_help_panel="Local"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's).", rich_help_panel="Local"),
-    slowdown: float = typer.Option(1.0, "--slowdown", min=1.0, max=100.0, help="Emulate slower hardware: each step takes this many times longer (the swarm lab's stragglers).", rich_help_panel="Local"),
-    host: str = Host,
-    port: int = Port,
-    data_port: int = typer.Option(0, "--data-port", min=0, max=65535, help="TCP port for direct tensor traffic (0: any free one); open it in firewalls."),
-    announce: Optional[List[str]] = typer.Option(None, "--announce", metavar="MADDR", help="Address to advertise (port forwarding)."),
-    identity: Optional[Path] = typer.Option(None, "--identity", "-i", help="Key file, so the peer keeps its id across restarts."),
-    client_mode: bool = typer.Option(False, "--client-mode", help="Dial out only (behind NAT, no port open)."),
-    trusted_network: bool = typer.Option(False, "--trusted-network", help="Send tensors unencrypted (trusted LAN only)."),
-    wait: float = typer.Option(30.0, "--wait", min=1, help="Seconds to wait for the run's manifest and peers."),
-    wait_peers: int = typer.Option(1, "--wait-peers", min=1, help="Start training once this many peers (this one included) are in the run.", rich_help_panel="Local"),
-    json_output: bool = typer.Option(False, "--json", help="Print progress events as JSON lines on stdout."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's).", rich_help_panel="Local"),
+    slowdown: Optional[float] = typer.Option(None, "--slowdown", help=f"Emulate slower hardware: each step takes this many times longer, up to 100 (the swarm lab's stragglers; default {_local_default('slowdown')}).", rich_help_panel="Local"),
+    wait_peers: Optional[int] = typer.Option(None, "--wait-peers", help=f"Start training once this many peers (this one included) are in the run (default {_local_default('wait_peers')}).", rich_help_panel="Local"),
+    host: Optional[str] = typer.Option(None, "--host", help=f"{HOST_HELP} (default {_local_default('host')}).", rich_help_panel="Network"),
+    port: Optional[int] = typer.Option(None, "--port", help=f"{PORT_HELP} (default {_local_default('port')}).", rich_help_panel="Network"),
+    data_port: Optional[int] = typer.Option(None, "--data-port", help="TCP port for direct tensor traffic (0: any free one); open it in firewalls.", rich_help_panel="Network"),
+    announce: Optional[List[str]] = typer.Option(None, "--announce", metavar="MADDR", help="Address to advertise (port forwarding).", rich_help_panel="Network"),
+    identity: Optional[Path] = typer.Option(None, "--identity", "-i", help="Key file, so the peer keeps its id across restarts.", rich_help_panel="Network"),
+    client_mode: bool = typer.Option(False, "--client-mode", help="Dial out only (behind NAT, no port open).", rich_help_panel="Network", show_default=False),
+    trusted_network: bool = typer.Option(False, "--trusted-network", help="Send tensors unencrypted (trusted LAN only).", rich_help_panel="Network", show_default=False),
+    wait: Optional[float] = typer.Option(None, "--wait", help=f"Seconds to wait for the run's manifest and peers (default {_local_default('wait')}).", rich_help_panel="Network"),
+    config_file: Optional[Path] = ConfigFile,
+    print_config: bool = PrintConfig,
+    json_output: bool = typer.Option(False, "--json", help="Print progress events as JSON lines on stdout (with --print-config: the options as JSON).", show_default=False),
 ) -> None:
     """Train TASK as a peer of run RUN_ID; with no TASK, join a public run with the settings in its manifest.
 
+    With --create and no --initial-peers, this peer starts run RUN_ID as its first peer and prints on stderr how others join.
+
     Stops on Ctrl-C/SIGTERM, --max-seconds, --max-steps or --target-accuracy; leaves the run cleanly.
+
+    Precedence: each option is taken from its flag, else from its SWARMGRAD_* environment variable (SWARMGRAD_INNER_STEPS for --inner-steps; lists comma or space separated), else from the --config TOML file (flat; keys are the flag names without --, e.g. inner-steps = 20), else its default. Run settings left unset take the run's when joining a run that has a manifest.
     """
+    from swarmgrad.commands.options import node_config
+    from swarmgrad.commands.run_options import run_config_from
     from swarmgrad.commands.peer import run_peer
-    from swarmgrad.dht.node import NodeConfig
+
+    loaded = _load_options(ctx, PeerOptions, config_file)
+    options = loaded.options
+    config = _validated(lambda: run_config_from(options.run_values(), task=options.task, where=loaded.where))
+    network = _validated(lambda: node_config(loaded))
+    if print_config:
+        _print_config(loaded, json_output, config)
+        return
+
     from swarmgrad.peer.runner import LocalOptions
 
-    peers = _split_addresses(initial_peers)
-    explicit = _run_options(strategy, averaging, compression, inner_steps, outer_lr, target_batch_size, every,
-                            group_size, privacy_clip, privacy_noise, privacy_level, max_epsilon, lr, batch_size)
-    if data_dir is not None:
-        explicit["_data_dir"] = data_dir
-    config = _validated(lambda: NodeConfig(host=host, port=port, identity_path=identity, initial_peers=peers,
-                                           announce_maddrs=_split_addresses(announce), client_mode=client_mode,
-                                           bootstrap_timeout=wait, data_port=data_port))
-    local = LocalOptions(shard=shard, num_shards=num_shards, data_dir=data_dir, max_seconds=max_seconds,
-                         max_steps=max_steps, target_accuracy=target_accuracy, eval_every=eval_every,
-                         final_eval=not no_final_eval, checkpoint_dir=checkpoint_dir, threads=threads,
-                         trusted_network=trusted_network, wait_peers=wait_peers, wait_seconds=wait, slowdown=slowdown)
-    if target_accuracy is not None and eval_every == 0:
-        typer.echo("error: --target-accuracy needs evaluations: set --eval-every > 0", err=True)
-        raise typer.Exit(EXIT_CONFIG_ERROR)
-    call_reporting_errors(lambda: run_peer(config, run_id, task, create, explicit, local, json_output, wait))
+    local = LocalOptions(shard=options.shard, num_shards=options.num_shards, data_dir=options.data_dir,
+                         max_seconds=options.max_seconds, max_steps=options.max_steps,
+                         target_accuracy=options.target_accuracy, eval_every=options.eval_every,
+                         final_eval=not options.no_final_eval, checkpoint_dir=options.checkpoint_dir,
+                         threads=options.threads, trusted_network=options.trusted_network,
+                         wait_peers=options.wait_peers, wait_seconds=options.wait, slowdown=options.slowdown)
+    call_reporting_errors(lambda: run_peer(network, options.run_id, config, create=options.create, local=local,
+                                           json_output=json_output))
 
 
-def _run_options(strategy, averaging, compression, inner_steps, outer_lr, target_batch_size, every, group_size,
-                 privacy_clip, privacy_noise, privacy_level, max_epsilon, lr, batch_size) -> dict:
-    """Only the run options given on the command line, in the manifest's shape."""
-    from swarmgrad.peer.runner import DEFAULT_RUN_OPTIONS
+def _load_options(ctx: typer.Context, model: type[Any], config_file: Optional[Path]) -> Any:
+    """The command's options merged by precedence: flags given on the command line, then SWARMGRAD_*
+    variables, then the --config file, then defaults (see swarmgrad.commands.options)."""
+    from swarmgrad.commands.options import load_options
 
-    explicit: dict = {}
-    if strategy is not None or inner_steps is not None or outer_lr is not None or target_batch_size is not None \
-            or every is not None:
-        name = strategy or DEFAULT_RUN_OPTIONS["strategy"]["name"]
-        settings: dict = {"name": name}
-        if name == "diloco":
-            settings.update(inner_steps=inner_steps or 50, outer_lr=outer_lr if outer_lr is not None else 0.7,
-                            outer_momentum=0.9)
-        elif name == "sync":
-            settings.update(target_batch_size=target_batch_size or 4096)
-        elif name == "gossip":
-            settings.update(every=every or 4)
-        explicit["strategy"] = settings
-    if averaging is not None or group_size is not None:
-        kind = averaging or ("gossip" if strategy == "gossip" else "moshpit")
-        explicit["averaging"] = {"kind": kind, **({"group_size": group_size} if group_size else {})}
-    elif strategy == "gossip":
-        explicit["averaging"] = {"kind": "gossip"}
-    if compression is not None:
-        explicit["compression"] = compression
-    if privacy_clip is not None or privacy_noise is not None:
-        if privacy_clip is None or privacy_noise is None:
-            raise typer.BadParameter("privacy needs both --privacy-clip and --privacy-noise")
-        explicit["privacy"] = {"clip_norm": privacy_clip, "noise_multiplier": privacy_noise, "level": privacy_level,
-                               **({"max_epsilon": max_epsilon} if max_epsilon is not None else {})}
-    hparams = {key: value for key, value in (("lr", lr), ("batch_size", batch_size)) if value is not None}
-    if hparams:
-        explicit["hparams"] = hparams
-    return explicit
+    flags = {name: value for name, value in ctx.params.items()
+             if name in model.model_fields and _on_command_line(ctx, name)}
+    return _validated(lambda: load_options(model, flags=flags, config_file=config_file))
+
+
+def _on_command_line(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def _print_config(loaded: Any, json_output: bool, config: Any = None) -> None:
+    from swarmgrad.commands.options import render_json, render_toml
+    from swarmgrad.commands.run_options import run_values
+
+    if json_output:
+        typer.echo(render_json(loaded))
+    else:
+        typer.echo(render_toml(loaded, None if config is None else run_values(config)), nl=False)
 
 
 @app.command()
@@ -243,26 +271,26 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the new key (mu
 
 @app.command()
 def demo(
-    peers: int = typer.Option(4, "--peers", "-n", min=1, max=64, help="Number of peer processes."),
-    task: str = typer.Option("fashion-mnist", "--task", help="Task the swarm trains."),
-    strategy: str = typer.Option("diloco", "--strategy", help="diloco, sync or gossip."),
-    averaging: Optional[str] = typer.Option(None, "--averaging", help="moshpit or gossip (default: gossip for the gossip strategy, else moshpit)."),
-    compression: str = typer.Option("int8", "--compression", help="Codec for averaging: none, fp16, int8, topk:F, ..."),
-    inner_steps: int = typer.Option(100, "--inner-steps", min=1, help="diloco: local steps between averaging."),
-    target_accuracy: float = typer.Option(0.88, "--target-accuracy", min=0, max=1, help="Stop once reached."),
-    max_seconds: float = typer.Option(150.0, "--max-seconds", min=1, help="Training time budget per peer."),
-    plot: Path = typer.Option(Path("swarmgrad-demo.png"), "--plot", help="Where to write the loss/accuracy plot."),
+    peers: int = typer.Option(DemoSettings.peers, "--peers", "-n", min=1, max=64, help="Number of peer processes."),
+    task: str = typer.Option(DemoSettings.task, "--task", help="Task the swarm trains."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help=f"{_either(STRATEGIES)} (default {_RUN_DEFAULTS.strategy.name})."),
+    averaging: Optional[str] = typer.Option(None, "--averaging", help=f"{_either(AVERAGINGS)} (default: {_natural_averagings()})."),
+    compression: Optional[str] = typer.Option(None, "--compression", help=f"Codec for averaging: none, fp16, int8, topk:F, ... (default {_RUN_DEFAULTS.compression})."),
+    inner_steps: int = typer.Option(DemoSettings.inner_steps, "--inner-steps", min=1, help=f"diloco: local steps between averaging (the demo's own default; a run's is {DiLoCo().inner_steps})."),
+    target_accuracy: float = typer.Option(DemoSettings.target_accuracy, "--target-accuracy", min=0, max=1, help="Stop once reached."),
+    max_seconds: float = typer.Option(DemoSettings.max_seconds, "--max-seconds", min=1, help="Training time budget per peer."),
+    plot: Path = typer.Option(DemoSettings.plot, "--plot", help="Where to write the loss/accuracy plot."),
     json_output: bool = JsonOutput,
-    run_id: str = typer.Option("demo", "--run-id", help="Run name used on the local swarm."),
+    run_id: str = typer.Option(DemoSettings.run_id, "--run-id", help="Run name used on the local swarm."),
 ) -> None:
     """Train a model with a whole swarm on this machine (loopback only): a bootstrap node and N peer
     processes, live progress, a loss/accuracy plot, and the time to 85% and 88% held-out accuracy."""
-    from swarmgrad.demo import DemoSettings, run_demo
+    from swarmgrad.demo import run_demo
 
-    averaging = averaging or ("gossip" if strategy == "gossip" else "moshpit")
     settings = DemoSettings(peers=peers, run_id=run_id, task=task, strategy=strategy, averaging=averaging,
                             compression=compression, inner_steps=inner_steps, target_accuracy=target_accuracy,
                             max_seconds=max_seconds, plot=plot)
+    _validated(settings.run_config)  # a bad strategy or codec is one line here, not N failing peers
     _run(run_demo(settings, json_output=json_output))
 
 

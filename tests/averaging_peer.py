@@ -10,20 +10,21 @@ import sys
 
 import torch
 
-from swarmgrad.averaging import Averager
-from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+from swarmgrad.dht import NodeConfig
 from swarmgrad.runtime import run
 
 
 async def main(args: argparse.Namespace) -> None:
     tensor = torch.full((args.numel,), args.value)
-    async with SwarmNode(NodeConfig(initial_peers=[args.initial_peer])) as node:
-        async with Averager(node, args.run_id, [tensor], group_size=4, grid_dims=1, codec=args.codec,
-                            matchmaking_seconds=args.window, round_timeout=args.timeout) as averager:
-            print(json.dumps({"ready": node.peer_id}), flush=True)
-            await asyncio.to_thread(sys.stdin.readline)  # the test says when to start the round
-            report = await averager.step(weight=args.weight)
-            print(json.dumps({"ok": report.ok, "error": report.error, "value": float(tensor[0])}), flush=True)
+    settings = Moshpit(group_size=4, matchmaking_seconds=args.window, round_timeout=args.timeout)
+    network = NodeConfig(initial_peers=[args.initial_peer])
+    async with NetworkRuntime(args.run_id, network) as runtime, \
+            Averager(runtime, [tensor], settings=settings, grid_dims=1, codec=args.codec) as averager:
+        print(json.dumps({"ready": runtime.peer_id}), flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # the test says when to start the round
+        report = await averager.step(weight=args.weight)
+        print(json.dumps({"ok": report.ok, "error": report.error, "value": float(tensor[0])}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A gossip peer process for tests: joins a run and gossips one tensor until killed.
 
     python tests/gossip_peer.py INITIAL_PEER RUN_ID VALUE NUMEL WEIGHT
-Prints {"ready": peer_id} once it is a member, then one line per step: {"step": n, "weight": w}.
+Prints {"ready": peer_id} once it is a member. Codec none, and its presence is refreshed every 0.5 s
+(a record lives 6 s), as in test_gossip.py's swarm.
 """
 
 import asyncio
@@ -10,19 +11,21 @@ import sys
 
 import torch
 
-from swarmgrad.averaging import GossipAverager
-from swarmgrad.dht import Membership, NodeConfig, SwarmNode
+from swarmgrad.averaging import GossipAverager, NetworkRuntime
+from swarmgrad.dht import NodeConfig
 from swarmgrad.runtime import run
+from swarmgrad.timing import Timing
 
 
 async def main(initial_peer: str, run_id: str, value: float, numel: int, weight: float) -> None:
     tensor = torch.full((numel,), value)
-    async with SwarmNode(NodeConfig(initial_peers=[initial_peer])) as node, Membership(node, run_id, ttl=3):
-        async with GossipAverager(node, run_id, [tensor], weight=weight, members_refresh_seconds=0.5) as gossip:
-            print(json.dumps({"ready": node.peer_id}), flush=True)
-            while True:
-                await gossip.step()
-                await asyncio.sleep(0.05)
+    network = NodeConfig(initial_peers=[initial_peer])
+    async with NetworkRuntime(run_id, network, timing=Timing(presence_refresh=0.5)) as runtime, \
+            GossipAverager(runtime, [tensor], weight=weight, codec="none") as gossip:
+        print(json.dumps({"ready": runtime.peer_id}), flush=True)
+        while True:
+            await gossip.step()
+            await asyncio.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,27 @@
-"""Fakes shared by the peer-layer unit tests: small models, strategies opened without a network."""
+"""Fakes shared by the peer-layer unit tests: small models, policies bound without a network, a
+fake progress tracker and a fake averaging backend for the round driver."""
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import torch
 
+from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
-from swarmgrad.peer.strategies import DiLoCo, GossipSGD, SyncSGD
-from swarmgrad.peer.strategies.base import cpu_buffers
+from swarmgrad.peer.strategies import make_policy
 
 # ---- fakes ------------------------------------------------------------------------------------------
 
 
 class FakeTracker:
-    """What strategies use of a ProgressTracker: ``add``, ``local`` and ``fresh()``."""
+    """What policies and the driver use of a ProgressTracker; ``others`` are the other peers."""
 
-    def __init__(self, others: tuple[PeerProgress, ...] = ()):
+    def __init__(self, others: tuple[PeerProgress, ...] = (), other_settings: tuple[str, ...] = ()):
         self.local = LocalProgress()
-        self.others = others
+        self.others, self.other_settings = others, other_settings
+        self.averaging_set: list[bool] = []
 
     def add(self, samples: int) -> None:
         self.local.add(samples)
@@ -27,20 +29,39 @@ class FakeTracker:
     def fresh(self) -> SwarmProgress:
         me = PeerProgress("me", self.local.epoch, float(self.local.samples), float(self.local.steps), 0.0,
                           self.local.averaging)
-        return SwarmProgress((me, *self.others), taken_at=time.monotonic())
+        return SwarmProgress((me, *self.others), taken_at=time.monotonic(), other_settings=self.other_settings)
+
+    def ahead_of(self, epoch: int) -> list[str]:
+        return [peer.peer_id for peer in self.others if peer.epoch > epoch]
+
+    def others_at(self, epoch: int) -> list[str]:
+        return [peer.peer_id for peer in self.others if peer.epoch == epoch]
+
+    def set_averaging(self, averaging: bool) -> None:
+        self.local.averaging = averaging
+        self.averaging_set.append(averaging)
+
+    def next_epoch(self, epoch: int) -> None:
+        self.local.epoch, self.local.samples, self.local.steps, self.local.averaging = epoch, 0, 0, False
 
 
-class FakeAverager:
-    """Records what a moshpit round would average; ``ok`` says whether the round succeeds."""
+class FakeBackend:
+    """Averaging without a network: each call takes the next of ``outcomes`` (True: the round succeeds
+    and the average is ``average`` or the contribution itself); records what it was asked."""
 
-    def __init__(self, tensors: list[torch.Tensor], ok: bool = True):
-        self.tensors, self.ok = tensors, ok
+    def __init__(self, contribution: torch.Tensor, outcomes: list[bool], average: torch.Tensor | None = None,
+                 on_call=None):
+        self.contribution, self.outcomes, self.fixed_average, self.on_call = contribution, list(outcomes), average, on_call
         self.calls: list[dict] = []
 
-    async def step(self, weight: float, round_index: int, expected_peers: int, attempt: int):
-        self.calls.append({"weight": weight, "round": round_index, "attempt": attempt,
-                           "values": [t.clone() for t in self.tensors]})
-        return SimpleNamespace(ok=self.ok)
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
+        self.calls.append({"epoch": epoch, "attempt": attempt, "weight": weight, "expected": expected_peers,
+                           "values": self.contribution.clone()})
+        if self.on_call is not None:
+            self.on_call(len(self.calls))
+        ok = self.outcomes.pop(0)
+        average = self.fixed_average if self.fixed_average is not None else self.contribution
+        return RoundOutcome(ok, average if ok else None, report={"attempt": attempt})
 
 
 def model_and_optimizer(seed: int = 0, lr: float = 0.1, kind: str = "sgd"):
@@ -53,19 +74,10 @@ def model_and_optimizer(seed: int = 0, lr: float = 0.1, kind: str = "sgd"):
     return model, optimizer
 
 
-def attach(strategy, model, optimizer, tracker=None):
-    """What ``open()`` sets, without a node or an averager."""
-    strategy.ctx = SimpleNamespace(model=model, optimizer=optimizer, tracker=tracker or FakeTracker())
-    strategy.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if isinstance(strategy, DiLoCo):
-        strategy.start = [p.detach().to("cpu", torch.float32, copy=True) for p in strategy.params]
-        strategy.delta = cpu_buffers(strategy.params)
-        strategy.momentum = cpu_buffers(strategy.params)
-    elif isinstance(strategy, SyncSGD):
-        strategy.accumulated = cpu_buffers(strategy.params)
-    elif isinstance(strategy, GossipSGD):
-        strategy.values = cpu_buffers(strategy.params)
-    return strategy
+def attach(strategy, model, optimizer, tracker=None, averaging=None):
+    """The policy of ``strategy`` (a DiLoCo/SyncSGD/GossipSGD setting), bound without a network."""
+    config = RunConfig(strategy=strategy, **({"averaging": averaging} if averaging is not None else {}))
+    return make_policy(config, model, optimizer, tracker or FakeTracker())
 
 
 def set_grads(params, seed: int) -> list[torch.Tensor]:
@@ -83,5 +95,3 @@ def train_steps(model, optimizer, steps: int, seed: int = 1) -> None:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-
-

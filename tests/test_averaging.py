@@ -1,4 +1,8 @@
-"""The averaging engine on a real swarm: p2pd daemons, DHT matchmaking, streamed all-reduce."""
+"""The averaging engine on a real swarm: p2pd daemons, DHT matchmaking, streamed all-reduce.
+
+Every peer is a ``NetworkRuntime`` around a SwarmNode; exact averages ask for ``codec="none"``
+(the run default is int8).
+"""
 
 import asyncio
 import subprocess
@@ -11,7 +15,7 @@ import pytest
 import torch
 from conftest import run_async
 
-from swarmgrad.averaging import Averager
+from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 
@@ -27,6 +31,17 @@ async def start_nodes(stack: AsyncExitStack, count: int) -> list[SwarmNode]:
     return [first, *others]
 
 
+async def start_runtimes(stack: AsyncExitStack, count: int, **options) -> list[NetworkRuntime]:
+    """``count`` peers of RUN: a SwarmNode each, with a NetworkRuntime around it (left before the node)."""
+    nodes = await start_nodes(stack, count)
+    return list(await asyncio.gather(
+        *(stack.enter_async_context(NetworkRuntime(RUN, node=node, **options)) for node in nodes)))
+
+
+def moshpit(group_size: int, window: float = WINDOW, **options) -> Moshpit:
+    return Moshpit(group_size=group_size, matchmaking_seconds=window, **options)
+
+
 def weighted_mean(tensors: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
     total = sum(weights)
     return [sum(w * ts[k] for w, ts in zip(weights, tensors)) / total for k in range(len(tensors[0]))]
@@ -35,19 +50,19 @@ def weighted_mean(tensors: list[list[torch.Tensor]], weights: list[float]) -> li
 def test_four_peers_reach_exact_weighted_mean():
     async def scenario():
         async with AsyncExitStack() as stack:
-            nodes = await start_nodes(stack, 4)
+            runtimes = await start_runtimes(stack, 4)
             generator = torch.Generator().manual_seed(0)
             tensors = [[torch.randn(300_000, generator=generator), torch.randn(64, 100, generator=generator),
-                        torch.randn(7, generator=generator)] for _ in nodes]
+                        torch.randn(7, generator=generator)] for _ in runtimes]
             weights = [1.0, 2.0, 3.0, 10.0]
             expected = weighted_mean(tensors, weights)
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=4, grid_dims=1, matchmaking_seconds=WINDOW))
-                for node, ts in zip(nodes, tensors)]
+                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec="none"))
+                for runtime, ts in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(a.step(weight=w) for a, w in zip(averagers, weights)))
             for report in reports:
                 assert report.ok, report.error
-                assert sorted(report.group) == sorted(node.peer_id for node in nodes)
+                assert sorted(report.group) == sorted(runtime.peer_id for runtime in runtimes)
                 assert sorted(report.contributors) == sorted(report.group)
                 assert report.bytes_sent > 0 and report.bytes_received > 0
                 assert set(report.transports.values()) == {"direct"}  # reachable on loopback: TCP, encrypted
@@ -61,12 +76,12 @@ def test_four_peers_reach_exact_weighted_mean():
 def test_swap_storage_averages_without_copying_and_alternates_two_buffers():
     async def scenario():
         async with AsyncExitStack() as stack:
-            nodes = await start_nodes(stack, 3)
+            runtimes = await start_runtimes(stack, 3)
             generator = torch.Generator().manual_seed(1)
-            tensors = [torch.randn(50, 1000, generator=generator) for _ in nodes]
+            tensors = [torch.randn(50, 1000, generator=generator) for _ in runtimes]
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, [tensor], group_size=3, grid_dims=1, matchmaking_seconds=WINDOW, swap_storage=True))
-                for node, tensor in zip(nodes, tensors)]
+                Averager(runtime, [tensor], settings=moshpit(3), grid_dims=1, codec="none", swap_storage=True))
+                for runtime, tensor in zip(runtimes, tensors)]
             pointers = [{tensor.data_ptr()} for tensor in tensors]
             for round_index in range(3):
                 for tensor in tensors:  # new local values each round: the swapped-in buffer is read next time
@@ -84,22 +99,106 @@ def test_swap_storage_averages_without_copying_and_alternates_two_buffers():
 
 
 def test_swap_storage_refuses_what_it_cannot_swap():
-    node = SwarmNode()
-    for tensors in ([torch.zeros(3), torch.zeros(4)], [torch.zeros(4, 4).t()], [torch.zeros(3, dtype=torch.float64)]):
+    runtime = NetworkRuntime(RUN)  # never entered: the averager checks its tensors when it is built
+    flat = torch.zeros(7)
+    for tensors in ([torch.zeros(3), torch.zeros(4)], [torch.zeros(4, 4).t()], [torch.zeros(3, dtype=torch.float64)],
+                    [flat[:3], flat[3:]]):  # views that tile one buffer are sent without a copy, but not swapped
         with pytest.raises(ConfigError, match="swap_storage"):
-            Averager(node, RUN, tensors, swap_storage=True)
+            Averager(runtime, tensors, swap_storage=True)
+
+
+def test_averager_names_and_settings_are_checked():
+    runtime = NetworkRuntime(RUN)
+    for name in ("", "a/b", "x" * 33, "round key"):
+        with pytest.raises(ConfigError, match="averager name"):
+            Averager(runtime, [torch.zeros(3)], name=name)
+    with pytest.raises(ConfigError, match="min_group_size"):
+        Moshpit(group_size=2, min_group_size=3)
+    default = Averager(runtime, [torch.zeros(3)])
+    assert default.codec.spec == "int8" and default.group_size == 16  # the run defaults
+
+
+def test_two_averagers_of_one_peer_step_at_once_in_the_same_round():
+    """One runtime (one node, one transport) per peer, two averagers on it over tensors of the very
+    same shapes, told apart only by their names: both step concurrently, in the same round index,
+    and both averages are exact. One of them holds views that tile one flat buffer, sent without a copy."""
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            runtimes = await start_runtimes(stack, 3)
+            generator = torch.Generator().manual_seed(5)
+            shapes, numels = [(300, 100), (64,)], [30_000, 64]
+            flats = [torch.randn(sum(numels), generator=generator) for _ in runtimes]
+            deltas = [[part.view(shape) for part, shape in zip(flat.split(numels), shapes)] for flat in flats]
+            params = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in runtimes]
+            delta_weights, param_weights = [1.0, 2.0, 3.0], [5.0, 1.0, 1.0]
+            settings = moshpit(4)
+            delta_averagers = [await stack.enter_async_context(
+                Averager(runtime, ts, name="delta", settings=settings, grid_dims=1, codec="none"))
+                for runtime, ts in zip(runtimes, deltas)]
+            param_averagers = [await stack.enter_async_context(
+                Averager(runtime, ts, name="params", settings=settings, grid_dims=1, codec="none"))
+                for runtime, ts in zip(runtimes, params)]
+            for averager, flat in zip(delta_averagers, flats):  # the views' own buffer is what is sent
+                assert averager._buffer.data_ptr() == flat.data_ptr()
+            assert delta_averagers[0].schema.digest == param_averagers[0].schema.digest  # alike but for the name
+            everyone = sorted(runtime.peer_id for runtime in runtimes)
+            for round_index in (7, 8):
+                for ts in [*deltas, *params]:  # new local values each round
+                    for tensor in ts:
+                        tensor.add_(torch.randn(tensor.shape, generator=generator))
+                want_delta, want_params = weighted_mean(deltas, delta_weights), weighted_mean(params, param_weights)
+                steps = [a.step(weight=w, round_index=round_index) for a, w in zip(delta_averagers, delta_weights)]
+                steps += [a.step(weight=w, round_index=round_index) for a, w in zip(param_averagers, param_weights)]
+                reports = await asyncio.gather(*steps)
+                for report in reports:
+                    assert report.ok, report.error
+                    assert sorted(report.group) == everyone and report.round_index == round_index
+                    assert set(report.transports.values()) == {"direct"}
+                assert {r.key for r in reports[:3]}.isdisjoint(r.key for r in reports[3:])
+                for ts in deltas:
+                    for got, want in zip(ts, want_delta):
+                        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+                for ts in params:
+                    for got, want in zip(ts, want_params):
+                        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+                for flat, ts in zip(flats, deltas):  # the average landed in the views, so in the flat buffer
+                    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in ts]))
+
+    run_async(scenario())
+
+
+def test_write_back_false_leaves_the_tensors_and_hands_out_the_average():
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            runtimes = await start_runtimes(stack, 2)
+            tensors = [[torch.full((100, 10), 1.0), torch.full((5,), -1.0)],
+                       [torch.full((100, 10), 3.0), torch.full((5,), 2.0)]]
+            before = [[t.clone() for t in ts] for ts in tensors]
+            averagers = [await stack.enter_async_context(
+                Averager(runtime, ts, settings=moshpit(2), grid_dims=1, codec="none", write_back=False))
+                for runtime, ts in zip(runtimes, tensors)]
+            assert all(a.average is None for a in averagers)
+            reports = await asyncio.gather(*(a.step(weight=w) for a, w in zip(averagers, [1.0, 3.0])))
+            assert all(r.ok for r in reports), [r.error for r in reports]
+            want = torch.cat([torch.full((1000,), 2.5), torch.full((5,), 1.25)])
+            for averager, ts, old in zip(averagers, tensors, before):
+                assert all(torch.equal(t, o) for t, o in zip(ts, old))  # untouched
+                torch.testing.assert_close(averager.average, want, rtol=0, atol=1e-6)
+
+    run_async(scenario())
 
 
 @pytest.mark.parametrize("codec, tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 3e-2)])
 def test_lossy_codecs_average_within_their_bound(codec, tolerance):
     async def scenario():
         async with AsyncExitStack() as stack:
-            nodes = await start_nodes(stack, 3)
-            tensors = [[torch.randn(50_000), torch.randn(128, 64)] for _ in nodes]
+            runtimes = await start_runtimes(stack, 3)
+            tensors = [[torch.randn(50_000), torch.randn(128, 64)] for _ in runtimes]
             expected = weighted_mean(tensors, [1.0, 1.0, 1.0])
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=4, grid_dims=1, codec=codec, matchmaking_seconds=WINDOW))
-                for node, ts in zip(nodes, tensors)]
+                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec=codec))
+                for runtime, ts in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(a.step() for a in averagers))
             assert all(report.ok for report in reports), [r.error for r in reports]
             for ts in tensors:
@@ -116,12 +215,12 @@ def test_error_feedback_codecs_track_the_true_mean_over_rounds():
 
     async def scenario():
         async with AsyncExitStack() as stack:
-            nodes = await start_nodes(stack, 2)
-            tensors = [[torch.randn(20_000)] for _ in nodes]
+            runtimes = await start_runtimes(stack, 2)
+            tensors = [[torch.randn(20_000)] for _ in runtimes]
             target = weighted_mean(tensors, [1.0, 1.0])[0]
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=2, grid_dims=1, codec="topk:0.05", matchmaking_seconds=0.2))
-                for node, ts in zip(nodes, tensors)]
+                Averager(runtime, ts, settings=moshpit(2, window=0.2), grid_dims=1, codec="topk:0.05"))
+                for runtime, ts in zip(runtimes, tensors)]
             for _ in range(4):
                 reports = await asyncio.gather(*(a.step() for a in averagers))
                 assert all(r.ok for r in reports)
@@ -135,11 +234,11 @@ def test_error_feedback_codecs_track_the_true_mean_over_rounds():
 def test_straggler_is_left_out_and_keeps_its_values():
     async def scenario():
         async with AsyncExitStack() as stack:
-            nodes = await start_nodes(stack, 4)
+            runtimes = await start_runtimes(stack, 4)
             tensors = [[torch.full((1000,), float(i))] for i in range(4)]
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=4, grid_dims=1, matchmaking_seconds=WINDOW))
-                for node, ts in zip(nodes, tensors)]
+                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec="none"))
+                for runtime, ts in zip(runtimes, tensors)]
 
             async def straggle():
                 await asyncio.sleep(4 * WINDOW + 5)  # past the group's matchmaking deadline
@@ -163,9 +262,9 @@ def test_sigkill_mid_round_leaves_survivors_correct_or_unchanged():
 
     async def scenario():
         async with AsyncExitStack() as stack:
-            nodes = await start_nodes(stack, 3)
+            runtimes = await start_runtimes(stack, 3)
             child = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("averaging_peer.py")), nodes[0].maddrs[0], RUN,
+                [sys.executable, str(Path(__file__).with_name("averaging_peer.py")), runtimes[0].node.maddrs[0], RUN,
                  "100.0", str(numel), "--window", str(window), "--timeout", "20"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:
@@ -173,8 +272,9 @@ def test_sigkill_mid_round_leaves_survivors_correct_or_unchanged():
                 assert "ready" in ready
                 tensors = [[torch.full((numel,), float(i))] for i in range(3)]
                 averagers = [await stack.enter_async_context(
-                    Averager(node, RUN, ts, group_size=4, grid_dims=1, matchmaking_seconds=window, round_timeout=20))
-                    for node, ts in zip(nodes, tensors)]
+                    Averager(runtime, ts, settings=moshpit(4, window=window, round_timeout=20), grid_dims=1,
+                             codec="none"))
+                    for runtime, ts in zip(runtimes, tensors)]
                 child.stdin.write("go\n")
                 child.stdin.flush()
 
@@ -203,14 +303,14 @@ def test_sigkill_mid_round_leaves_survivors_correct_or_unchanged():
 def _grid_scenario(count: int, rounds: int):
     async def scenario():
         async with AsyncExitStack() as stack:
-            nodes = await start_nodes(stack, count)
+            runtimes = await start_runtimes(stack, count)
             generator = torch.Generator().manual_seed(1)
-            tensors = [[torch.randn(1000, generator=generator)] for _ in nodes]
+            tensors = [[torch.randn(1000, generator=generator)] for _ in runtimes]
             mean = torch.stack([ts[0] for ts in tensors]).mean(0)
             initial_distance = max(float((ts[0] - mean).norm()) for ts in tensors)
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=4, min_group_size=2, coordinates=[i % 4, i // 4],
-                         matchmaking_seconds=1.0)) for i, (node, ts) in enumerate(zip(nodes, tensors))]
+                Averager(runtime, ts, settings=moshpit(4, window=1.0, min_group_size=2), coordinates=[i % 4, i // 4],
+                         codec="none")) for i, (runtime, ts) in enumerate(zip(runtimes, tensors))]
             for _ in range(rounds):
                 reports = await asyncio.gather(*(a.step() for a in averagers))
                 assert all(r.ok for r in reports), [r.error for r in reports if not r.ok]

@@ -2,15 +2,17 @@
 
 import asyncio
 import socket
+import time
 from contextlib import AsyncExitStack
 
 import pytest
 import torch
 from conftest import run_async
 
-from swarmgrad.averaging import Averager
+from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 from swarmgrad.averaging.direct import TOKEN_BYTES, DirectTransport
 from swarmgrad.averaging.secure import FrameCipher
+from swarmgrad.averaging.state_transfer import StateSnapshot, download_state
 from swarmgrad.averaging.transport import Libp2pTransport
 from swarmgrad.averaging.wire import FrameError, RemoteError
 from swarmgrad.dht import NodeConfig, SwarmNode
@@ -237,9 +239,12 @@ def test_averaging_reports_the_transport_of_each_peer():
                                for _ in range(2)]
             tensors = [[torch.full((70_000,), float(i))] for i in range(3)]
             options = [dict(direct=True), dict(direct=True, trusted_network=True), dict(direct=False)]
+            runtimes = [await stack.enter_async_context(NetworkRuntime("direct-run", node=node, **option))
+                        for node, option in zip(nodes, options)]
+            settings = Moshpit(group_size=3, matchmaking_seconds=1.0)
             averagers = [await stack.enter_async_context(
-                Averager(node, "direct-run", ts, group_size=3, grid_dims=1, matchmaking_seconds=1.0, **option))
-                for node, ts, option in zip(nodes, tensors, options)]
+                Averager(runtime, ts, settings=settings, grid_dims=1, codec="none"))
+                for runtime, ts in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(a.step() for a in averagers))
             assert all(r.ok for r in reports), [r.error for r in reports]
             for ts in tensors:
@@ -252,5 +257,54 @@ def test_averaging_reports_the_transport_of_each_peer():
                 other = (direct_peers - {node.peer_id}).pop()
                 if other in report.transports:
                     assert report.transports[other] == "direct"
+
+    run_async(scenario())
+
+
+def test_state_server_answers_over_the_direct_data_plane():
+    """A joiner's download from a donor's runtime runs on the direct TCP connection: the state's
+    bytes cross the donor's data port (through a tap), encrypted. The joiner says ``done`` at the
+    end, so the connection ends cleanly, goes back to the pool, and the next download reuses it."""
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            donor = await stack.enter_async_context(NetworkRuntime("state-run", node=first))
+            joiner = await stack.enter_async_context(NetworkRuntime("state-run", node=second))
+            assert isinstance(donor.transport, DirectTransport) and isinstance(joiner.transport, DirectTransport)
+            connections = 0
+            tap = WireTap(donor.transport.addresses[0])
+
+            async def counting(reader, writer):
+                nonlocal connections
+                connections += 1
+                await tap._relay(reader, writer)
+
+            tap.server = await asyncio.start_server(counting, "127.0.0.1", 0)
+            donor.transport.addresses = [tap.server.sockets[0].getsockname()]  # the data port is only behind the tap
+            snapshot = StateSnapshot.capture(3, {"model/w": MARKER.repeat(128), "model/b": torch.randn(10)},
+                                             {"epoch": 3})
+            donor.state_server.publish(snapshot)
+            opened = []
+            open_channel = joiner.transport.open
+
+            async def recording_open(peer_id, protocol):
+                channel = await open_channel(peer_id, protocol)
+                opened.append(channel)
+                return channel
+
+            joiner.transport.open = recording_open
+            for download in range(2):
+                started = time.monotonic()
+                got = await download_state(joiner.transport, joiner.state_protocol, [donor.peer_id], seconds=20)
+                assert time.monotonic() - started < 3  # no wait for an end that never comes
+                assert got.version == 3 and torch.equal(got.data, snapshot.data)
+                assert opened[download].transport_name == "direct"
+                assert len(joiner.transport._idle.get(donor.peer_id, [])) == 1  # ended cleanly: pooled
+            assert opened[0] is opened[1] and connections == 1  # one connection, reused
+            assert len(tap.seen) > 2 * snapshot.nbytes  # both downloads crossed the data port...
+            assert MARKER.numpy().tobytes()[:64] not in tap.seen  # ...encrypted
+            await tap.stop()
 
     run_async(scenario())

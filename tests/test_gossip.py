@@ -1,6 +1,11 @@
-"""Push-sum gossip on a real swarm: consensus, conserved mass, crashes, slow peers, bad pushes."""
+"""Push-sum gossip on a real swarm: consensus, conserved mass, crashes, slow peers, bad pushes.
+
+Every peer is a ``NetworkRuntime`` around a SwarmNode; gossip picks its neighbours from the runtime's
+presence, reread every ``PRESENCE.presence_refresh`` seconds.
+"""
 
 import asyncio
+import json
 import math
 import subprocess
 import sys
@@ -14,31 +19,33 @@ import torch
 from conftest import eventually, run_async
 from hivemind.p2p import PeerID
 
-from swarmgrad.averaging import GossipAverager
+from swarmgrad.averaging import Gossip, GossipAverager, NetworkRuntime
 from swarmgrad.averaging.framestream import FastChannel
-from swarmgrad.averaging.gossip import MIN_WEIGHT_FRACTION, _Push, exponential_neighbors
+from swarmgrad.averaging.gossip import MIN_WEIGHT_FRACTION, UNREACHABLE_FACTOR, _Push, exponential_neighbors
 from swarmgrad.averaging.wire import RemoteError
-from swarmgrad.dht import Membership, NodeConfig, SwarmNode, list_members
+from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.timing import Timing
 
 RUN = "gossip-test"
+PRESENCE = Timing(presence_refresh=0.5)  # members reread every 0.5 s; a record lives max(6, 6 x 0.5) = 6 s
 
 
-async def gossip_swarm(stack: AsyncExitStack, count: int, codec: str = "none", numel: int = 5000, **options):
+async def gossip_swarm(stack: AsyncExitStack, count: int, codec: str = "none", numel: int = 5000, **settings):
     first = await stack.enter_async_context(SwarmNode())
     nodes = [first] + list(await asyncio.gather(
         *(stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs))) for _ in range(count - 1))))
-    for node in nodes:
-        await stack.enter_async_context(Membership(node, RUN, ttl=3))
+    runtimes = list(await asyncio.gather(
+        *(stack.enter_async_context(NetworkRuntime(RUN, node=node, timing=PRESENCE)) for node in nodes)))
     generator = torch.Generator().manual_seed(7)
     tensors = [torch.randn(numel, generator=generator) for _ in nodes]
     weights = [float(i + 1) for i in range(count)]
     mean = sum(w * t for w, t in zip(weights, tensors)) / sum(weights)
     gossips = [await stack.enter_async_context(
-        GossipAverager(node, RUN, [t], weight=w, codec=codec, members_refresh_seconds=0.5, **options))
-        for node, t, w in zip(nodes, tensors, weights)]
+        GossipAverager(runtime, [t], settings=Gossip(**settings), weight=w, codec=codec))
+        for runtime, t, w in zip(runtimes, tensors, weights)]
 
-    async def everyone_listed():
-        return len(await list_members(nodes[0], RUN)) == count
+    async def everyone_listed():  # by every peer's presence: gossip picks its neighbours from there
+        return all(len(runtime.members()) == count for runtime in runtimes)
 
     await eventually(everyone_listed, seconds=10)
     return nodes, tensors, weights, mean, gossips
@@ -61,8 +68,12 @@ def test_exponential_graph_visits_every_offset():
 
 
 def lone_averager(values: torch.Tensor, weight: float = 1.0) -> GossipAverager:
-    """An averager whose pushes are faked (no node): for the local push-sum arithmetic."""
-    averager = GossipAverager(SimpleNamespace(peer_id="me"), "arith", [values], weight=weight, codec="int8")
+    """An averager whose pushes are faked (no node, no transport; a runtime that lists one other
+    training member): for the local push-sum arithmetic."""
+    members = [SimpleNamespace(peer_id=peer, role="peer") for peer in ("me", "other")]
+    runtime = SimpleNamespace(node=SimpleNamespace(peer_id="me"), run_id="arith", timing=Timing(),
+                              transport=None, members=lambda: members)
+    averager = GossipAverager(runtime, [values], weight=weight, codec="int8")
     averager.schema.flatten_into(averager.tensors, averager._values)
     return averager
 
@@ -76,9 +87,6 @@ def test_a_peer_that_only_pushes_stays_finite_and_waits_once_starved():
     generator = torch.Generator().manual_seed(1)
     pushes = 0
 
-    async def live_members() -> list[str]:
-        return ["me", "other"]
-
     async def push(peer: str, neighbors: int) -> tuple[bool, int]:
         nonlocal pushes
         pushes += 1
@@ -86,7 +94,7 @@ def test_a_peer_that_only_pushes_stays_finite_and_waits_once_starved():
         averager._give(averager.weight / (neighbors + 1), lossy)
         return True, 0
 
-    averager._live_members, averager._push = live_members, push
+    averager._push = push
     for _ in range(300):
         run_async(averager.step())
     assert pushes == 41 and averager.weight == 2.0**-41  # gave until below 2**-40, then waited
@@ -107,15 +115,12 @@ def test_weight_lost_by_the_whole_swarm_does_not_stop_the_mixing():
     averager = lone_averager(torch.ones(8))
     pushes = []
 
-    async def live_members() -> list[str]:
-        return ["me", "other"]
-
     async def push(peer: str, neighbors: int) -> tuple[bool, int]:
         pushes.append(averager.weight)
         averager._give(averager.weight / 2, averager._values.clone())
         return True, 0
 
-    averager._live_members, averager._push = live_members, push
+    averager._push = push
     averager.weight = 2.0**-60  # far below its starting weight of 1
     averager._pending.append(_Push(2.0**-61, torch.ones(8)))
     run_async(averager.step())
@@ -215,21 +220,30 @@ def test_survivors_reach_consensus_after_a_peer_is_killed():
                 [sys.executable, str(Path(__file__).with_name("gossip_peer.py")), nodes[0].maddrs[0], RUN, "50.0",
                  "5000", "8.0"], stdout=subprocess.PIPE, text=True)
             try:
-                assert "ready" in await asyncio.to_thread(victim.stdout.readline)
+                ready = json.loads(await asyncio.to_thread(victim.stdout.readline))
+                victim_id = ready["ready"]
+
+                async def victim_listed():  # by everyone: it is somebody's neighbour
+                    return all(victim_id in [m.peer_id for m in g.runtime.members()] for g in gossips)
+
+                await eventually(victim_listed, seconds=10)
                 for _ in range(6):
                     await asyncio.gather(*(g.step() for g in gossips))
                     await asyncio.sleep(0.05)
                 victim.kill()
                 victim.wait()
                 failed = [0] * len(gossips)  # pushes that went nowhere: all to the victim
-                for _ in range(40):  # ~3 s: the victim stays listed until its membership (ttl 3 s) expires
+                listed_until = time.monotonic() + PRESENCE.presence_ttl + 1  # its presence (ttl 6 s) expires
+                while time.monotonic() < listed_until:
                     reports = await asyncio.gather(*(g.step() for g in gossips))
                     for index, report in enumerate(reports):
                         failed[index] += len(report.failed)
                     await asyncio.sleep(0.05)
-                # a peer a push failed to reach is skipped for 3 membership refreshes (1.5 s here), and
-                # the membership is read again: a few failed pushes each, not one whenever it is a neighbour
-                assert max(failed) <= 3, failed
+                # a peer a push failed to reach is skipped for 3 presence TTLs (18 s here), longer than
+                # its record is listed: one failed push each at most, not one whenever it is a neighbour
+                assert UNREACHABLE_FACTOR * PRESENCE.presence_ttl > PRESENCE.presence_ttl + 1
+                assert max(failed) <= 1 <= sum(failed), failed  # and it was somebody's neighbour
+                assert all(victim_id not in [m.peer_id for m in g.runtime.members()] for g in gossips)
                 for _ in range(60):
                     await asyncio.gather(*(g.step() for g in gossips))
                     await asyncio.sleep(0.05)

@@ -25,6 +25,7 @@ from swarmgrad.errors import ConfigError
 from swarmgrad.lab import network
 from swarmgrad.lab.driver import Lab, generation_error, print_report
 from swarmgrad.lab.scenario import QUICK_PEERS, builtin_scenarios, load_scenario, parse_scenario
+from swarmgrad.peer.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,18 +78,35 @@ def test_minimal_scenario_defaults_and_count_expansion():
     s = scenario(MINIMAL)
     peers = s.expanded_peers()
     assert len(peers) == 3 and all(p.count == 1 and p.start for p in peers)
-    assert (s.task, s.strategy, s.averaging_kind, s.compression, s.target_accuracy) == \
-        ("fashion-mnist", "diloco", "moshpit", "int8", None)
+    # run options left out are RunConfig's defaults, and the peers get no flag for them
+    defaults = RunConfig()
+    assert (s.task, s.strategy, s.compression, s.target_accuracy) == ("fashion-mnist", None, None, None)
+    assert s.run_config == RunConfig(task="fashion-mnist")
+    assert (s.run_config.strategy, s.averaging_kind, s.run_config.compression) == \
+        (defaults.strategy, defaults.averaging.kind, defaults.compression)
     assert peers[0].link() == network.LinkSpec(10, 50, 20, 0.01)
     assert scenario('name = "x"\n[[peers]]\n').expanded_peers()[0].link() == \
         network.LinkSpec(math.inf, math.inf, 0, 0)
-    assert s.run_flags() == ["--strategy", "diloco", "--averaging", "moshpit", "--compression", "int8"]
+    assert s.run_flags() == []
 
 
 def test_run_options_become_peer_flags():
     s = scenario('name = "x"\nstrategy = "gossip"\ngossip_every = 2\ncompression = "fp16"\nlr = 0.01\n[[peers]]\n')
-    assert s.run_flags() == ["--strategy", "gossip", "--averaging", "gossip", "--compression", "fp16",
-                             "--gossip-every", "2", "--lr", "0.01"]
+    assert s.run_flags() == ["--strategy", "gossip", "--compression", "fp16", "--gossip-every", "2", "--lr", "0.01"]
+    assert s.averaging_kind == "gossip"  # RunConfig's choice for the gossip strategy, not passed as a flag
+    assert s.run_config.strategy.every == 2 and s.run_config.hparams == {"lr": 0.01}
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('strategy = "bogus"', "strategy: must be one of"),
+    ('compression = "bogus"', "compression: unknown codec"),
+    ("inner_steps = 0", "inner_steps: Input should be greater than or equal to 1"),
+    ('strategy = "sync"\ninner_steps = 5', "inner_steps: a setting of strategy diloco"),
+])
+def test_bad_run_options_name_the_scenario_key(line, problem):
+    with pytest.raises(ConfigError) as raised:
+        scenario(f'name = "x"\n{line}\n[[peers]]\n')
+    assert str(raised.value).startswith("test.toml: ") and problem in str(raised.value), raised.value
 
 
 def test_churn_times_in_seconds_or_percent():

@@ -5,14 +5,18 @@ import time
 from contextlib import AsyncExitStack
 
 import msgpack
+import pytest
 from conftest import eventually, p2pd_pids, run_async
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P, PeerID
 
+from swarmgrad.averaging import NetworkRuntime
 from swarmgrad.dht import Identity, Membership, NodeConfig, SwarmNode, SyncNode, list_members
-from swarmgrad.dht.membership import MemberRecord, members_key
+from swarmgrad.dht.membership import MemberRecord, Progress, members_key
 from swarmgrad.dht.records import seal
+from swarmgrad.errors import ConfigError
+from swarmgrad.timing import Timing
 
 RUN = "test-run"
 
@@ -72,6 +76,78 @@ def test_graceful_leave_is_immediate_and_sigkill_expires_within_ttl(member_proce
             await eventually(victim_gone, seconds=ttl + 3)
             assert time.monotonic() - killed_at <= ttl + 3
             assert observer.peer_id in await member_ids(observer)
+
+    run_async(scenario())
+
+
+def test_presence_carries_progress_and_watchers_reread_it_on_their_beat():
+    """One record per peer with membership and progress: a watching member rereads everyone's on
+    its refresh, ``publish_soon`` announces at once, and a leave drops out of the next listing."""
+    with pytest.raises(ConfigError, match="refresh"):
+        Membership(SwarmNode(), RUN, ttl=6, refresh=6)
+    refresh = 0.5
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            epoch = 0
+
+            def fill(membership: Membership) -> None:  # what the peer layer does before each heartbeat
+                membership.update(progress=Progress(epoch=epoch, samples=10 * epoch, steps=epoch, steps_per_second=2.0))
+
+            publisher = await stack.enter_async_context(
+                Membership(first, RUN, ttl=6, refresh=refresh, watch=True, before_publish=fill))
+            watcher = await stack.enter_async_context(Membership(second, RUN, ttl=6, refresh=refresh, watch=True))
+
+            async def progress_seen(want: int) -> bool:
+                listed = {member.peer_id: member for member in watcher.members}
+                return first.peer_id in listed and listed[first.peer_id].progress is not None \
+                    and listed[first.peer_id].progress.epoch == want
+
+            async def both_see_both() -> bool:
+                return all({m.peer_id for m in ms.members} == {first.peer_id, second.peer_id}
+                           for ms in (publisher, watcher))
+
+            await eventually(both_see_both, seconds=5)  # no list_members call: the beat reread it
+            await eventually(lambda: progress_seen(0), seconds=5)
+            epoch = 3
+            publisher.publish_soon()  # announced now, read by the watcher on its next beat
+            took = await eventually(lambda: progress_seen(3), seconds=5, interval=0.05)
+            assert took < 3 * refresh + 1.0, took
+            [listed] = [m for m in watcher.members if m.peer_id == first.peer_id]
+            assert listed.to_json()["progress"] == {"epoch": 3, "samples": 30, "steps": 3, "steps_per_second": 2.0,
+                                                    "averaging": False, "settings": ""}
+            assert [m.progress for m in publisher.members if m.peer_id == second.peer_id] == [None]
+            await publisher.__aexit__(None, None, None)  # a graceful leave
+
+            async def gone() -> bool:
+                return [m.peer_id for m in watcher.members] == [second.peer_id]
+
+            await eventually(gone, seconds=3 * refresh + 1.0)
+
+    run_async(scenario())
+
+
+def test_runtime_presence_is_one_record_per_peer_and_lists_the_run():
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            client = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs,
+                                                                          client_mode=True)))
+            timing = Timing(presence_refresh=0.5)
+            runtimes = [await stack.enter_async_context(NetworkRuntime(RUN, node=node, timing=timing))
+                        for node in (first, second, client)]
+            assert runtimes[0].presence.ttl == timing.presence_ttl == 6.0 and runtimes[2].role == "client"
+
+            async def everyone_listed() -> bool:
+                return all(len(runtime.members()) == 3 for runtime in runtimes)
+
+            await eventually(everyone_listed, seconds=5)
+            roles = {member.peer_id: member.role for member in runtimes[0].members()}
+            assert roles == {first.peer_id: "peer", second.peer_id: "peer", client.peer_id: "client"}
+            assert {m.peer_id for m in await list_members(first, RUN)} == set(roles)  # one record each in the DHT
 
     run_async(scenario())
 

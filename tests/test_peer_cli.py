@@ -87,8 +87,9 @@ def test_three_peers_train_digits_together(swarm, strategy):
 
 def test_private_peers_report_growing_epsilon(swarm):
     run = swarm("privacy")
+    # per-sample DP-SGD, chosen explicitly (the run default level is "update")
     peers = [run.peer("--strategy", "diloco", "--inner-steps", "20", "--privacy-clip", "1.0", "--privacy-noise", "0.5",
-                      "--shard", str(shard), "--num-shards", "2", "--max-seconds", "12", "--eval-every", "0",
+                      "--privacy-level", "sample", "--shard", str(shard), "--num-shards", "2", "--max-seconds", "12", "--eval-every", "0",
                       "--wait-peers", "2", *PATIENT, name=f"private{shard}")
              for shard in range(2)]
     for peer in peers:
@@ -181,8 +182,9 @@ def test_swarm_survives_a_sigkilled_peer(swarm):
 def test_restart_resumes_from_checkpoint_with_privacy_budget(swarm, tmp_path):
     run = swarm("restart")
     checkpoints = tmp_path / "ckpt"
+    # per-sample DP-SGD: a lone peer releases no update, but every one of its steps spends budget
     flags = ["--checkpoint-dir", str(checkpoints), "--privacy-clip", "1.0", "--privacy-noise", "1.0",
-             "--inner-steps", "20", "--eval-every", "0"]
+             "--privacy-level", "sample", "--inner-steps", "20", "--eval-every", "0"]
     first = run.peer(*flags, "--max-steps", "300", name="first")
     ready = first.ready(90)
     assert ready["epoch"] == 0 and ready["step"] == 0
@@ -235,6 +237,43 @@ def test_public_run_manifest_gives_joiners_the_settings(swarm):
     # a TASK that differs from the manifest's must be refused, not silently replaced by the run's task
     # (fails while swarmgrad/peer/runner.py resolve_run returns manifest.task and drops the given TASK)
     assert_one_line_error(wrong_task, "charlm", "digits")
+
+
+def test_first_peer_of_a_run_needs_no_initial_peers(swarm):
+    """`--create` without `--initial-peers`: the run's first peer listens, says how others join, trains."""
+    run = swarm("first")
+    first = run.peer("--create", "--inner-steps", "20", "--max-steps", "30", "--eval-every", "0",
+                     initial_peers=False, name="first")
+    ready = first.ready(90)
+    assert ready["maddrs"] and all(maddr.startswith("/ip4/127.0.0.1/tcp/") for maddr in ready["maddrs"]), ready
+    assert ready["options"]["strategy"]["inner_steps"] == 20
+    done = finished(first, 60)
+    assert done["reason"] == "max_steps" and done["step"] == 30, done
+    hints = [line for line in first.stderr_lines if line.startswith("others join with: ")]
+    assert hints == [f"others join with: swarmgrad peer --run-id {run.run_id} --initial-peers "
+                     f"{','.join(ready['maddrs'])}"], first.describe()
+
+
+def test_second_peer_joins_the_first_through_its_manifest(swarm):
+    """The joiner gives only the run id and the first peer's address; the manifest gives the rest."""
+    run = swarm("join-first")
+    # it waits for the joiner, so it must say how to join before its `ready`
+    first = run.peer("--create", "--inner-steps", "20", "--max-seconds", "60", "--eval-every", "0",
+                     "--num-shards", "2", "--shard", "0", "--wait-peers", "2", *PATIENT, initial_peers=False,
+                     name="first")
+    hint = first.wait_until(lambda: next((line for line in first.stderr_lines
+                                          if line.startswith("others join with: ")), None), 90, "the join hint")
+    assert not first.of("ready"), first.describe()
+    address = hint.split("--initial-peers ")[1].split(",")[0]
+    joiner = run.peer("--initial-peers", address, "--num-shards", "2", "--shard", "1", "--max-seconds",
+                      "10", "--wait-peers", "2", *PATIENT, task=None, initial_peers=False, name="joiner")
+    made, joined = first.ready(90), joiner.ready(90)
+    assert joined["task"] == "digits" and joined["options"] == made["options"], (joined, made)
+    done = finished(joiner, 40)
+    assert done["status"]["rounds_ok"] >= 1, done["status"]
+    assert first.process.poll() is None, first.describe()
+    first.signal(signal.SIGTERM)
+    assert finished(first, 30)["reason"] == "signal SIGTERM"
 
 
 def assert_one_line_error(result, *fragments: str) -> None:

@@ -14,7 +14,7 @@ from swarmgrad.averaging.wire import FrameError
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from swarmgrad.peer.state import StateMismatch, TrainingState, not_optimizer
-from swarmgrad.peer.strategies import DiLoCo, SyncSGD
+from swarmgrad.peer.config import DiLoCo, SyncSGD
 
 # ---- StateSnapshot ------------------------------------------------------------------------------------
 
@@ -126,9 +126,8 @@ def trained_adam_diloco():
     model, optimizer = model_and_optimizer(0, lr=0.01, kind="adam")
     train_steps(model, optimizer, 3)
     strategy, state = diloco_state(model, optimizer)
-    for m in strategy.momentum:
-        m.normal_()
-    return model, optimizer, strategy, state.capture(4, {"strategy": strategy.config()})
+    strategy.momentum.normal_()
+    return model, optimizer, strategy, state.capture(4, {"strategy": strategy.settings.to_dict()})
 
 
 def test_restore_keeping_the_optimizer_takes_model_and_strategy_only():
@@ -146,8 +145,7 @@ def test_restore_keeping_the_optimizer_takes_model_and_strategy_only():
     my_state.restore(swarm_part, keep_optimizer=True)
     for key, value in model.state_dict().items():
         assert torch.equal(mine.state_dict()[key], value), key
-    for theirs, got in zip(strategy.momentum, my_strategy.momentum):
-        assert torch.equal(theirs, got)
+    assert torch.equal(strategy.momentum, my_strategy.momentum)
     for index, moments in own_moments.items():
         for key, value in moments.items():
             assert torch.equal(my_optimizer.state_dict()["state"][index][key], value), (index, key)
@@ -166,9 +164,9 @@ def test_training_state_round_trip_with_adam_and_diloco_momentum():
     for key, value in model.state_dict().items():
         assert torch.equal(other_model.state_dict()[key], value), key
     assert_same_optimizer_state(optimizer, other_optimizer)
-    for mine, theirs in zip(strategy.momentum, other_strategy.momentum):
-        assert torch.equal(mine, theirs)
-    for start, param in zip(other_strategy.start, other_strategy.params):  # the new start is the state's params
+    assert torch.equal(strategy.momentum, other_strategy.momentum)
+    for start, param in zip(other_strategy.layout.views(other_strategy.start), other_strategy.params):
+        # the new start is the state's params
         assert torch.equal(start, param.detach())
     # the restored pair trains exactly like the original
     train_steps(model, optimizer, 2, seed=5)

@@ -4,14 +4,21 @@ import asyncio
 from contextlib import AsyncExitStack
 
 import torch
-from conftest import run_async
+from conftest import eventually, run_async
 
-from swarmgrad.averaging import Averager
+from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 from swarmgrad.averaging.allreduce import GroupAllReduce
 from swarmgrad.averaging.privacy import Privacy
 from swarmgrad.dht import Membership, NodeConfig, SwarmNode, list_members
 
 RUN = "private-run"
+PAIR = Moshpit(group_size=2, matchmaking_seconds=1.0)
+
+
+async def two_runtimes(stack: AsyncExitStack) -> list[NetworkRuntime]:
+    first = await stack.enter_async_context(SwarmNode())
+    second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+    return [await stack.enter_async_context(NetworkRuntime(RUN, node=node)) for node in (first, second)]
 
 
 def test_receiver_never_sees_the_raw_update(monkeypatch):
@@ -29,13 +36,12 @@ def test_receiver_never_sees_the_raw_update(monkeypatch):
 
     async def scenario():
         async with AsyncExitStack() as stack:
-            first = await stack.enter_async_context(SwarmNode())
-            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            runtimes = await two_runtimes(stack)
             raw = [torch.full((600_000,), 3.0), torch.full((600_000,), -2.0)]
             tensors = [[raw[0].clone()], [raw[1].clone()]]
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=1.0, privacy=privacy))
-                for node, ts in zip([first, second], tensors)]
+                Averager(runtime, ts, settings=PAIR, grid_dims=1, codec="none", privacy=privacy))
+                for runtime, ts in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(a.step() for a in averagers))
             assert all(r.ok for r in reports), [r.error for r in reports]
             assert all(r.privacy["releases"] == 1 and r.privacy["epsilon"] > 0 for r in reports)
@@ -56,12 +62,11 @@ def test_budget_stop_keeps_tensors_and_reports_why():
 
     async def scenario():
         async with AsyncExitStack() as stack:
-            first = await stack.enter_async_context(SwarmNode())
-            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            runtimes = await two_runtimes(stack)
             tensors = [[torch.randn(1000)], [torch.randn(1000)]]
             averagers = [await stack.enter_async_context(
-                Averager(node, RUN, ts, group_size=2, grid_dims=1, matchmaking_seconds=1.0, privacy=privacy))
-                for node, ts in zip([first, second], tensors)]
+                Averager(runtime, ts, settings=PAIR, grid_dims=1, codec="none", privacy=privacy))
+                for runtime, ts in zip(runtimes, tensors)]
             for _ in range(20):
                 before = [ts[0].clone() for ts in tensors]
                 reports = await asyncio.gather(*(a.step() for a in averagers))
@@ -109,14 +114,16 @@ def test_private_gossip_sends_only_clipped_noised_differences(monkeypatch):
 
     async def scenario():
         async with AsyncExitStack() as stack:
-            first = await stack.enter_async_context(SwarmNode())
-            second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
-            for node in (first, second):
-                await stack.enter_async_context(Membership(node, RUN, ttl=5))
+            runtimes = await two_runtimes(stack)
+
+            async def both_listed():  # gossip picks its neighbours from the runtime's presence
+                return all(len(runtime.members()) == 2 for runtime in runtimes)
+
+            await eventually(both_listed, seconds=10)
             raw = [torch.full((10_000,), 5.0), torch.full((10_000,), -5.0)]
             tensors = [raw[0].clone(), raw[1].clone()]
-            gossips = [await stack.enter_async_context(GossipAverager(node, RUN, [t], privacy=privacy))
-                       for node, t in zip([first, second], tensors)]
+            gossips = [await stack.enter_async_context(GossipAverager(runtime, [t], codec="none", privacy=privacy))
+                       for runtime, t in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(g.step() for g in gossips))
             assert all(r.pushed_to for r in reports), reports
             assert all(r.privacy["releases"] == 1 for r in reports)

@@ -10,7 +10,7 @@ import torch
 from conftest import run_async
 from hivemind.p2p import P2P, PeerID
 
-from swarmgrad.averaging import Averager, GroupAllReduce, GroupPlan, get_codec
+from swarmgrad.averaging import Averager, GroupAllReduce, GroupPlan, Moshpit, NetworkRuntime, get_codec
 from swarmgrad.averaging.frames import encoded_to_frame
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.transport import Libp2pTransport, StreamChannel
@@ -64,9 +64,12 @@ def test_garbage_on_the_averaging_protocol_gets_an_error_and_the_peer_keeps_serv
             first = await stack.enter_async_context(SwarmNode())
             second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
             tensors = [[torch.full((1000,), 1.0)], [torch.full((1000,), 3.0)]]
+            runtimes = [await stack.enter_async_context(NetworkRuntime("robust", node=node))
+                        for node in (first, second)]
+            settings = Moshpit(group_size=2, matchmaking_seconds=0.3)
             averagers = [await stack.enter_async_context(
-                Averager(node, "robust", ts, group_size=2, grid_dims=1, matchmaking_seconds=0.3))
-                for node, ts in zip([first, second], tensors)]
+                Averager(runtime, ts, settings=settings, grid_dims=1, codec="none"))
+                for runtime, ts in zip(runtimes, tensors)]
             attacker = await P2P.create(initial_peers=first.maddrs, nat_port_map=False, auto_nat=False)
             try:
                 victim = PeerID.from_base58(first.peer_id)

@@ -1,25 +1,27 @@
 """How tensors meet: wire frames, codecs, group all-reduce, moshpit rounds, push-sum gossip.
 
-This layer knows nothing of models or optimizers: it averages named tensors.
+This layer knows nothing of models or optimizers: it averages named tensors. Names load on first use.
 """
 
-from swarmgrad.averaging.allreduce import AllReduceFailed, AllReduceReport, GroupAllReduce, GroupPlan
-from swarmgrad.averaging.codecs import CODEC_NAMES, Codec, CodecError, ErrorFeedback, get_codec
-from swarmgrad.averaging.gossip import GossipAverager, GossipReport
-from swarmgrad.averaging.moshpit import Averager, AveragingReport
+from swarmgrad.lazy import lazy_exports
 
-__all__ = [
-    "CODEC_NAMES",
-    "AllReduceFailed",
-    "AllReduceReport",
-    "Averager",
-    "AveragingReport",
-    "Codec",
-    "CodecError",
-    "ErrorFeedback",
-    "GossipAverager",
-    "GossipReport",
-    "GroupAllReduce",
-    "GroupPlan",
-    "get_codec",
-]
+_EXPORTS = {
+    "AllReduceFailed": "swarmgrad.averaging.allreduce",
+    "AllReduceReport": "swarmgrad.averaging.allreduce",
+    "GroupAllReduce": "swarmgrad.averaging.allreduce",
+    "GroupPlan": "swarmgrad.averaging.allreduce",
+    "CODEC_NAMES": "swarmgrad.averaging.codecs",
+    "Codec": "swarmgrad.averaging.codecs",
+    "CodecError": "swarmgrad.averaging.codecs",
+    "ErrorFeedback": "swarmgrad.averaging.codecs",
+    "get_codec": "swarmgrad.averaging.codecs",
+    "GossipAverager": "swarmgrad.averaging.gossip",
+    "GossipReport": "swarmgrad.averaging.gossip",
+    "Averager": "swarmgrad.averaging.moshpit",
+    "AveragingReport": "swarmgrad.averaging.moshpit",
+    "NetworkRuntime": "swarmgrad.averaging.runtime",
+    "Gossip": "swarmgrad.averaging.settings",
+    "Moshpit": "swarmgrad.averaging.settings",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -30,17 +30,16 @@ from swarmgrad.averaging.transport import Channel, ChannelHandler, Libp2pTranspo
 from swarmgrad.averaging.wire import FrameError, expect_kind, field
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.runtime import timeout
+from swarmgrad.timing import DEFAULT_TIMING, Timing
 
 logger = logging.getLogger(__name__)
 
 CONTROL_PROTOCOL = "swarmgrad/direct/1"
 TOKEN_BYTES = 32
-TOKEN_SECONDS = 10.0  # a token must be used this soon after it was issued
-CONTROL_SECONDS = 5.0
 POOL_IDLE_SECONDS = 60.0  # the opener reuses an idle connection this long...
 SERVER_IDLE_SECONDS = 2 * POOL_IDLE_SECONDS  # ...and the other side keeps it open longer, so reuse never races a close
 POOL_PER_PEER = 8
-END_WAIT_SECONDS = 5.0
+END_WAIT_SECONDS = 5.0  # the other side says ``end`` right after its handler returns: milliseconds
 
 
 @dataclass
@@ -63,12 +62,17 @@ class DirectTransport(Transport):
         port: int = 0,
         advertise_hosts: list[str] | None = None,
         trusted_network: bool = False,
-        connect_timeout: float = 2.0,
-        remember_seconds: float = 60.0,
+        connect_timeout: float = DEFAULT_TIMING.connect_timeout,
+        control_timeout: float = DEFAULT_TIMING.control_timeout,
+        remember_seconds: float = 60.0,  # an unreachable peer's NAT or firewall does not change by the second
     ):
         self.libp2p, self.host, self.port = libp2p, host, port
         self.advertise_hosts = advertise_hosts or [host]
         self.trusted_network, self.connect_timeout, self.remember_seconds = trusted_network, connect_timeout, remember_seconds
+        self.control_timeout = control_timeout
+        # a token must be used this soon after it was issued: the answer to the setup, then up to
+        # four addresses tried in turn (both ends use the same Timing)
+        self.token_seconds = 2 * control_timeout + 4 * connect_timeout
         self.name = "direct-plain" if trusted_network else "direct"
         self._handlers: dict[str, ChannelHandler] = {}
         self._pending: dict[bytes, _PendingConnection] = {}
@@ -165,7 +169,7 @@ class DirectTransport(Transport):
         key, token = secrets.token_bytes(KEY_BYTES), secrets.token_bytes(TOKEN_BYTES)
         control = await self.libp2p.open(peer_id, CONTROL_PROTOCOL)
         try:
-            async with timeout(CONTROL_SECONDS):
+            async with timeout(self.control_timeout):
                 await control.send({"t": "direct", "protocol": protocol, "key": key, "token": token,
                                     "plain": self.trusted_network})
                 reply = expect_kind(await control.recv(max_payload=0), "direct-ok")
@@ -200,7 +204,7 @@ class DirectTransport(Transport):
 
     async def _on_control(self, control: Channel) -> None:
         """A peer asks for a direct connection: remember its key and token, tell it where to connect."""
-        async with timeout(CONTROL_SECONDS):
+        async with timeout(self.control_timeout):
             request = expect_kind(await control.recv(max_payload=0), "direct")
         protocol = field(request.header, "protocol", str)
         key, token = field(request.header, "key", bytes), field(request.header, "token", bytes)
@@ -210,12 +214,12 @@ class DirectTransport(Transport):
             return
         now = time.monotonic()
         self._pending = {t: p for t, p in self._pending.items() if p.expires > now}  # drop stale tokens
-        self._pending[token] = _PendingConnection(control.peer_id, protocol, key, plain, now + TOKEN_SECONDS)
+        self._pending[token] = _PendingConnection(control.peer_id, protocol, key, plain, now + self.token_seconds)
         await control.send({"t": "direct-ok", "addresses": [list(a) for a in self.addresses], "plain": plain})
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            async with timeout(CONTROL_SECONDS):
+            async with timeout(self.control_timeout):
                 token = await reader.readexactly(TOKEN_BYTES)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, TimeoutError, OSError):
             writer.close()
@@ -271,13 +275,15 @@ class DirectTransport(Transport):
             await channel.send({"t": "end"})
 
 
-def default_transport(node: SwarmNode, direct: bool = True, trusted_network: bool = False) -> Transport:
-    """What averaging uses unless told otherwise: direct TCP where reachable, over libp2p otherwise."""
+def default_transport(node: SwarmNode, direct: bool = True, trusted_network: bool = False,
+                      timing: Timing = DEFAULT_TIMING) -> Transport:
+    """What a peer's runtime uses unless told otherwise: direct TCP where reachable, libp2p otherwise."""
     libp2p = Libp2pTransport(node.p2p)
     if not direct:
         return libp2p
     return DirectTransport(libp2p, host=node.config.host, port=node.config.data_port,
-                           advertise_hosts=_data_hosts(node), trusted_network=trusted_network)
+                           advertise_hosts=_data_hosts(node), trusted_network=trusted_network,
+                           connect_timeout=timing.connect_timeout, control_timeout=timing.control_timeout)
 
 
 def _data_hosts(node: SwarmNode) -> list[str]:

@@ -43,16 +43,15 @@ import torch
 
 from swarmgrad.averaging.codecs import get_codec
 from swarmgrad.averaging.codecs.base import all_finite
-from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
-from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
+from swarmgrad.averaging.runtime import NetworkRuntime
+from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Gossip
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
 from swarmgrad.averaging.transport import Channel, Transport
 from swarmgrad.averaging.wire import FrameError, RemoteError, int_field
 from swarmgrad.averaging.wire import field as frame_field
-from swarmgrad.dht.membership import check_run_id, list_members
-from swarmgrad.dht.node import SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.runtime import timeout
 
@@ -66,7 +65,7 @@ MAX_WEIGHT = 1e15
 # pushes, which shrinks everyone's weight alike, never stops the swarm from mixing.
 MIN_WEIGHT_FRACTION = 2.0**-40
 MAX_RECEIVE_REFERENCES = 32  # per-sender references kept; an evicted sender starts over from zero
-UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many membership refreshes
+UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many presence TTLs
 
 
 @dataclass
@@ -112,7 +111,7 @@ def exponential_neighbors(members: list[str], me: str, step: int, fanout: int) -
 class GossipAverager:
     """Keeps ``tensors`` moving toward the swarm's weighted mean by push-sum gossip.
 
-        async with GossipAverager(node, "my-run", model.parameters(), weight=len(shard)) as gossip:
+        async with NetworkRuntime("my-run") as runtime, GossipAverager(runtime, params, weight=len(shard)) as gossip:
             for batch in loader:
                 train_step(batch)
                 await gossip.step()        # merge what arrived, push half our weight onwards
@@ -120,46 +119,36 @@ class GossipAverager:
 
     def __init__(
         self,
-        node: SwarmNode,
-        run_id: str,
+        runtime: NetworkRuntime,
         tensors: Iterable[torch.Tensor] | Mapping[str, torch.Tensor],
         *,
+        name: str = "params",
+        settings: Gossip = Gossip(),
         weight: float = 1.0,
-        codec: str = "none",
-        fanout: int = 1,
-        members_refresh_seconds: float = 5.0,
-        push_timeout: float = 30.0,
+        codec: str = DEFAULT_COMPRESSION,
         max_pending: int = 16,
-        direct: bool = True,
-        trusted_network: bool = False,
         privacy: Privacy | None = None,
-        transport: Transport | None = None,
     ):
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
         if not named or not all(t.is_floating_point() for _, t in named):
             raise ConfigError("gossip needs at least one tensor, all of them floating point")
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ConfigError(f"weight must be finite and positive, got {weight}")
-        if not 1 <= fanout <= 16:
-            raise ConfigError(f"fanout must be within 1..16, got {fanout}")
         try:
             self.codec = get_codec(codec)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        self.node, self.run_id = node, check_run_id(run_id)
+        self.runtime, self.node, self.run_id = runtime, runtime.node, runtime.run_id
         self.releaser = PrivateReleaser(privacy) if privacy is not None else None
         self.tensors = [t for _, t in named]
         self.schema = Schema.of(named)
-        self.weight, self.fanout = float(weight), fanout
+        self.weight, self.fanout = float(weight), settings.fanout
         self._neighbour_weight = self.weight  # the scale of the weights around us (see MIN_WEIGHT_FRACTION)
-        self.members_refresh_seconds, self.push_timeout, self.max_pending = members_refresh_seconds, push_timeout, max_pending
-        self.transport, self.direct, self.trusted_network = transport, direct, trusted_network
-        self.protocol = f"swarmgrad/{self.run_id}/gossip/{self.schema.digest[:12]}/{self.codec.spec}"
+        self.push_timeout, self.max_pending = settings.push_timeout, max_pending
+        self.protocol = f"swarmgrad/{self.run_id}/gossip/{check_averager_name(name)}/{self.schema.digest[:12]}/{self.codec.spec}"
         self.step_index = 0
         self._values = torch.empty(self.schema.total, dtype=torch.float32)
         self._pending: list[_Push] = []
-        self._members: list[str] = []
-        self._members_read_at = -math.inf
         # peers a push just failed to reach (gone, or hung while leaving), skipped until then: a
         # departed peer costs one push timeout, not one per step until its membership expires
         self._unreachable: dict[str, float] = {}
@@ -172,16 +161,19 @@ class GossipAverager:
         if self.sparse is not None and privacy is not None:
             raise ConfigError("private gossip needs a dense codec (none, fp16, bf16, int8); topk is not supported")
 
+    @property
+    def transport(self) -> Transport | None:
+        return self.runtime.transport
+
     async def __aenter__(self) -> GossipAverager:
-        self.transport = self.transport or default_transport(self.node, self.direct, self.trusted_network)
-        await self.transport.start()
+        if self.transport is None:
+            raise RuntimeError("enter the NetworkRuntime before the GossipAverager")
         await self.transport.serve(self.protocol, self._receive)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         if self.transport is not None and self.node.p2p is not None:
             await self.transport.stop_serving(self.protocol)
-            await self.transport.stop()
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -190,7 +182,7 @@ class GossipAverager:
         started = time.monotonic()
         report = GossipReport(step=self.step_index)
         report.merged = self._merge()
-        neighbors = exponential_neighbors(await self._live_members(), self.node.peer_id, self.step_index, self.fanout)
+        neighbors = exponential_neighbors(self._live_members(), self.node.peer_id, self.step_index, self.fanout)
         self.step_index += 1
         self.schema.flatten_into(self.tensors, self._values)
         if self.weight < self._neighbour_weight * MIN_WEIGHT_FRACTION:
@@ -232,17 +224,15 @@ class GossipAverager:
         self.schema.unflatten_into(total, self.tensors)
         return len(pending)
 
-    async def _live_members(self) -> list[str]:
+    def _live_members(self) -> list[str]:
+        """Training members as of the runtime's last presence refresh, less those a push just failed to reach."""
         now = time.monotonic()
-        if now - self._members_read_at > self.members_refresh_seconds:
-            self._members = [m.peer_id for m in await list_members(self.node, self.run_id) if m.role == "peer"]
-            self._members_read_at = now
         self._unreachable = {peer: until for peer, until in self._unreachable.items() if until > now}
-        return [peer for peer in self._members if peer not in self._unreachable]
+        return [m.peer_id for m in self.runtime.members() if m.role == "peer" and m.peer_id not in self._unreachable]
 
     def _mark_unreachable(self, peer: str) -> None:
-        self._unreachable[peer] = time.monotonic() + UNREACHABLE_FACTOR * self.members_refresh_seconds
-        self._members_read_at = -math.inf  # and read the membership again: it may have left
+        # long enough for a departed peer's presence record to expire, so it costs one push timeout
+        self._unreachable[peer] = time.monotonic() + UNREACHABLE_FACTOR * self.runtime.timing.presence_ttl
 
     async def _push(self, peer: str, neighbors: int) -> tuple[bool, int]:
         """Give ``weight / (neighbors + 1)`` away to ``peer``; True if it took it."""

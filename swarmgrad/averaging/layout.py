@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
 import msgpack
 import torch
 
+from swarmgrad.errors import ConfigError
+
+_AVERAGER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32: large frames, still enough chunks to pipeline 100 MB
 MIN_MATRIX_ELEMENTS = 4096  # smaller matrices are packed flat with their neighbours
 
@@ -127,3 +131,11 @@ def assign_parts(chunks: Sequence[Chunk], shares: Sequence[float]) -> list[range
         parts.append(range(start, end))
         start = end
     return parts
+
+
+def check_averager_name(name: str) -> str:
+    """An averager's name goes into its protocol names and round keys: keep it short and plain."""
+    if not isinstance(name, str) or not _AVERAGER_NAME.fullmatch(name):
+        raise ConfigError(f"averager name {name!r}: use 1-32 letters, digits, '_' or '-'")
+    return name
+

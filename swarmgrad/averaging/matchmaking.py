@@ -34,10 +34,10 @@ from swarmgrad.averaging.wire import FrameError, expect_kind, field
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.runtime import timeout
+from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)
 
-CONTROL_REPLY_SECONDS = 2.0  # a live peer answers an invitation in milliseconds; this is generous
 
 
 @record_kind
@@ -82,8 +82,10 @@ def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[st
 class Matchmaker:
     """Finds this peer's group for a key; serves other leaders' invitations."""
 
-    def __init__(self, node: SwarmNode, transport: Transport, protocol: str, *, schema_digest: str, codec: str):
+    def __init__(self, node: SwarmNode, transport: Transport, protocol: str, *, schema_digest: str, codec: str,
+                 reply_timeout: float = DEFAULT_TIMING.reply_timeout):
         self.node, self.transport, self.protocol = node, transport, protocol
+        self.reply_timeout = reply_timeout
         self.schema_digest, self.codec = schema_digest, codec
         self._looking: dict[str, _Looking] = {}
 
@@ -101,7 +103,7 @@ class Matchmaker:
         ready_at = time.time() + window
         try:
             record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec)
-            expires = ready_at + 2 * window + CONTROL_REPLY_SECONDS
+            expires = ready_at + 2 * window + self.reply_timeout
             # read while our own declaration is still being stored: others are declaring at the same moment
             declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
@@ -118,7 +120,7 @@ class Matchmaker:
                     return await self._lead(key, group, min_group_size, share)
             # a follower: the leader we accepted (or will accept) sends the plan
             try:
-                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * CONTROL_REPLY_SECONDS)
+                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * self.reply_timeout)
             except asyncio.TimeoutError:
                 return None
         finally:
@@ -188,7 +190,7 @@ class Matchmaker:
         """Invite one peer; its open channel and share if it accepted, None otherwise."""
         channel = None
         try:
-            async with timeout(CONTROL_REPLY_SECONDS):
+            async with timeout(self.reply_timeout):
                 channel = await self.transport.open(peer, self.protocol)
                 await channel.send({"t": "invite", "key": key})
                 reply = await channel.recv(max_payload=0)
@@ -205,7 +207,7 @@ class Matchmaker:
 
     async def _finish_invitation(self, channel: Channel, message: dict) -> None:
         try:
-            async with timeout(CONTROL_REPLY_SECONDS):
+            async with timeout(self.reply_timeout):
                 await channel.send(message)
         except Exception as error:
             logger.debug("could not send %s to %s: %s", message["t"], channel.peer_id, error)
@@ -214,7 +216,7 @@ class Matchmaker:
 
     async def serve(self, channel: Channel) -> None:
         """Control-protocol handler: answer one invitation, then wait for the leader's decision."""
-        async with timeout(CONTROL_REPLY_SECONDS):
+        async with timeout(self.reply_timeout):
             invite = expect_kind(await channel.recv(max_payload=0), "invite")
         key = field(invite.header, "key", str)
         looking = self._looking.get(key)
@@ -225,7 +227,7 @@ class Matchmaker:
         looking.committed = True
         await channel.send({"t": "accept", "share": looking.share})
         try:
-            async with timeout(2 * CONTROL_REPLY_SECONDS):
+            async with timeout(2 * self.reply_timeout):
                 decision = await channel.recv(max_payload=0)
             plan = None
             if decision.kind == "begin":

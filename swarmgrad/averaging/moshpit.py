@@ -6,7 +6,7 @@ key for that slice of the grid; after averaging it takes its position in the gro
 coordinate in that dimension, so the next round's groups draw one member from each of this
 round's groups and the whole swarm mixes in about log_{group_size}(N) rounds.
 
-    async with Averager(node, "my-run", model.parameters(), group_size=4, codec="int8") as averager:
+    async with NetworkRuntime("my-run") as runtime, Averager(runtime, [flat], settings=Moshpit(group_size=4)) as averager:
         report = await averager.step(weight=samples_since_last_round)
 """
 
@@ -25,15 +25,14 @@ import torch
 from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.codecs.base import all_finite
-from swarmgrad.averaging.direct import default_transport
-from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
-from swarmgrad.averaging.transport import Channel, Transport
+from swarmgrad.averaging.runtime import NetworkRuntime
+from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Moshpit
+from swarmgrad.averaging.transport import Channel
 from swarmgrad.averaging.wire import expect_kind
 from swarmgrad.averaging.wire import field as frame_field
-from swarmgrad.dht.membership import check_run_id, list_members
-from swarmgrad.dht.node import SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.runtime import timeout
 
@@ -58,31 +57,21 @@ class AveragingReport:
     error: str | None = None
 
 
-class RoundTimer:
-    """Deadlines derived from measured round times, instead of hand-tuned constants."""
-
-    def __init__(self, initial: float, minimum: float, maximum: float, slack: float = 4.0):
-        self.estimate, self.minimum, self.maximum, self.slack = None, minimum, maximum, slack
-        self.initial = initial
-
-    def deadline(self) -> float:
-        if self.estimate is None:
-            return self.initial
-        return min(self.maximum, max(self.minimum, self.slack * self.estimate))
-
-    def observe(self, seconds: float) -> None:
-        self.estimate = seconds if self.estimate is None else 0.7 * self.estimate + 0.3 * seconds
-
-
 def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """A single contiguous float32 CPU tensor is sent from its own memory, without a copy (it is
-    only read during a round: the average lands in a separate buffer first)."""
-    if len(tensors) != 1:
-        return None
-    tensor = tensors[0]
-    if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return None
-    return tensor.detach().view(-1)
+    """Float32 CPU tensors that tile one contiguous buffer end to end (a single tensor, or views cut
+    from one flat vector in order) are sent from that memory, without a copy (it is only read
+    during a round: the average lands in a separate buffer first). None when they do not."""
+    first = tensors[0]
+    storage, offset, total = first.untyped_storage(), first.storage_offset(), 0
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        if tensor.untyped_storage().data_ptr() != storage.data_ptr() or tensor.storage_offset() != offset + total:
+            return None
+        total += tensor.numel()
+    if len(tensors) == 1:
+        return first.detach().view(-1)
+    return torch.empty(0, dtype=torch.float32).set_(storage, offset, (total,), (1,))
 
 
 def default_coordinates(peer_id: str, dims: int, side: int) -> list[int]:
@@ -93,6 +82,10 @@ def default_coordinates(peer_id: str, dims: int, side: int) -> list[int]:
 class Averager:
     """Averages a fixed set of tensors in place with moshpit groups of the run's peers.
 
+    ``write_back=False``: a successful round leaves the tensors as they are and the average in
+    ``averager.average`` (flat, valid until the next step), for a caller that reads it once where it
+    landed instead of copying it back.
+
     ``swap_storage=True`` (one contiguous float32 CPU tensor, no privacy): after a successful round
     the tensor's storage is *replaced* by the buffer the average landed in (``Tensor.set_``), which
     saves a copy of the whole tensor per round. Only for a tensor that nothing else views: a view
@@ -101,80 +94,76 @@ class Averager:
 
     def __init__(
         self,
-        node: SwarmNode,
-        run_id: str,
+        runtime: NetworkRuntime,
         tensors: Iterable[torch.Tensor] | Mapping[str, torch.Tensor],
         *,
-        group_size: int = 4,
-        min_group_size: int = 2,
-        codec: str = "none",
+        name: str = "tensors",
+        settings: Moshpit = Moshpit(),
+        codec: str = DEFAULT_COMPRESSION,
         grid_dims: int | None = None,
         coordinates: Sequence[int] | None = None,
-        matchmaking_seconds: float = 1.0,
-        round_timeout: float | None = None,
         share: float = 1.0,
-        direct: bool = True,
-        trusted_network: bool = False,
         privacy: Privacy | None = None,
-        transport: Transport | None = None,
         swap_storage: bool = False,
+        write_back: bool = True,
     ):
-        if group_size < 2 or not 2 <= min_group_size <= group_size:
-            raise ConfigError(f"need 2 <= min_group_size <= group_size, got {min_group_size} and {group_size}")
-        if not 0.05 <= matchmaking_seconds <= 600:
-            raise ConfigError(f"matchmaking_seconds must be within 0.05..600, got {matchmaking_seconds}")
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
         if not named:
             raise ConfigError("nothing to average: no tensors given")
-        for name, tensor in named:
+        for tensor_name, tensor in named:
             if not tensor.is_floating_point():
-                raise ConfigError(f"tensor {name!r} is {tensor.dtype}; only float tensors can be averaged")
-        self.node, self.run_id = node, check_run_id(run_id)
-        self.names, self.tensors = [name for name, _ in named], [tensor for _, tensor in named]
+                raise ConfigError(f"tensor {tensor_name!r} is {tensor.dtype}; only float tensors can be averaged")
+        self.runtime, self.run_id, self.name, self.settings = runtime, runtime.run_id, check_averager_name(name), settings
+        self.names, self.tensors = [tensor_name for tensor_name, _ in named], [tensor for _, tensor in named]
         self.schema = Schema.of(named)
         try:
             self.codec = get_codec(codec)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.feedback = ErrorFeedback(self.codec) if self.codec.lossy else None
-        self.group_size, self.min_group_size = group_size, min_group_size
+        self.group_size, self.min_group_size = settings.group_size, settings.min_group_size
         self.grid_dims, self.coordinates = grid_dims, list(coordinates) if coordinates is not None else None
-        self.matchmaking_seconds, self.share = matchmaking_seconds, share
-        self.timer = RoundTimer(initial=round_timeout or 60.0, minimum=round_timeout or 5.0, maximum=round_timeout or 600.0)
-        self.transport, self.direct, self.trusted_network = transport, direct, trusted_network
+        self.matchmaking_seconds, self.share = settings.matchmaking_seconds, share
+        self.timer = runtime.timing.round_timer(settings.round_timeout)
         self.round_index = 0
         # with privacy the contribution is a released copy, never the tensors themselves
         self.releaser = PrivateReleaser(privacy) if privacy is not None else None
         flat = _flat_view(self.tensors) if self.releaser is None else None
-        if swap_storage and flat is None:
+        if swap_storage and (flat is None or len(self.tensors) != 1):
             raise ConfigError("swap_storage needs one contiguous float32 CPU tensor and no privacy (the result "
                               "buffer becomes the tensor's storage)")
-        self.swap_storage = swap_storage
+        self.swap_storage, self.write_back = swap_storage, write_back
+        self.average: torch.Tensor | None = None  # write_back=False: the last round's average (flat)
         self._buffer = flat if flat is not None else torch.empty(self.schema.total, dtype=torch.float32)
         self._result = torch.zeros(self.schema.total, dtype=torch.float32)  # reused, touched once
         self._rounds: dict[str, GroupAllReduce] = {}
         self._rounds_changed = asyncio.Condition()
-        prefix = f"swarmgrad/{self.run_id}/averaging/{self.schema.digest[:12]}"
+        # the averager's name keeps two averagers of one peer apart even when their tensors look alike
+        prefix = f"swarmgrad/{self.run_id}/averaging/{name}/{self.schema.digest[:12]}"
         self._allreduce_protocol, self._match_protocol = f"{prefix}/allreduce", f"{prefix}/match"
         self.matchmaker: Matchmaker | None = None
 
+    @property
+    def node(self):
+        return self.runtime.node
+
     async def __aenter__(self) -> Averager:
-        if self.node.p2p is None:
-            raise RuntimeError("start the SwarmNode before the Averager")
-        self.transport = self.transport or default_transport(self.node, self.direct, self.trusted_network)
-        await self.transport.start()
+        transport = self.runtime.transport
+        if transport is None:
+            raise RuntimeError("enter the NetworkRuntime before the Averager")
         self.matchmaker = Matchmaker(
-            self.node, self.transport, self._match_protocol, schema_digest=self.schema.digest, codec=self.codec.spec
+            self.node, transport, self._match_protocol, schema_digest=self.schema.digest, codec=self.codec.spec,
+            reply_timeout=self.runtime.timing.reply_timeout,
         )
-        await self.transport.serve(self._match_protocol, self.matchmaker.serve)
-        await self.transport.serve(self._allreduce_protocol, self._serve_allreduce)
+        await transport.serve(self._match_protocol, self.matchmaker.serve)
+        await transport.serve(self._allreduce_protocol, self._serve_allreduce)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        if self.transport is not None and self.node.p2p is not None:
-            await self.transport.stop_serving(self._match_protocol)
-            await self.transport.stop_serving(self._allreduce_protocol)
-            await self.transport.stop()
+        transport = self.runtime.transport
+        if transport is not None and self.node.p2p is not None:
+            await transport.stop_serving(self._match_protocol)
+            await transport.stop_serving(self._allreduce_protocol)
 
     # ---- one round -----------------------------------------------------------------------------
 
@@ -238,10 +227,10 @@ class Averager:
         return True
 
     async def _allreduce(self, plan: GroupPlan, weight: float) -> tuple[AllReduceReport, GroupAllReduce]:
-        assert self.transport is not None
+        assert self.runtime.transport is not None
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
-            self.transport, self._allreduce_protocol, self.feedback, contribution_checked=True, result=self._result,
+            self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True, result=self._result,
         )
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce
@@ -263,8 +252,10 @@ class Averager:
             return
         if self.swap_storage:
             self._swap_in(allreduce.result)
-        else:
+        elif self.write_back:
             self.schema.unflatten_into(allreduce.result, self.tensors)
+        else:  # the caller reads it where it landed, before the next step
+            self.average = allreduce.result
         if self.feedback is not None:
             self.feedback.commit()
         self.timer.observe(result.seconds)
@@ -289,22 +280,23 @@ class Averager:
         dim = index % len(self.coordinates)
         others = ".".join(str(c) if d != dim else "*" for d, c in enumerate(self.coordinates))
         round_name = f"r{index}" if attempt == 0 else f"r{index}.{attempt}"
-        return f"swarmgrad/{self.run_id}/moshpit/{self.schema.digest[:12]}/{self.codec.spec}/{round_name}/{others}"
+        return (f"swarmgrad/{self.run_id}/moshpit/{self.name}/{self.schema.digest[:12]}/{self.codec.spec}/"
+                f"{round_name}/{others}")
 
     async def _auto_dims(self) -> int:
         """Enough grid dimensions that each slice holds about one group: log_{group_size}(members)."""
-        peers = max(1, len(await list_members(self.node, self.run_id)))
+        peers = max(1, len(self.runtime.members()))
         return max(1, math.ceil(math.log(peers) / math.log(self.group_size) - 1e-9))
 
     # ---- incoming all-reduce streams -------------------------------------------------------------
 
     async def _serve_allreduce(self, channel: Channel) -> None:
-        async with timeout(10.0):
+        async with timeout(self.runtime.timing.control_timeout):
             first = expect_kind(await channel.recv(max_payload=0), "part")
         round_id = frame_field(first.header, "round", str)
         try:
             # the contributor may have learnt the plan a moment before we registered the round
-            async with timeout(self.matchmaking_seconds + 5.0), self._rounds_changed:
+            async with timeout(self.matchmaking_seconds + self.runtime.timing.control_timeout), self._rounds_changed:
                 await self._rounds_changed.wait_for(lambda: round_id in self._rounds)
         except (asyncio.TimeoutError, TimeoutError):
             await channel.send_error(f"no round {round_id!r} is running here")

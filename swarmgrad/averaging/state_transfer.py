@@ -8,9 +8,11 @@ has its parts fetched from the others, and nothing is used until every byte arri
 floating-point value is finite. A joiner that needs only some of the tensors (``keep``) fetches only
 the parts that hold them.
 
-Protocol (one channel per donor, any number of requests on it):
+Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
+plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
     -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
+    -> {"t": "done"}
 """
 
 from __future__ import annotations
@@ -127,8 +129,8 @@ def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
 class StateServer:
     """Serves this peer's latest snapshots to joiners over ``protocol``."""
 
-    def __init__(self, transport: Transport, protocol: str, keep: int = 2):
-        self.transport, self.protocol, self.keep = transport, protocol, keep
+    def __init__(self, transport: Transport, protocol: str, keep: int = 2, idle_seconds: float = 60.0):
+        self.transport, self.protocol, self.keep, self.idle_seconds = transport, protocol, keep, idle_seconds
         self._snapshots: dict[int, StateSnapshot] = {}
         self._described: dict[int, bytes] = {}
 
@@ -153,9 +155,11 @@ class StateServer:
     async def _serve(self, channel: Channel) -> None:
         while True:
             try:
-                async with timeout(60.0):  # an idle joiner does not hold the stream forever
+                async with timeout(self.idle_seconds):  # an idle joiner does not hold the stream forever
                     request = await channel.recv(max_payload=0)
             except EOFError:
+                return
+            if request.kind == "done":
                 return
             if request.kind == "describe":
                 latest = self.latest
@@ -215,11 +219,20 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
             newest = max(offer.version for offer in fresh)
             layout = Counter(offer.digest for offer in fresh if offer.version == newest).most_common(1)[0][0]
             sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
+            # one part may take a quarter of the budget (a slow donor's parts move to the others),
+            # and never less than 2 s: 4 MiB at 20 Mbit/s
             return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep)
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
-        await asyncio.gather(*(offer.channel.close() for offer in offers), return_exceptions=True)
+        await asyncio.gather(*(_finish(offer.channel) for offer in offers), return_exceptions=True)
+
+
+async def _finish(channel: Channel) -> None:
+    try:
+        await channel.send({"t": "done"})
+    finally:
+        await channel.close()
 
 
 async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: int) -> _Offer:

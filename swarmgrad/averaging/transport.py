@@ -71,6 +71,7 @@ class Channel(ABC):
     async def send_error(self, message: str) -> None:
         """Tell the peer why we stop talking; best effort (it may be gone already)."""
         try:
+            # a last word to a peer that may be gone: never worth more than a moment
             await asyncio.wait_for(self.send(error_header(message)), timeout=1.0)
         except Exception:
             pass
@@ -142,7 +143,7 @@ class StreamChannel(Channel):
         if not self._writer.is_closing():
             self._writer.close()
         try:
-            await asyncio.wait_for(self._writer.wait_closed(), timeout=1.0)
+            await asyncio.wait_for(self._writer.wait_closed(), timeout=1.0)  # a local close: instant unless the peer stalls
         except Exception:  # already reset by the peer, or slow to close: nothing left to do
             pass
 

@@ -3,24 +3,43 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
 from swarmgrad.console import stderr
 from swarmgrad.dht.node import NodeConfig
-from swarmgrad.peer.runner import LocalOptions, json_lines, resolve_run, train
+from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.runner import Emit, LocalOptions, json_lines, resolve_run, run_options, train
 
 logger = logging.getLogger(__name__)
 LOG_EVERY = 5.0
 
 
-def run_peer(config: NodeConfig, run_id: str, task: str | None, create: bool, explicit: dict[str, Any],
-             local: LocalOptions, json_output: bool, wait_seconds: float) -> dict[str, Any]:
-    task_name, options, manifest = resolve_run(config, run_id, task, create, explicit, wait_seconds)
+def run_peer(network: NodeConfig, run_id: str, config: RunConfig, *, create: bool, local: LocalOptions,
+             json_output: bool) -> dict[str, Any]:
+    config, manifest = resolve_run(network, run_id, config, create=create, wait_seconds=local.wait_seconds,
+                                   data_dir=local.data_dir)
     if not json_output:
-        stderr.print(f"run {run_id}: task {task_name}, strategy {options['strategy']}, averaging "
-                     f"{options['averaging']}, compression {options['compression']}, privacy {options['privacy']}")
-    return train(run_id, task_name, options, local, config, manifest, json_lines if json_output else _HumanLog())
+        settings = run_options(config)
+        stderr.print(f"run {run_id}: task {config.task}, strategy {settings['strategy']}, averaging "
+                     f"{settings['averaging']}, compression {config.compression}, privacy {settings['privacy']}",
+                     markup=False)
+    emit: Emit = json_lines if json_output else _HumanLog()
+    return train(run_id, config, local, network, manifest, emit,
+                 announce=(lambda maddrs: _print_join_hint(run_id, maddrs)) if create else None)
+
+
+def join_hint(run_id: str, maddrs: list[str]) -> str:
+    """The command line others join this run with (no TASK: they take the run's manifest)."""
+    return f"others join with: swarmgrad peer --run-id {run_id} --initial-peers {','.join(maddrs)}"
+
+
+def _print_join_hint(run_id: str, maddrs: list[str]) -> None:
+    """The creator says on stderr how others join, as soon as it listens: before it waits for them."""
+    if maddrs:  # a client-mode peer cannot be joined
+        # plain stderr, not the rich console: a wrapped line would not paste back as one command
+        print(join_hint(run_id, maddrs), file=sys.stderr, flush=True)
 
 
 class _HumanLog:

@@ -1,22 +1,22 @@
-"""Who is out there: the libp2p node, the DHT, typed signed records and run membership."""
+"""Who is out there: the libp2p node, the DHT, typed signed records and run presence. Names load on first use."""
 
-from swarmgrad.dht.identity import Identity
-from swarmgrad.dht.membership import Member, MemberRecord, Membership, list_members
-from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.dht.records import RecordBody, RecordError, SignedRecord, record_kind
-from swarmgrad.dht.sync import SyncNode
+from swarmgrad.lazy import lazy_exports
 
-__all__ = [
-    "Identity",
-    "Member",
-    "MemberRecord",
-    "Membership",
-    "NodeConfig",
-    "RecordBody",
-    "RecordError",
-    "SignedRecord",
-    "SwarmNode",
-    "SyncNode",
-    "list_members",
-    "record_kind",
-]
+_EXPORTS = {
+    "NodeConfig": "swarmgrad.dht.config",
+    "check_run_id": "swarmgrad.dht.config",
+    "Identity": "swarmgrad.dht.identity",
+    "Member": "swarmgrad.dht.membership",
+    "MemberRecord": "swarmgrad.dht.membership",
+    "Membership": "swarmgrad.dht.membership",
+    "Progress": "swarmgrad.dht.membership",
+    "list_members": "swarmgrad.dht.membership",
+    "SwarmNode": "swarmgrad.dht.node",
+    "RecordBody": "swarmgrad.dht.records",
+    "RecordError": "swarmgrad.dht.records",
+    "SignedRecord": "swarmgrad.dht.records",
+    "record_kind": "swarmgrad.dht.records",
+    "SyncNode": "swarmgrad.dht.sync",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

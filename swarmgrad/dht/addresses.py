@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Iterable
-
-from hivemind.utils.multiaddr import Multiaddr
+from typing import TYPE_CHECKING, Iterable
 
 from swarmgrad.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hivemind.utils.multiaddr import Multiaddr
 
 EXAMPLE_PEER_ADDRESS = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
 _TRANSPORTS = ("tcp", "udp")
 
 
 def parse_multiaddr(text: str) -> Multiaddr:
+    from hivemind.utils.multiaddr import Multiaddr  # hivemind loads in about a second: only when parsing
+
     try:
         return Multiaddr(text.strip())
     except Exception as error:

@@ -1,9 +1,12 @@
-"""Run membership: who is in run R right now.
+"""Run presence: who is in run R right now, and how far each member has got.
 
-Each peer keeps a signed ``MemberRecord`` in its own slot of the DHT key ``swarmgrad/R/members``,
-refreshed on a heartbeat and expiring after ``ttl`` seconds, so a peer that dies silently drops
-out within its TTL. A graceful leave overwrites the slot with a ``left`` record, so it is gone from
-every listing at once.
+Each peer keeps one signed ``MemberRecord`` in its own slot of the DHT key ``swarmgrad/R/members``,
+refreshed every ``refresh`` seconds (and at once when ``publish_soon`` is called) and expiring after
+``ttl`` seconds, so a peer that dies silently drops out within its TTL. A graceful leave overwrites
+the slot with a ``left`` record, so it is gone from every listing at once. A training peer's record
+carries its ``Progress`` (filled by the peer layer; this layer only carries it), so membership and
+training progress are one record with one TTL, and a watching member rereads everyone's records on
+the same beat.
 """
 
 from __future__ import annotations
@@ -11,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import pydantic
 
+from swarmgrad.dht.config import check_run_id
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.errors import ConfigError
@@ -26,20 +29,25 @@ from swarmgrad.version import __version__
 logger = logging.getLogger(__name__)
 
 Role = Literal["peer", "bootstrap", "client", "monitor"]
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DEFAULT_TTL = 30.0
-
-
-def check_run_id(run_id: str) -> str:
-    if not _RUN_ID.fullmatch(run_id):
-        raise ConfigError(
-            f"run id {run_id!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    return run_id
 
 
 def members_key(run_id: str) -> str:
     return f"swarmgrad/{check_run_id(run_id)}/members"
+
+
+class Progress(pydantic.BaseModel):
+    """A training member's progress in its current epoch (its meaning is the peer layer's)."""
+
+    # as in RecordBody: wrong types are errors, unknown fields are skipped (newer peers may add some)
+    model_config = pydantic.ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    epoch: Annotated[int, pydantic.Field(ge=0)]
+    samples: Annotated[int, pydantic.Field(ge=0)]  # in this epoch
+    steps: Annotated[int, pydantic.Field(ge=0)]  # local optimizer steps in this epoch
+    steps_per_second: Annotated[float, pydantic.Field(ge=0, le=1e6, allow_inf_nan=False)]
+    averaging: bool = False  # has started averaging for this epoch: the others should join now
+    settings: Annotated[str, pydantic.Field(max_length=64)] = ""  # digest of the run settings it trains with
 
 
 @record_kind
@@ -55,6 +63,7 @@ class MemberRecord(RecordBody):
     updated_at: Annotated[float, pydantic.Field(allow_inf_nan=False)]
     state: Literal["alive", "left"] = "alive"
     epsilon: Annotated[float, pydantic.Field(ge=0)] | None = None  # privacy spent so far; inf without noise
+    progress: Progress | None = None  # training members only
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,11 @@ class Member:
     last_seen: float  # unix time of the member's latest heartbeat
     expires: float
     epsilon: float | None = None  # differential privacy spent so far, when the member releases privately
+    progress: Progress | None = None
 
     def to_json(self) -> dict:
         data = asdict(self)
+        data["progress"] = self.progress.model_dump() if self.progress is not None else None
         if data["epsilon"] is not None and not math.isfinite(data["epsilon"]):
             data["epsilon"] = "inf"  # JSON has no infinity
         return data
@@ -81,6 +92,7 @@ class Member:
 async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
     """Live members of ``run_id`` (left and expired ones excluded), sorted by peer id."""
     records = await node.get_records(members_key(run_id), MemberRecord)
+    now = time.time()
     members = [
         Member(
             peer_id=owner,
@@ -92,9 +104,10 @@ async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
             last_seen=record.body.updated_at,
             expires=record.expires,
             epsilon=record.body.epsilon,
+            progress=record.body.progress,
         )
         for owner, record in records.items()
-        if record.body.state == "alive"
+        if record.body.state == "alive" and record.expires > now
     ]
     return sorted(members, key=lambda member: member.peer_id)
 
@@ -103,21 +116,37 @@ class Membership:
     """Announces this node as a member of a run until the block exits (then leaves at once).
 
     ``async with Membership(node, "my-run") as membership: membership.update(step=10)``
+
+    ``refresh``: seconds between heartbeats (default ttl/3, so two may be lost before the record
+    expires). ``watch=True`` also rereads the run's members on every beat into ``members``.
+    ``before_publish``: called before each heartbeat, to fill in what it announces.
     """
 
-    def __init__(self, node: SwarmNode, run_id: str, role: Role = "peer", ttl: float = DEFAULT_TTL):
+    def __init__(self, node: SwarmNode, run_id: str, role: Role = "peer", ttl: float = DEFAULT_TTL, *,
+                 refresh: float | None = None, watch: bool = False,
+                 before_publish: Callable[[Membership], None] | None = None):
         if not 1.0 <= ttl <= MemberRecord.max_ttl:
             raise ConfigError(f"membership ttl must be within 1..{MemberRecord.max_ttl:.0f} s, got {ttl}")
         self.node, self.run_id, self.role, self.ttl = node, check_run_id(run_id), role, ttl
+        self.refresh = refresh if refresh is not None else ttl / 3
+        if not 0 < self.refresh < ttl:
+            raise ConfigError(f"membership refresh must be within (0, ttl={ttl}) s, got {self.refresh}")
         self.key = members_key(run_id)
+        self.watch, self.before_publish = watch, before_publish
         self.step = 0
         self.samples_per_second = 0.0
         self.epsilon: float | None = None
+        self.progress: Progress | None = None
+        self.members: list[Member] = []  # with watch=True: the latest listing (this member included)
+        self.members_read_at = -math.inf  # time.monotonic() of that listing
         self._last_expires = 0.0
         self._heartbeat: asyncio.Task | None = None
+        self._publish_now: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def update(
-        self, *, step: int | None = None, samples_per_second: float | None = None, epsilon: float | None = None
+        self, *, step: int | None = None, samples_per_second: float | None = None, epsilon: float | None = None,
+        progress: Progress | None = None,
     ) -> None:
         """Change what the next heartbeat announces."""
         if step is not None:
@@ -126,9 +155,19 @@ class Membership:
             self.samples_per_second = samples_per_second
         if epsilon is not None:
             self.epsilon = epsilon
+        if progress is not None:
+            self.progress = progress
+
+    def publish_soon(self) -> None:
+        """Announce now rather than at the next beat (thread-safe): an epoch changed, a round began."""
+        if self._loop is not None and self._publish_now is not None:
+            self._loop.call_soon_threadsafe(self._publish_now.set)
 
     async def __aenter__(self) -> Membership:
+        self._loop, self._publish_now = asyncio.get_running_loop(), asyncio.Event()
         await self.announce()
+        if self.watch:
+            await self.read()
         self._heartbeat = asyncio.create_task(self._beat(), name=f"membership heartbeat {self.run_id}")
         return self
 
@@ -139,6 +178,8 @@ class Membership:
         await self.leave()
 
     async def announce(self, state: Literal["alive", "left"] = "alive") -> bool:
+        if self.before_publish is not None and state == "alive":
+            self.before_publish(self)
         now = time.time()
         # A record replaces the stored one only if it expires later, so a leave outlives the last beat.
         expires = max(now + self.ttl, self._last_expires + 1e-3)
@@ -151,23 +192,41 @@ class Membership:
             updated_at=now,
             state=state,
             epsilon=self.epsilon,
+            progress=self.progress,
         )
-        stored = await self.node.store(self.key, body, expires)
+        # a frequent heartbeat needs latency more than durability: the next one follows soon. A leave
+        # has no next one, and the node usually shuts down right after it, which would cut off the
+        # replicas still being written in the background: it waits for all of them.
+        durable = state == "left" or self.refresh >= 5.0
+        stored = await self.node.store(self.key, body, expires, all_replicas=durable)
         if stored:
             self._last_expires = expires
         else:
             logger.warning("membership record for run %s was not stored; retrying on the next heartbeat", self.run_id)
         return stored
 
+    async def read(self) -> list[Member]:
+        self.members = await list_members(self.node, self.run_id)
+        self.members_read_at = time.monotonic()
+        return self.members
+
     async def leave(self) -> None:
         if self.node.dht is not None and self._last_expires > 0:
             await self.announce(state="left")
 
     async def _beat(self) -> None:
-        interval = self.ttl / 3  # two beats may be lost before the record expires
+        assert self._publish_now is not None
         while True:
-            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(self._publish_now.wait(), timeout=self.refresh)
+            except asyncio.TimeoutError:
+                pass
+            self._publish_now.clear()
             try:
                 await self.announce()
+                if self.watch:
+                    await self.read()
+            except asyncio.CancelledError:
+                raise
             except Exception as error:  # keep beating: the next one may get through
-                logger.warning("membership heartbeat failed: %s", error)
+                logger.warning("membership heartbeat failed: %s: %s", type(error).__name__, error)

@@ -12,46 +12,20 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
-import pydantic
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
-from swarmgrad.dht.addresses import listen_address, parse_multiaddr, parse_peer_addresses
+from swarmgrad.dht.addresses import listen_address
+from swarmgrad.dht.config import NodeConfig
 from swarmgrad.dht.identity import Identity
 from swarmgrad.dht.records import BodyT, RecordError, SignedRecord, SignedRecordValidator, open_envelope, seal
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
-SHUTDOWN_SECONDS = 10.0
-
-
-class NodeConfig(pydantic.BaseModel):
-    """How a node listens, whom it contacts first, and who it is."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
-
-    host: str = "127.0.0.1"  # listen here; 0.0.0.0 for a public node
-    port: int = pydantic.Field(0, ge=0, le=65535)  # 0 picks a free port
-    announce_maddrs: list[str] = []  # addresses to tell others, when behind port forwarding
-    initial_peers: list[str] = []  # multiaddrs of any running nodes of the swarm
-    identity_path: Optional[Path] = None  # Ed25519 key file; created on first use; same peer id across restarts
-    client_mode: bool = False  # no inbound connections: for NATed, edge and monitoring peers
-    use_relay: bool = True  # may reach NATed peers through libp2p circuit relays
-    use_auto_relay: bool = False  # look for relays to become reachable from behind a NAT
-    bootstrap_timeout: float = pydantic.Field(20.0, gt=0)  # total seconds spent retrying initial peers
-    request_timeout: float = pydantic.Field(5.0, gt=0)  # one DHT request (store or get) at most
-    data_port: int = pydantic.Field(0, ge=0, le=65535)  # direct TCP for tensors; fixed for firewalls, 0 = any
-
-    @pydantic.model_validator(mode="after")
-    def _check(self) -> NodeConfig:
-        listen_address(self.host, self.port)
-        parse_peer_addresses(self.initial_peers)
-        for address in self.announce_maddrs:
-            parse_multiaddr(address)
-        return self
+SHUTDOWN_SECONDS = 10.0  # p2pd exits in well under a second; one that takes longer has hung or died
 
 
 class SwarmNode:

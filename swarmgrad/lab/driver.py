@@ -94,8 +94,9 @@ class Lab:
         self.ended_at: float | None = None
         self.net: EmulatedNetwork | None = None
         self.events_file: IO[str] | None = None
+        run = scenario.run_config
         self.title = (f"swarmgrad lab {scenario.name}: {len(self.specs)} peers, {scenario.task}, "
-                      f"{scenario.strategy}+{scenario.averaging_kind}, {scenario.compression}")
+                      f"{run.strategy.name}+{run.averaging.kind}, {run.compression}")
 
     # -- setup ----------------------------------------------------------------------------------
 

@@ -121,11 +121,12 @@ def lab_summary(lab: Lab, plot_path: Path) -> dict:
     plot = plot_run(lab.log, plot_path, lab.title, targets=TARGETS)
     end = lab.ended_at or time.time()
     scenario = lab.scenario
+    run = scenario.run_config
     summary.update({
         "scenario": {"name": scenario.name, "description": scenario.description, "task": scenario.task,
                      "duration": scenario.duration, "target_accuracy": scenario.target_accuracy,
-                     "strategy": scenario.strategy, "averaging": scenario.averaging_kind,
-                     "compression": scenario.compression, "inner_steps": scenario.inner_steps,
+                     "strategy": run.strategy.name, "averaging": run.averaging.kind,
+                     "compression": run.compression, "inner_steps": getattr(run.strategy, "inner_steps", None),
                      "num_peers": len(lab.specs), "mtu": lab.net.mtu if lab.net else None},
         "run_id": lab.run_id,
         "lab_peers": [{"index": p.index, "peer_id": p.peer_id, "link": p.spec.describe(),

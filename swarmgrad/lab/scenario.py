@@ -1,7 +1,8 @@
 """Lab scenarios: a swarm, its access links and a churn schedule, read from a small TOML file.
 
 A scenario names the task and the run options every peer shares (passed through to ``swarmgrad
-peer`` flags), a time budget, the peers with their links, and churn events::
+peer`` flags; one left out is RunConfig's default and passes no flag), a time budget, the peers
+with their links, and churn events::
 
     name = "home-broadband"
     description = "six peers on home connections"
@@ -49,8 +50,10 @@ from typing import Any, Literal
 
 import pydantic
 
+from swarmgrad.commands.run_options import RUN_OPTIONS, run_config_from, run_flags
 from swarmgrad.errors import ConfigError
 from swarmgrad.lab.network import LinkSpec
+from swarmgrad.peer.config import RunConfig
 
 MAX_LAB_PEERS = 64
 QUICK_PEERS = 3
@@ -129,15 +132,15 @@ class Scenario(_Strict):
     duration: float = pydantic.Field(180.0, gt=0, le=24 * 3600)
     target_accuracy: float | None = pydantic.Field(None, gt=0, le=1)
     eval_every: float = pydantic.Field(3.0, gt=0)
-    # run options, passed through to `swarmgrad peer` (None: the peer's default)
-    strategy: Literal["diloco", "sync", "gossip"] = "diloco"
-    averaging: Literal["moshpit", "gossip"] | None = None
-    compression: str = "int8"
-    inner_steps: int | None = pydantic.Field(None, ge=1)
-    outer_lr: float | None = pydantic.Field(None, gt=0)
-    target_batch_size: int | None = pydantic.Field(None, ge=1)
-    gossip_every: int | None = pydantic.Field(None, ge=1)
-    group_size: int | None = pydantic.Field(None, ge=2)
+    # run options, passed through to `swarmgrad peer` flags and checked against RunConfig (None: its default)
+    strategy: str | None = None
+    averaging: str | None = None
+    compression: str | None = None
+    inner_steps: int | None = None
+    outer_lr: float | None = None
+    target_batch_size: int | None = None
+    gossip_every: int | None = None
+    group_size: int | None = None
     lr: float | None = pydantic.Field(None, gt=0)
     batch_size: int | None = pydantic.Field(None, ge=1)
     # the lab itself
@@ -160,6 +163,7 @@ class Scenario(_Strict):
         if not expanded[0].start:
             raise ValueError("peer 0 evaluates and ends the run: it must start with the run (start = true)")
         self.schedule()  # raises on an impossible churn schedule
+        self.run_config  # raises on run options RunConfig refuses
         return self
 
     # -- derived --------------------------------------------------------------------------------
@@ -168,9 +172,21 @@ class Scenario(_Strict):
         """One entry per peer (``count`` expanded), in index order."""
         return [peer.model_copy(update={"count": 1}) for peer in self.peers for _ in range(peer.count)]
 
+    def run_options(self) -> dict[str, Any]:
+        """The run options this scenario chooses, by ``swarmgrad peer`` option name (None: not chosen)."""
+        return {name: getattr(self, name) for name in RUN_OPTIONS if name in type(self).model_fields}
+
+    @property
+    def run_config(self) -> RunConfig:
+        """What the scenario's peers train with: its run options over RunConfig's defaults."""
+        try:
+            return run_config_from(self.run_options(), task=self.task, where=lambda name: name)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+
     @property
     def averaging_kind(self) -> str:
-        return self.averaging or ("gossip" if self.strategy == "gossip" else "moshpit")
+        return self.run_config.averaging.kind
 
     def schedule(self, duration: float | None = None) -> list[ChurnEvent]:
         """Churn events in time order, checked: each kill hits a running peer, each restart a killed one,
@@ -208,14 +224,8 @@ class Scenario(_Strict):
         return events
 
     def run_flags(self) -> list[str]:
-        """The run options as ``swarmgrad peer`` flags (every peer passes the same)."""
-        flags = ["--strategy", self.strategy, "--averaging", self.averaging_kind, "--compression", self.compression]
-        for flag, value in (("--inner-steps", self.inner_steps), ("--outer-lr", self.outer_lr),
-                            ("--target-batch-size", self.target_batch_size), ("--gossip-every", self.gossip_every),
-                            ("--group-size", self.group_size), ("--lr", self.lr), ("--batch-size", self.batch_size)):
-            if value is not None:
-                flags += [flag, str(value)]
-        return flags
+        """The run options the scenario chooses as ``swarmgrad peer`` flags (every peer passes the same)."""
+        return run_flags(self.run_options())
 
     def adjusted(self, *, duration: float | None = None, quick: bool = False) -> Scenario:
         """This scenario with another duration (churn in seconds stays put, percentages scale), or
@@ -241,7 +251,7 @@ class Scenario(_Strict):
             # no target: digits passes any fashion-mnist target within seconds, before every peer
             # has averaged or any churn has happened; a quick run lasts its short duration
             data.update(task=QUICK_TASK, duration=new, name=self.name, target_accuracy=None)
-            if self.strategy == "diloco":
+            if self.run_config.strategy.name == "diloco":
                 data["inner_steps"] = max(self.inner_steps or 0, QUICK_INNER_STEPS)
         elif duration is not None:
             data["duration"] = duration

@@ -1,7 +1,18 @@
-"""What a volunteer runs: Peer, training strategies, state sync, progress, checkpoints, run manifests."""
+"""What a volunteer runs: Peer, run settings, training strategies, state sync, progress, checkpoints,
+run manifests. Names load on first use."""
 
-from swarmgrad.peer.peer import Peer, PeerStatus
-from swarmgrad.peer.settings import Gossip, Moshpit
-from swarmgrad.peer.strategies import DiLoCo, GossipSGD, Strategy, SyncSGD
+from swarmgrad.lazy import lazy_exports
 
-__all__ = ["DiLoCo", "Gossip", "GossipSGD", "Moshpit", "Peer", "PeerStatus", "Strategy", "SyncSGD"]
+_EXPORTS = {
+    "Gossip": "swarmgrad.averaging.settings",
+    "Moshpit": "swarmgrad.averaging.settings",
+    "DiLoCo": "swarmgrad.peer.config",
+    "GossipSGD": "swarmgrad.peer.config",
+    "RunConfig": "swarmgrad.peer.config",
+    "RunConfigMismatch": "swarmgrad.peer.config",
+    "SyncSGD": "swarmgrad.peer.config",
+    "Peer": "swarmgrad.peer.peer",
+    "PeerStatus": "swarmgrad.peer.peer",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections import Counter
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import pydantic
 
-from swarmgrad.dht.membership import check_run_id
+from swarmgrad.dht.config import check_run_id
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.peer.config import RunConfig, describe_validation_error, resolve_against_run
 from swarmgrad.version import __version__
+
+logger = logging.getLogger(__name__)
 
 MANIFEST_TTL = 300.0
 Text = Annotated[str, pydantic.Field(max_length=256)]
@@ -33,18 +37,31 @@ class RunManifest(RecordBody):
     max_ttl = 3600.0
 
     task: Text
-    settings: Annotated[str, pydantic.Field(max_length=8192)]  # JSON: strategy, averaging, codec, privacy, hparams
+    settings: Annotated[str, pydantic.Field(max_length=8192)]  # RunConfig.settings_json(): all but the task
     version: Annotated[str, pydantic.Field(max_length=32)]  # swarmgrad version of the creator
     data_fingerprint: Text | None = None
     created_at: Annotated[float, pydantic.Field(allow_inf_nan=False)]
 
     @classmethod
-    def create(cls, task: str, settings: dict[str, Any], data_fingerprint: str | None) -> RunManifest:
-        return cls(task=task, settings=json.dumps(settings, sort_keys=True), version=__version__,
+    def create(cls, config: RunConfig, data_fingerprint: str | None) -> RunManifest:
+        """The manifest of a run that trains ``config`` (its task included)."""
+        if config.task is None:
+            raise ConfigError("a run manifest needs the task the run trains")
+        return cls(task=config.task, settings=config.settings_json(), version=__version__,
                    data_fingerprint=data_fingerprint, created_at=time.time())
+
+    def run_config(self) -> RunConfig:
+        """The run's settings, task included (what :meth:`create` was given); bad ones are a ConfigError."""
+        try:
+            return RunConfig.model_validate({**self.options, "task": self.task})
+        except pydantic.ValidationError as error:
+            raise ConfigError(f"the run manifest's settings are invalid: {describe_validation_error(error)}") from None
+        except ConfigError as error:
+            raise ConfigError(f"the run manifest's settings are invalid: {error}") from None
 
     @property
     def options(self) -> dict[str, Any]:
+        """The settings as a plain JSON object."""
         try:
             options = json.loads(self.settings)
         except json.JSONDecodeError as error:
@@ -101,6 +118,33 @@ def check_compatible(manifest: RunManifest, task: str | None, data_fingerprint: 
     if manifest.data_fingerprint and data_fingerprint and manifest.data_fingerprint != data_fingerprint:
         raise StartupError(f"this peer's data ({data_fingerprint}) differs from the run's ({manifest.data_fingerprint}); "
                            "point --data-dir at the same dataset")
+
+
+def settle_run(run_id: str, mine: RunConfig, manifest: RunManifest | None, *, create: bool,
+               fingerprint: Callable[[], str | None]) -> tuple[RunConfig, RunManifest | None]:
+    """What this peer trains with, given the run's manifest (None: the run has none, or this is its
+    first peer) and the manifest it keeps published. ``fingerprint()`` gives this peer's data
+    fingerprint, asked for only when creating the run.
+
+    Creating: this peer's settings, which must be the run's if it exists already. Joining: the
+    run's settings, after checking that every one this peer chose agrees (RunConfigMismatch names
+    each field and both values); without a manifest, this peer's own."""
+    if create:
+        if mine.task is None:
+            raise ConfigError("--create needs the TASK to train")
+        created = RunManifest.create(mine, fingerprint())
+        if manifest is not None and manifest.digest != created.digest:
+            raise StartupError(f"run {run_id!r} already exists with other settings (task {manifest.task!r}); "
+                               "join it without --create, or pick another --run-id")
+        return mine, manifest or created
+    if manifest is None:
+        if mine.task is None:
+            raise ConfigError(f"run {run_id!r} has no manifest to take the task from: give the TASK")
+        logger.warning("run %r has no manifest: training with this peer's settings (use --create to publish them)",
+                       run_id)
+        return mine, None
+    check_compatible(manifest, mine.task, None)  # a different task is refused; the data is checked once loaded
+    return resolve_against_run(run_id, mine, manifest.run_config()), manifest
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

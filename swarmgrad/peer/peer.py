@@ -8,6 +8,12 @@
 ``async with`` / ``await peer.astep(...)`` do the same inside an asyncio app. All networking runs on
 one event loop (the app's, or a background thread's for the sync API); the training thread only
 does local work, except while a swarm step (averaging) is due, when it waits for it.
+
+The pieces: a ``NetworkRuntime`` (node, transport, state server, presence), a ``ProgressTracker``
+(this peer's progress in its presence record, and everyone else's), a policy (the strategy: what it
+contributes, how it applies the average), an averaging backend, and the ``RoundDriver`` that runs
+the rounds. The Peer itself settles the run's settings, joins, keeps the state joiners download,
+checkpoints and reports.
 """
 
 from __future__ import annotations
@@ -22,25 +28,25 @@ from typing import Any, Sequence
 
 import torch
 
+from swarmgrad.averaging import Averager, GossipAverager, NetworkRuntime
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
-from swarmgrad.averaging.state_transfer import StateServer, StateTransferError, download_state
-from swarmgrad.averaging.transport import Libp2pTransport
-from swarmgrad.dht.membership import Membership, check_run_id
-from swarmgrad.dht.node import NodeConfig, SwarmNode
+from swarmgrad.averaging.settings import Averaging
+from swarmgrad.averaging.state_transfer import StateTransferError, download_state
+from swarmgrad.dht.membership import check_run_id
+from swarmgrad.dht.node import NodeConfig
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
-from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, publish_manifest
+from swarmgrad.peer.config import RunConfig, Strategy, resolve_against_run
+from swarmgrad.peer.driver import AveragingBackend, GossipBackend, MoshpitBackend, RoundDriver, RoundOutcome
+from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, publish_manifest, read_manifest
 from swarmgrad.peer.progress import ProgressTracker
-from swarmgrad.peer.settings import Averaging, Gossip, Moshpit
 from swarmgrad.peer.state import TrainingState, not_optimizer
-from swarmgrad.peer.strategies import DiLoCo, GossipSGD, Strategy, StrategyContext
+from swarmgrad.peer.strategies import Policy, make_policy
 from swarmgrad.runtime import BackgroundLoop
+from swarmgrad.timing import DEFAULT_TIMING, Timing
 
 logger = logging.getLogger(__name__)
-CLOSE_PART_SECONDS = 10.0  # strategy, progress, membership, state server: each; then the node (<= 10 s)
 
-MAX_ROUND_ATTEMPTS = 3
-CATCH_UP_RETRY_SECONDS = 5.0
 LOSS_SMOOTHING = 0.05
 
 
@@ -56,12 +62,15 @@ class PeerStatus:
     samples_per_second: float
     loss: float | None  # smoothed training loss, when step() was given one
     epsilon: float | None  # privacy spent so far, when privacy is on
-    peers: int  # peers seen in the run's progress (this one included)
+    peers: int  # peers seen in the run's progress with this peer's settings (this one included)
     rounds_ok: int = 0
     rounds_failed: int = 0
+    solo_steps: int = 0  # epochs finished alone (nobody to average with)
     bytes_sent: int = 0
     bytes_received: int = 0
     state_downloads: int = 0
+    settings: str = ""  # digest of the run settings this peer trains with
+    warning: str | None = None  # why this peer trains alone, when it can tell
     last_report: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -86,13 +95,17 @@ class _Counters:
 class Peer:
     """A training peer of run ``run_id``.
 
-    ``strategy``: DiLoCo (default), SyncSGD or GossipSGD. ``averaging``: Moshpit() (default for
-    diloco and sync) or Gossip() (default for gossip). ``compression``: a codec spec (none, fp16,
-    bf16, int8, topk:0.01, powersgd:4). ``privacy``: level="update" makes every released update
-    private in the averaging layer; level="sample" runs per-sample DP-SGD in ``step`` and then
-    needs ``batch_size`` and ``dataset_size``. ``checkpoint_dir``: resume from and save to it.
-    ``network``: a NodeConfig for host, port, identity, client mode, relays. ``manifest``: a run
-    manifest this peer keeps published while it runs (public runs, see manifest.py).
+    Run settings (what every peer of a run shares): ``config=RunConfig(...)``, or any of its fields
+    as keywords: ``strategy`` (DiLoCo (default), SyncSGD or GossipSGD), ``averaging`` (Moshpit() for
+    diloco and sync, Gossip() for gossip), ``compression`` (none, fp16, bf16, int8 (default),
+    topk:0.01, powersgd:4) and ``privacy`` (level="update" makes every released update private in
+    the averaging layer; level="sample" runs per-sample DP-SGD in ``step`` and then needs
+    ``batch_size`` and ``dataset_size``). When the run has a manifest, the settings not given come
+    from it, and a given one that differs makes ``__enter__`` raise ``RunConfigMismatch``.
+
+    Local settings: ``checkpoint_dir`` (resume from and save to it), ``network`` (a NodeConfig for
+    host, port, identity, client mode, relays), ``timing`` (presence refresh, deadlines),
+    ``manifest`` (a run manifest this peer keeps published while it runs).
     """
 
     def __init__(
@@ -102,9 +115,10 @@ class Peer:
         *,
         run_id: str,
         initial_peers: Sequence[str] = (),
+        config: RunConfig | None = None,
         strategy: Strategy | None = None,
         averaging: Averaging | None = None,
-        compression: str = "none",
+        compression: str | None = None,
         privacy: Privacy | None = None,
         batch_size: int | None = None,
         dataset_size: int | None = None,
@@ -113,45 +127,36 @@ class Peer:
         network: NodeConfig | None = None,
         direct: bool = True,
         trusted_network: bool = False,
-        progress_refresh: float = 1.0,
-        join_timeout: float = 60.0,
+        timing: Timing | None = None,
         manifest: RunManifest | None = None,
     ):
         self.run_id = check_run_id(run_id)
         self.model, self.optimizer = model, optimizer
-        self.strategy = strategy if strategy is not None else DiLoCo()
-        self.averaging = averaging if averaging is not None else (
-            Gossip() if isinstance(self.strategy, GossipSGD) else Moshpit())
-        self.strategy.check(self.averaging)
-        self.compression, self.privacy = compression, privacy
-        self.per_sample = None
-        if privacy is not None and privacy.level == "sample":
-            if batch_size is None or dataset_size is None:
-                raise ConfigError("privacy level='sample' (per-sample DP-SGD) needs batch_size and dataset_size")
-            self.per_sample = make_per_sample_private(model, privacy, batch_size, dataset_size)
-        if not 0.1 <= progress_refresh <= 60:
-            raise ConfigError(f"progress_refresh must be within 0.1..60 s, got {progress_refresh}")
-        config = network if network is not None else NodeConfig()
+        self.requested = _requested_config(config, strategy=strategy, averaging=averaging, compression=compression,
+                                           privacy=privacy)
+        self.config = self.requested  # settled against the run's manifest on entering
+        self.batch_size, self.dataset_size = batch_size, dataset_size
+        self._check_local_privacy(self.requested)
+        node_config = network if network is not None else NodeConfig()
         if initial_peers:
-            config = config.model_copy(update={"initial_peers": [*config.initial_peers, *initial_peers]})
-        self.node = SwarmNode(config)
+            node_config = node_config.model_copy(update={"initial_peers": [*node_config.initial_peers, *initial_peers]})
+        self.timing = timing = timing or DEFAULT_TIMING
+        self.runtime = NetworkRuntime(self.run_id, node_config, direct=direct, trusted_network=trusted_network,
+                                      timing=timing)
+        self.node = self.runtime.node
+        self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every, self.join_timeout = checkpoint_every, join_timeout
-        self.direct, self.trusted_network, self.progress_refresh = direct, trusted_network, progress_refresh
-        self.state = TrainingState(model, optimizer, self.strategy)
-        self.tracker = ProgressTracker(self.node, self.run_id, refresh=progress_refresh)
-        self.membership = Membership(self.node, self.run_id, role="client" if config.client_mode else "peer",
-                                     ttl=max(6.0, 6 * progress_refresh))
-        self._protocol = f"swarmgrad/{self.run_id}/state"
-        self._server: StateServer | None = None
-        self._transport: Libp2pTransport | None = None
+        self.checkpoint_every = checkpoint_every
+        self.manifest = manifest
+        self.policy: Policy | None = None
+        self.per_sample = None
+        self.driver: RoundDriver | None = None
+        self._averager: Averager | GossipAverager | None = None
         self._counters = _Counters()
         self._background: BackgroundLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._last_checkpoint = time.monotonic()
         self._opened = False
-        self._catch_up_retry_at = 0.0
-        self.manifest = manifest
 
     # ---- public: sync -----------------------------------------------------------------------------
 
@@ -184,22 +189,17 @@ class Peer:
     # ---- public: async ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Peer:
-        await self.node.start()
         try:
-            self._transport = Libp2pTransport(self.node.p2p)
-            self._server = StateServer(self._transport, self._protocol)
-            await self._server.__aenter__()
-            await self.membership.__aenter__()
-            await self.tracker.__aenter__()
-            await self.strategy.open(StrategyContext(
-                self.model, self.optimizer, self.node, self.run_id, self.tracker, self.averaging, self.compression,
-                self.privacy if self.per_sample is None else None, self.direct, self.trusted_network))
+            await self.runtime.__aenter__()
+            await self._settle_config()
+            await self._open_training()
             await self._join()
         except BaseException:
             await self._shutdown()
             raise
         self._opened = True
-        self._tasks.append(asyncio.create_task(self._announce_forever(), name="peer announce"))
+        if self.manifest is not None:
+            self._tasks.append(asyncio.create_task(self._keep_manifest_published(), name="peer manifest"))
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -226,7 +226,7 @@ class Peer:
         """The asyncio twin of ``wait_for_peers``."""
         deadline = time.monotonic() + seconds
         while len(self.tracker.fresh().peers) < count and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(self.timing.presence_refresh / 4)  # the presence refresh brings newcomers
         return len(self.tracker.swarm.peers)
 
     # ---- public: status ---------------------------------------------------------------------------
@@ -249,9 +249,10 @@ class Peer:
             peer_id=self.node.peer_id, run_id=self.run_id, step=local.total_steps, epoch=local.epoch,
             samples=local.total_samples, samples_per_second=local.samples_per_second, loss=counters.loss,
             epsilon=self.epsilon, peers=len(self.tracker.swarm.peers), rounds_ok=counters.rounds_ok,
-            rounds_failed=counters.rounds_failed, bytes_sent=counters.bytes_sent,
-            bytes_received=counters.bytes_received, state_downloads=counters.state_downloads,
-            last_report=counters.last_report,
+            rounds_failed=counters.rounds_failed, solo_steps=self.driver.solo_steps if self.driver else 0,
+            bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
+            state_downloads=counters.state_downloads, settings=self.tracker.settings,
+            warning=self.driver.warning if self.driver else None, last_report=counters.last_report,
         )
 
     @property
@@ -261,65 +262,52 @@ class Peer:
         releaser = self._releaser()
         return releaser.epsilon if releaser is not None else None
 
-    # ---- internals --------------------------------------------------------------------------------
+    # ---- opening ----------------------------------------------------------------------------------
 
-    def _local_step(self, batch_size: int, loss: float | torch.Tensor | None) -> bool:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if loss is not None:
-            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-            if math.isfinite(value):
-                previous = self._counters.loss
-                self._counters.loss = value if previous is None else previous + LOSS_SMOOTHING * (value - previous)
-        if self.per_sample is not None:
-            self.per_sample.clip_and_noise_gradients()  # raises BudgetExhausted past max_epsilon
-        return self.strategy.after_backward(batch_size)
+    async def _settle_config(self) -> None:
+        """Take the run's settings from its manifest; refuse settings given here that differ (issue:
+        two peers whose settings differ never share a round key, and would train alone silently)."""
+        found = await read_manifest(self.node, self.run_id) if self.node.config.initial_peers else None
+        self.config = resolve_against_run(self.run_id, self.requested, found.run_config() if found else None)
+        self._check_local_privacy(self.config)
+        if found is not None and self.manifest is None:
+            self.manifest = found  # train with the run's settings, and keep them published with the others
+            logger.info("run %s: settings from its manifest (%s)", self.run_id, self.config.settings_json())
 
-    async def _swarm_step(self) -> None:
-        epoch = self.tracker.local.epoch
-        if time.monotonic() < self._catch_up_retry_at:
-            return  # the last download failed: train on locally for a moment before trying again
-        if self.strategy.synchronous:
-            ahead = self.tracker.ahead_of(epoch)
-            if ahead:  # the swarm moved on without us: take its state instead of averaging stale values
-                await self._try_catch_up(ahead, epoch + 1)
-                return
-        applied, attempts = False, MAX_ROUND_ATTEMPTS
-        if self.strategy.synchronous and not self.tracker.others_at(epoch) and not self.tracker.others_at(epoch - 1):
-            attempts = 0  # alone in the run: no one to average with
+    def _check_local_privacy(self, config: RunConfig) -> None:
+        if config.privacy is not None and config.privacy.level == "sample" and \
+                (self.batch_size is None or self.dataset_size is None):
+            raise ConfigError("privacy level='sample' (per-sample DP-SGD) needs batch_size and dataset_size")
+
+    async def _open_training(self) -> None:
+        config = self.config
+        self.policy = make_policy(config, self.model, self.optimizer, self.tracker)
+        if config.privacy is not None and config.privacy.level == "sample":
+            self.per_sample = make_per_sample_private(self.model, config.privacy, self.batch_size, self.dataset_size)
+        update_privacy = config.privacy if self.per_sample is None else None
+        self.state = TrainingState(self.model, self.optimizer, self.policy)
+        backend: AveragingBackend
+        if config.averaging.kind == "gossip":
+            gossip = GossipAverager(self.runtime, [self.policy.contribution], name=self.policy.averages,
+                                    settings=config.averaging, weight=1.0, codec=config.compression,
+                                    privacy=update_privacy)
+            self._averager, backend = gossip, GossipBackend(gossip, self.policy.contribution)
         else:
-            self.tracker.set_averaging(True)
-        for attempt in range(attempts):
-            outcome = await self.strategy.swarm_step(epoch, attempt)
-            self._record(outcome.report, outcome.applied)
-            applied = outcome.applied
-            if applied or not self.strategy.synchronous:
-                break
-            ahead = await self._wait_for_ahead(epoch)
-            if ahead:
-                await self._try_catch_up(ahead, epoch + 1)
-                return
-            if not self.tracker.others_at(epoch):
-                break  # nobody else is training: finish the epoch alone
-        if self.strategy.synchronous and not applied:
-            logger.info("epoch %d: no group after %d attempt(s); stepping on local values", epoch, attempts)
-            self.strategy.solo_step()
-        self.tracker.next_epoch(epoch + 1)
-        self._publish_state()
-        if self.checkpoint_dir is not None and time.monotonic() - self._last_checkpoint >= self.checkpoint_every:
-            await self._save_checkpoint()
-
-    async def _wait_for_ahead(self, epoch: int) -> list[str]:
-        """Peers that finished ``epoch`` (a round we missed), waiting long enough for them to say so."""
-        deadline = time.monotonic() + 2 * self.progress_refresh + 0.5
-        while True:
-            ahead = self.tracker.ahead_of(epoch)
-            if ahead or time.monotonic() > deadline:
-                return ahead
-            await asyncio.sleep(0.1)
+            averager = Averager(self.runtime, self.policy.contribution_views(), name=self.policy.averages,
+                                settings=config.averaging, codec=config.compression, privacy=update_privacy,
+                                write_back=False)
+            self._averager, backend = averager, MoshpitBackend(averager)
+        await self._averager.__aenter__()
+        # peers whose settings or model differ never share a round key: the presence record says which we have
+        schema = getattr(self._averager, "schema", None)
+        self.tracker.settings = f"{config.digest}.{schema.digest[:8]}" if schema is not None else config.digest
+        self.tracker.next_epoch(self.tracker.local.epoch)
+        self.driver = RoundDriver(self.policy, backend, self.tracker, self.timing, self._catch_up, self._record,
+                                  run_id=self.run_id)
 
     async def _join(self) -> None:
         """Resume from the checkpoint, then take the swarm's state if it is further along (invariant 8)."""
+        assert self.policy is not None
         fresh = True
         if self.checkpoint_dir is not None:
             loaded = load_checkpoint(self.checkpoint_dir, self.run_id)
@@ -330,35 +318,51 @@ class Peer:
                 self.tracker.next_epoch(snapshot.version)
                 fresh = False
                 logger.info("resumed from checkpoint %s at epoch %d", self.checkpoint_dir, snapshot.version)
+        await self.runtime.presence.read()  # who is here now, with the settings just published
         epoch = self.tracker.local.epoch
         donors = self.tracker.ahead_of(epoch)
-        if not donors and fresh and not self.strategy.synchronous:
+        if not donors and fresh and not self.policy.synchronous:
             donors = self.tracker.others_at(epoch)  # gossip: any peer's state beats a random start
         if donors:
             try:
-                await self._catch_up(donors, epoch + 1 if self.strategy.synchronous else 0)
+                await self._catch_up(donors, epoch + 1 if self.policy.synchronous else 0)
                 return
             except StateTransferError as error:
                 logger.warning("could not download the swarm's state (%s); starting from local values", error)
         self._publish_state()
 
-    async def _try_catch_up(self, donors: list[str], min_version: int) -> None:
-        """Take the swarm's state; if no donor can hand it over, keep training locally and retry later
-        (a donor that just left, or a slow link, must not end this peer)."""
-        try:
-            await self._catch_up(donors, min_version)
-        except StateTransferError as error:
-            self._catch_up_retry_at = time.monotonic() + CATCH_UP_RETRY_SECONDS
-            logger.warning("could not take the swarm's state (%s); training on, retrying in %.0f s",
-                           error, CATCH_UP_RETRY_SECONDS)
+    # ---- training ---------------------------------------------------------------------------------
+
+    def _local_step(self, batch_size: int, loss: float | torch.Tensor | None) -> bool:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if self.policy is None:
+            raise RuntimeError("use `with peer:` (or `async with` and astep) before stepping")
+        if loss is not None:
+            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            if math.isfinite(value):
+                previous = self._counters.loss
+                self._counters.loss = value if previous is None else previous + LOSS_SMOOTHING * (value - previous)
+        if self.per_sample is not None:
+            self.per_sample.clip_and_noise_gradients()  # raises BudgetExhausted past max_epsilon
+        return self.policy.after_backward(batch_size)
+
+    async def _swarm_step(self) -> None:
+        assert self.driver is not None
+        if await self.driver.swarm_step():
+            self._publish_state()
+            if self.checkpoint_dir is not None and time.monotonic() - self._last_checkpoint >= self.checkpoint_every:
+                await self._save_checkpoint()
 
     async def _catch_up(self, donors: list[str], min_version: int) -> None:
         # a peer that steps its own optimizer and has its state keeps it, and so downloads about
         # half the bytes (Adam: params + 2 moments): a peer on a slow link that fell behind gets
         # back in step before the swarm moves on again. A fresh joiner takes the donors' state.
-        keep_optimizer = self.strategy.local_optimizer and bool(self.optimizer.state)
-        snapshot = await download_state(self._transport, self._protocol, donors, seconds=self.join_timeout,
-                                        min_version=min_version, keep=not_optimizer if keep_optimizer else None)
+        assert self.policy is not None and self.runtime.transport is not None
+        keep_optimizer = self.policy.local_optimizer and bool(self.optimizer.state)
+        snapshot = await download_state(self.runtime.transport, self.runtime.state_protocol, donors,
+                                        seconds=self.timing.join_timeout, min_version=min_version,
+                                        keep=not_optimizer if keep_optimizer else None)
         self.state.restore(snapshot, keep_optimizer=keep_optimizer)
         self._counters.state_downloads += 1
         self.tracker.next_epoch(snapshot.version)
@@ -367,25 +371,27 @@ class Peer:
                     snapshot.nbytes, len(donors), "; kept its own optimizer state" if keep_optimizer else "")
 
     def _publish_state(self) -> None:
-        assert self._server is not None
+        assert self.runtime.state_server is not None
         epoch = self.tracker.local.epoch
-        self._server.publish(self.state.capture(epoch, {"strategy": self.strategy.config()}))
+        self.runtime.state_server.publish(self.state.capture(epoch, {"settings": self.config.settings_json()}))
 
-    def _record(self, report: Any, applied: bool) -> None:
-        counters = self._counters
+    def _record(self, outcome: RoundOutcome) -> None:
+        counters, report = self._counters, outcome.report
         if report is None:
             return
-        counters.rounds_ok += int(applied)
-        counters.rounds_failed += int(not applied)
+        counters.rounds_ok += int(outcome.ok)
+        counters.rounds_failed += int(not outcome.ok)
         counters.bytes_sent += getattr(report, "bytes_sent", 0)
         counters.bytes_received += getattr(report, "bytes_received", 0)
         counters.last_report = {key: value for key, value in asdict(report).items()
                                 if key not in ("group", "contributors", "transports", "pushed_to", "failed")}
         counters.last_report["peers"] = len(getattr(report, "group", getattr(report, "pushed_to", [])))
 
+    # ---- privacy and checkpoints ------------------------------------------------------------------
+
     def _releaser(self) -> PrivateReleaser | None:
         """The accountant of update-level privacy (None without it, or with per-sample privacy)."""
-        return next((a.releaser for a in self.strategy.averagers() if a.releaser is not None), None)
+        return getattr(self._averager, "releaser", None)
 
     def _privacy_state(self) -> dict[str, Any] | None:
         holder = self.per_sample if self.per_sample is not None else self._releaser()
@@ -400,8 +406,8 @@ class Peer:
         self.tracker.resume_counters(int(counters.get("steps", 0)), int(counters.get("samples", 0)))
 
     async def _save_checkpoint(self) -> None:
-        assert self.checkpoint_dir is not None and self._server is not None
-        snapshot = self._server.latest
+        assert self.checkpoint_dir is not None
+        snapshot = self.runtime.state_server.latest if self.runtime.state_server is not None else None
         if snapshot is None:
             return
         extra = {"privacy": self._privacy_state(),
@@ -410,38 +416,40 @@ class Peer:
             None, save_checkpoint, self.checkpoint_dir, self.run_id, snapshot, extra)
         self._last_checkpoint = time.monotonic()
 
-    async def _announce_forever(self) -> None:
-        published = -math.inf
+    # ---- background and leaving -------------------------------------------------------------------
+
+    async def _keep_manifest_published(self) -> None:
+        """Every peer that trains with the run's manifest keeps it in its own slot: the run outlives its creator."""
+        assert self.manifest is not None
         while True:
-            if self.manifest is not None and time.monotonic() - published > MANIFEST_TTL / 3:
-                try:
-                    await publish_manifest(self.node, self.run_id, self.manifest)
-                    published = time.monotonic()
-                except Exception as error:  # retried on the next beat
-                    logger.warning("could not republish the run manifest: %s", error)
-            local = self.tracker.local
-            epsilon = self.epsilon
-            self.membership.update(step=local.total_steps, samples_per_second=local.samples_per_second,
-                                   epsilon=epsilon if epsilon is None or math.isfinite(epsilon) else None)
-            await asyncio.sleep(self.progress_refresh)
+            try:
+                await publish_manifest(self.node, self.run_id, self.manifest)
+            except Exception as error:  # retried on the next beat
+                logger.warning("could not republish the run manifest: %s", error)
+            await asyncio.sleep(MANIFEST_TTL / 3)
 
     async def _shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        parts = [("strategy", self.strategy.close()), ("progress", self.tracker.__aexit__(None, None, None)),
-                 ("membership", self.membership.__aexit__(None, None, None))]
-        if self._server is not None:
-            parts.append(("state server", self._server.__aexit__(None, None, None)))
-        for name, closing in parts:
+        if self._averager is not None:
             try:
-                # each part gets a deadline: the peer leaves in bounded time even if a part hangs
-                # (e.g. on a groupmate that is leaving too), and `with peer` never outlives its 60 s
-                await asyncio.wait_for(closing, CLOSE_PART_SECONDS)
-            except asyncio.TimeoutError:
-                logger.warning("while closing the peer: its %s did not finish within %.0f s", name, CLOSE_PART_SECONDS)
-            except Exception as error:  # keep closing the rest
-                logger.debug("while closing the peer's %s: %s: %s", name, type(error).__name__, error)
-        await self.node.shutdown()
+                await asyncio.wait_for(self._averager.__aexit__(None, None, None), self.timing.close_part)
+            except Exception as error:  # keep leaving: the runtime closes the rest
+                logger.warning("while closing the peer's averager: %s: %s", type(error).__name__, error)
+        await self.runtime.__aexit__(None, None, None)
         self._opened = False
+
+
+def _requested_config(config: RunConfig | None, **fields: Any) -> RunConfig:
+    """The settings the caller chose: ``config`` and/or keywords (not both for one field)."""
+    given = {name: value for name, value in fields.items() if value is not None}
+    if config is None:
+        return RunConfig(**given)
+    both = sorted(set(given) & config.model_fields_set)
+    if both:
+        raise ConfigError(f"{', '.join(both)} given both in config= and as keyword(s): pass each once")
+    if not given:
+        return config
+    return RunConfig(**{name: getattr(config, name) for name in config.model_fields_set}, **given)

@@ -1,48 +1,27 @@
 """Swarm-wide training progress through the DHT, so peers agree when a step is due without a coordinator.
 
-Each peer keeps a signed ``ProgressRecord`` in its own slot of ``swarmgrad/R/progress``: its epoch
-(the number of swarm steps it has taken part in), the samples and local steps it has trained on in
-that epoch, and its rates. A background task republishes it every ``refresh`` seconds (and at
-once when the epoch changes or the peer starts averaging) and reads everyone else's, so the
-training thread only ever looks at a cached ``SwarmProgress``.
+Each peer's presence record (``swarmgrad/R/members``, one record with one TTL, published and reread
+by the peer's ``NetworkRuntime`` every presence refresh, and at once when the epoch changes or the
+peer starts averaging) carries its ``Progress``: its epoch (the number of swarm steps it has taken
+part in), the samples and local steps it has trained on in that epoch, its rates, and the digest of
+the run settings it trains with. The training thread only ever looks at a cached ``SwarmProgress``.
 
 Others' counts are extrapolated from their rates since their last record (as hivemind's progress
 tracker does), so a peer does not wait one refresh interval to see that the target was reached.
+Peers that train with other settings (another digest) never meet this peer's rounds: they are
+listed apart (``SwarmProgress.other_settings``) and counted neither as groupmates nor as donors.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Callable
 
-import pydantic
-
-from swarmgrad.dht.membership import check_run_id
-from swarmgrad.dht.node import SwarmNode
-from swarmgrad.dht.records import RecordBody, record_kind
-
-logger = logging.getLogger(__name__)
+from swarmgrad.dht.membership import Membership, Progress
 
 RATE_SMOOTHING = 0.3  # weight of the newest interval in the samples/s average
-
-
-@record_kind
-class ProgressRecord(RecordBody):
-    kind = "progress"
-    max_ttl = 600.0
-
-    epoch: Annotated[int, pydantic.Field(ge=0)]
-    samples: Annotated[int, pydantic.Field(ge=0)]  # in this epoch
-    steps: Annotated[int, pydantic.Field(ge=0)]  # local optimizer steps in this epoch
-    samples_per_second: Annotated[float, pydantic.Field(ge=0, le=1e9, allow_inf_nan=False)]
-    steps_per_second: Annotated[float, pydantic.Field(ge=0, le=1e6, allow_inf_nan=False)]
-    averaging: bool = False  # has started averaging for this epoch: the others should join now
-    left: bool = False  # stopped training: no longer counted
-    updated_at: Annotated[float, pydantic.Field(allow_inf_nan=False)]
 
 
 @dataclass(frozen=True)
@@ -57,10 +36,12 @@ class PeerProgress:
 
 @dataclass(frozen=True)
 class SwarmProgress:
-    """A snapshot of everyone's progress (this peer's own entry is exact, others' extrapolated)."""
+    """A snapshot of everyone's progress (this peer's own entry is exact, others' extrapolated).
+    ``peers``: this peer and those with its settings; ``other_settings``: peers with other settings."""
 
     peers: tuple[PeerProgress, ...] = ()
     taken_at: float = 0.0
+    other_settings: tuple[str, ...] = ()
 
     @property
     def epoch(self) -> int:
@@ -121,39 +102,24 @@ class LocalProgress:
 
 
 class ProgressTracker:
-    """Publishes this peer's progress and keeps a fresh ``SwarmProgress`` of the run.
+    """Fills this peer's presence record with its progress and keeps a fresh ``SwarmProgress`` of the run.
 
-    ``async with ProgressTracker(node, "run") as tracker:`` then ``tracker.local.add(batch)`` from
-    training code, ``tracker.swarm`` for the latest snapshot, ``tracker.next_epoch(e)`` after a swarm step.
+    ``ProgressTracker(runtime.presence, settings_digest)``, then ``tracker.add(batch)`` from training
+    code, ``tracker.swarm`` for the latest snapshot, ``tracker.next_epoch(e)`` after a swarm step.
     """
 
-    def __init__(self, node: SwarmNode, run_id: str, *, refresh: float = 1.0, ttl: float | None = None):
-        self.node, self.run_id, self.refresh = node, check_run_id(run_id), refresh
-        self.key = f"swarmgrad/{run_id}/progress"
-        self.ttl = ttl if ttl is not None else max(10.0, 5 * refresh)
+    def __init__(self, presence: Membership, settings: str = "", *,
+                 epsilon: Callable[[], float | None] = lambda: None):
+        self.presence, self.settings, self.epsilon = presence, settings, epsilon
+        self.refresh = presence.refresh
         self.local = LocalProgress()
         self.swarm = SwarmProgress()
-        self._others: dict[str, tuple[ProgressRecord, float]] = {}  # peer -> record, expiry
-        self._lock = threading.Lock()  # the training thread changes epochs while the task reads counters
-        self._publish_now: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
-        self._last_expires = 0.0
+        self._lock = threading.Lock()  # the training thread changes epochs while the loop reads counters
+        presence.before_publish = self._fill
 
-    async def __aenter__(self) -> ProgressTracker:
-        self._loop = asyncio.get_running_loop()
-        self._publish_now = asyncio.Event()
-        await self.publish()
-        await self.read()
-        self._task = asyncio.create_task(self._run(), name=f"progress {self.run_id}")
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self.node.dht is not None and self._last_expires > 0:
-            await self.publish(left=True)  # the others stop counting (and waiting for) us at once
+    @property
+    def peer_id(self) -> str:
+        return self.presence.node.peer_id
 
     # ---- called from the training side (any thread) -------------------------------------------
 
@@ -163,80 +129,18 @@ class ProgressTracker:
             self.local.epoch, self.local.samples, self.local.steps = epoch, 0, 0
             self.local.averaging = False
         self._snapshot()
-        self.publish_soon()
+        self.presence.publish_soon()
 
     def set_averaging(self, averaging: bool) -> None:
         with self._lock:
             self.local.averaging = averaging
         if averaging:
-            self.publish_soon()
+            self.presence.publish_soon()
 
-    def publish_soon(self) -> None:
-        if self._loop is not None and self._publish_now is not None:
-            self._loop.call_soon_threadsafe(self._publish_now.set)
-
-    # ---- background ----------------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        last_publish = time.monotonic()
-        while True:
-            assert self._publish_now is not None
-            try:
-                await asyncio.wait_for(self._publish_now.wait(), timeout=self.refresh / 2)
-            except asyncio.TimeoutError:
-                pass
-            try:
-                if self._publish_now.is_set() or time.monotonic() - last_publish >= self.refresh:
-                    self._publish_now.clear()
-                    await self.publish()
-                    last_publish = time.monotonic()
-                await self.read()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # the DHT may be briefly unreachable: try again next tick
-                logger.warning("progress update failed: %s: %s", type(error).__name__, error)
-
-    async def publish(self, left: bool = False) -> None:
+    def add(self, samples: int) -> None:
+        """Count one local step on ``samples`` samples (from the training thread)."""
         with self._lock:
-            self.local.update_rates()
-            local = self.local
-            body = ProgressRecord(
-                epoch=local.epoch, samples=local.samples, steps=local.steps,
-                samples_per_second=float(local.samples_per_second), steps_per_second=float(local.steps_per_second),
-                averaging=local.averaging, left=left, updated_at=time.time(),
-            )
-        expires = max(time.time() + self.ttl, self._last_expires + 1e-3)
-        if await self.node.store(self.key, body, expires, all_replicas=False):
-            self._last_expires = expires
-
-    async def read(self) -> None:
-        records = await self.node.get_records(self.key, ProgressRecord)
-        self._others = {
-            owner: (record.body, record.expires) for owner, record in records.items()
-            if owner != self.node.peer_id and not record.body.left
-        }
-        self._snapshot()
-
-    def _snapshot(self) -> None:
-        now, wall = time.monotonic(), time.time()
-        with self._lock:
-            local = self.local
-            peers = [PeerProgress(self.node.peer_id, local.epoch, float(local.samples), float(local.steps),
-                                  local.samples_per_second, local.averaging)]
-        for owner, (record, expires) in self._others.items():
-            if expires < wall:
-                continue
-            # extrapolate by the peer's rate, at most two refresh intervals (it may have stopped)
-            elapsed = min(max(0.0, wall - record.updated_at), 2 * self.refresh) if not record.averaging else 0.0
-            peers.append(PeerProgress(owner, record.epoch, record.samples + record.samples_per_second * elapsed,
-                                      record.steps + record.steps_per_second * elapsed,
-                                      record.samples_per_second, record.averaging))
-        self.swarm = SwarmProgress(tuple(peers), taken_at=now)
-
-    def fresh(self) -> SwarmProgress:
-        """A snapshot with this peer's exact counters and others' extrapolated to now."""
-        self._snapshot()
-        return self.swarm
+            self.local.add(samples)
 
     def resume_counters(self, steps: int, samples: int) -> None:
         """Totals from a checkpoint; the rate starts over from them (they were not trained just now)."""
@@ -244,14 +148,52 @@ class ProgressTracker:
             self.local.total_steps, self.local.total_samples = steps, samples
             self.local._rate_mark = (time.monotonic(), samples, steps)
 
-    def add(self, samples: int) -> None:
-        """Count one local step on ``samples`` samples (from the training thread)."""
+    # ---- the presence heartbeat ----------------------------------------------------------------
+
+    def _fill(self, presence: Membership) -> None:
+        """What this peer's next presence record says (called by the heartbeat, on the loop)."""
         with self._lock:
-            self.local.add(samples)
+            self.local.update_rates()
+            local = self.local
+            progress = Progress(epoch=local.epoch, samples=local.samples, steps=local.steps,
+                                steps_per_second=float(local.steps_per_second), averaging=local.averaging,
+                                settings=self.settings)
+            step, rate = local.total_steps, float(local.samples_per_second)
+        epsilon = self.epsilon()
+        presence.update(step=step, samples_per_second=rate, progress=progress,
+                        epsilon=epsilon if epsilon is not None and epsilon == epsilon and epsilon >= 0 else None)
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def _snapshot(self) -> None:
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            local = self.local
+            peers = [PeerProgress(self.peer_id, local.epoch, float(local.samples), float(local.steps),
+                                  local.samples_per_second, local.averaging)]
+        other_settings: list[str] = []
+        for member in self.presence.members:
+            record = member.progress
+            if member.peer_id == self.peer_id or record is None or member.expires < wall:
+                continue
+            if record.settings != self.settings:
+                other_settings.append(member.peer_id)
+                continue
+            # extrapolate by the peer's rate, at most two refresh intervals (it may have stopped)
+            elapsed = min(max(0.0, wall - member.last_seen), 2 * self.refresh) if not record.averaging else 0.0
+            peers.append(PeerProgress(member.peer_id, record.epoch, record.samples + member.samples_per_second * elapsed,
+                                      record.steps + record.steps_per_second * elapsed,
+                                      member.samples_per_second, record.averaging))
+        self.swarm = SwarmProgress(tuple(peers), taken_at=now, other_settings=tuple(other_settings))
+
+    def fresh(self) -> SwarmProgress:
+        """A snapshot with this peer's exact counters and others' extrapolated to now."""
+        self._snapshot()
+        return self.swarm
 
     def ahead_of(self, epoch: int) -> list[str]:
-        """Other peers already past ``epoch``: donors for a peer that fell behind."""
-        return [peer.peer_id for peer in self.fresh().peers if peer.peer_id != self.node.peer_id and peer.epoch > epoch]
+        """Other peers (with this peer's settings) already past ``epoch``: donors for a peer that fell behind."""
+        return [peer.peer_id for peer in self.fresh().peers if peer.peer_id != self.peer_id and peer.epoch > epoch]
 
     def others_at(self, epoch: int) -> list[str]:
-        return [peer.peer_id for peer in self.fresh().at(epoch) if peer.peer_id != self.node.peer_id]
+        return [peer.peer_id for peer in self.fresh().at(epoch) if peer.peer_id != self.peer_id]

@@ -1,9 +1,9 @@
 """What ``swarmgrad peer`` runs: a built-in (or ``module:attribute``) task trained by a Peer, with
 evaluations, stop conditions and progress events.
 
-Run options (what every peer of a run must share) come from flags when the run is created and
-from the run's manifest when a volunteer joins; local options (shard, threads, stop conditions,
-network) are each peer's own.
+Run settings (a RunConfig: what every peer of a run must share) come from this peer's options
+when the run is created and from the run's manifest when a volunteer joins; local options (shard,
+threads, stop conditions, network) are each peer's own.
 """
 
 from __future__ import annotations
@@ -18,32 +18,25 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from swarmgrad.averaging.privacy import Privacy
 from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.errors import ConfigError, StartupError
-from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, wait_for_manifest
-from swarmgrad.peer.peer import Peer
-from swarmgrad.peer.settings import averaging_from_dict
-from swarmgrad.peer.strategies import strategy_from_dict
+from swarmgrad.errors import ConfigError
+from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, settle_run, wait_for_manifest
 from swarmgrad.runtime import run
 from swarmgrad.tasks import Task, get_task
 from swarmgrad.tasks.base import endless_batches
 from swarmgrad.tasks.train import make_optimizer
+from swarmgrad.timing import Timing
+
+if TYPE_CHECKING:
+    from swarmgrad.peer.peer import Peer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RUN_OPTIONS: dict[str, Any] = {
-    "strategy": {"name": "diloco", "inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.9},
-    "averaging": {"kind": "moshpit"},
-    "compression": "int8",
-    "privacy": None,
-    "hparams": {},
-    "seed": 0,
-}
 PROGRESS_EVERY = 1.0
 
 Emit = Callable[[dict[str, Any]], None]
@@ -65,48 +58,42 @@ class LocalOptions:
     checkpoint_dir: Path | None = None
     threads: int | None = None
     trusted_network: bool = False
-    progress_refresh: float = 1.0
+    timing: Timing | None = None  # None: the Peer's default
     wait_peers: int = 1  # wait until this many peers train in the run before starting
     slowdown: float = 1.0  # emulate slower hardware: each local step takes this many times longer
     wait_seconds: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def resolve_run(config: NodeConfig, run_id: str, task: str | None, create: bool,
-                explicit: dict[str, Any], wait_seconds: float) -> tuple[str, dict[str, Any], RunManifest | None]:
-    """Decide the task and run options: from flags (creating or private runs) or the run's manifest."""
-
-    async def fetch() -> RunManifest | None:
-        reader = NodeConfig(**(config.model_dump() | {"client_mode": True, "port": 0, "identity_path": None}))
-        async with SwarmNode(reader) as node:
-            if task is None and not create:
-                return await wait_for_manifest(node, run_id, wait_seconds)
-            return await read_manifest(node, run_id)
-
-    manifest = run(fetch())
-    if create:
-        if task is None:
-            raise ConfigError("--create needs the TASK to train")
-        options = _merge(DEFAULT_RUN_OPTIONS, explicit)
-        created = RunManifest.create(task, options, _fingerprint(task, explicit_data_dir(explicit)))
-        if manifest is not None and manifest.digest != created.digest:
-            raise StartupError(f"run {run_id!r} already exists with other settings (task {manifest.task!r}); "
-                               "join it without --create, or pick another --run-id")
-        return task, options, manifest or created
-    if manifest is None:
-        assert task is not None
-        logger.warning("run %r has no manifest: training with this peer's flags (use --create to publish them)", run_id)
-        return task, _merge(DEFAULT_RUN_OPTIONS, explicit), None
-    options = manifest.options
-    conflicts = [key for key, value in explicit.items() if key in options and options[key] != value]
-    if conflicts:
-        raise ConfigError(f"run {run_id!r} fixes {', '.join(sorted(conflicts))} in its manifest; drop those flags "
-                          f"to join it (the run uses {json.dumps({k: options[k] for k in sorted(conflicts)})})")
-    return task or manifest.task, options, manifest  # a different TASK is refused by check_compatible
+def no_initial_peers(run_id: str) -> str:
+    return (f"run {run_id!r}: nobody to join through; pass --initial-peers MADDR (the address of any peer "
+            "of the run) to join it, or --create to start it as its first peer")
 
 
-def explicit_data_dir(explicit: dict[str, Any]) -> str | None:
-    return explicit.get("_data_dir")
+def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: bool, wait_seconds: float,
+                data_dir: str | None = None) -> tuple[RunConfig, RunManifest | None]:
+    """The settings to train with and the manifest to keep published (see ``settle_run``): this
+    peer's ``config`` when it creates the run, the run's manifest's when it joins one."""
+    if create and config.task is None:
+        raise ConfigError("--create needs the TASK to train")
+    if network.initial_peers:
+        manifest = run(_fetch_manifest(network, run_id, wait=config.task is None and not create,
+                                       wait_seconds=wait_seconds))
+    elif create:
+        manifest = None  # the run's first peer: there is nobody to ask
+    else:
+        raise ConfigError(no_initial_peers(run_id))
+    return settle_run(run_id, config, manifest, create=create,
+                      fingerprint=lambda: _fingerprint(config.task, data_dir))
+
+
+async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float) -> RunManifest | None:
+    """The run's manifest, read by a short-lived client node (waiting for it when there is no TASK)."""
+    reader = NodeConfig(**(network.model_dump() | {"client_mode": True, "port": 0, "identity_path": None}))
+    async with SwarmNode(reader) as node:
+        if wait:
+            return await wait_for_manifest(node, run_id, wait_seconds)
+        return await read_manifest(node, run_id)
 
 
 def load_task(name: str, data_dir: str | None) -> Task:
@@ -114,51 +101,49 @@ def load_task(name: str, data_dir: str | None) -> Task:
     return get_task(name, data_dir=data_dir) if name.startswith("fashion-mnist") else get_task(name)
 
 
-def _fingerprint(task: str, data_dir: str | None) -> str | None:
+def _fingerprint(task: str | None, data_dir: str | None) -> str | None:
+    if task is None:
+        return None
     spec = load_task(task, data_dir)
     return spec.data_fingerprint() if spec.data_fingerprint else None
 
 
-def _merge(defaults: dict[str, Any], explicit: dict[str, Any]) -> dict[str, Any]:
-    merged = {key: (dict(value) if isinstance(value, dict) else value) for key, value in defaults.items()}
-    for key, value in explicit.items():
-        if key.startswith("_"):
-            continue
-        merged[key] = value
-    return merged
+def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConfig, manifest: RunManifest | None,
+          emit: Emit, announce: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
+    """Train ``config.task`` with ``config`` until a stop condition or SIGTERM/SIGINT; returns the
+    final summary (also emitted as ``done``). ``manifest``: the run's, which the peer keeps published.
+    ``announce(maddrs)`` is called once the peer listens, before it waits for ``local.wait_peers``."""
+    from swarmgrad.peer.peer import Peer
 
-
-def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOptions, network: NodeConfig,
-          manifest: RunManifest | None, emit: Emit) -> dict[str, Any]:
-    """Train until a stop condition or SIGTERM/SIGINT; returns the final summary (also emitted as ``done``)."""
+    if config.task is None:
+        raise ConfigError("no task to train: give the TASK, or join a run that has a manifest")
     if local.threads:
         torch.set_num_threads(local.threads)
+    task_name = config.task
     task = load_task(task_name, local.data_dir)
     if manifest is not None:
         check_compatible(manifest, task_name, task.data_fingerprint() if task.data_fingerprint else None)
-    hparams = {**task.default_hparams, **options.get("hparams", {})}
+    hparams = {**task.default_hparams, **config.hparams}
     batch_size = int(hparams.get("batch_size", 64))
-    strategy = strategy_from_dict(options["strategy"])
-    averaging = averaging_from_dict(options["averaging"])
-    privacy = Privacy.parse(**options["privacy"]) if options.get("privacy") else None
     shard, num_shards = _shard(local, network)
-    torch.manual_seed(int(options.get("seed", 0)))  # every peer starts from the same weights
+    torch.manual_seed(config.seed)  # every peer starts from the same weights
     model = task.make_model()
     optimizer = make_optimizer(model.parameters(), hparams)
-    dataset = task.train_data(shard, num_shards, int(options.get("seed", 0)))
+    dataset = task.train_data(shard, num_shards, config.seed)
     batches = endless_batches(dataset, batch_size, seed=shard)
     stop = _StopSignal()
-    peer = Peer(model, optimizer, run_id=run_id, strategy=strategy, averaging=averaging,
-                compression=options.get("compression", "none"), privacy=privacy, batch_size=batch_size,
-                dataset_size=len(dataset), checkpoint_dir=local.checkpoint_dir, network=network,
-                trusted_network=local.trusted_network, progress_refresh=local.progress_refresh, manifest=manifest)
+    peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
+                checkpoint_dir=local.checkpoint_dir, network=network, trusted_network=local.trusted_network,
+                manifest=manifest, timing=local.timing)
     reason, final, started = "stopped", None, time.time()
     with stop, peer:
+        if announce is not None:
+            announce(peer.maddrs)
         if local.wait_peers > 1:
             peer.wait_for_peers(local.wait_peers, local.wait_seconds)
         emit({"event": "ready", "peer_id": peer.peer_id, "maddrs": peer.maddrs, "shard": shard,
               "num_shards": num_shards, "epoch": peer.epoch, "step": peer.status().step, "task": task_name,
-              "options": options, "state_downloads": peer.status().state_downloads})
+              "options": run_options(config), "state_downloads": peer.status().state_downloads})
         # the first evaluation comes after the first step: a joiner's shows the state it downloaded
         last_progress, last_eval, eval_epoch = 0.0, -float("inf"), -1
         while True:
@@ -203,6 +188,11 @@ def train(run_id: str, task_name: str, options: dict[str, Any], local: LocalOpti
                "status": status.to_json(), "seconds": time.time() - started}
     emit(summary)
     return summary
+
+
+def run_options(config: RunConfig) -> dict[str, Any]:
+    """The run settings as the ``ready`` event reports them (the manifest's shape: all but the task)."""
+    return json.loads(config.settings_json())
 
 
 def _finite_metrics(metrics: dict[str, float]) -> dict[str, float | None]:

@@ -9,19 +9,18 @@ Per-sample DP-SGD (level="sample") lives in the training loop: ``make_per_sample
 This package knows tensors and budgets only: no models beyond per-sample gradients, no networking.
 """
 
-from .budget import BudgetExhausted, PrivacyBudget
-from .per_sample import PerSamplePrivacy, make_per_sample_private
-from .release import PrivateReleaser, private_generator, total_norm
-from .settings import Privacy, PrivacyError
+from swarmgrad.lazy import lazy_exports
 
-__all__ = [
-    "BudgetExhausted",
-    "PerSamplePrivacy",
-    "Privacy",
-    "PrivacyBudget",
-    "PrivacyError",
-    "PrivateReleaser",
-    "make_per_sample_private",
-    "private_generator",
-    "total_norm",
-]
+_EXPORTS = {
+    "BudgetExhausted": "swarmgrad.averaging.privacy.budget",
+    "PrivacyBudget": "swarmgrad.averaging.privacy.budget",
+    "PerSamplePrivacy": "swarmgrad.averaging.privacy.per_sample",
+    "make_per_sample_private": "swarmgrad.averaging.privacy.per_sample",
+    "PrivateReleaser": "swarmgrad.averaging.privacy.release",
+    "private_generator": "swarmgrad.averaging.privacy.release",
+    "total_norm": "swarmgrad.averaging.privacy.release",
+    "Privacy": "swarmgrad.averaging.privacy.settings",
+    "PrivacyError": "swarmgrad.averaging.privacy.settings",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -107,3 +107,35 @@ class PrivacyBudget:
     def status(self, clip_norm: float) -> dict[str, Any]:
         return {"epsilon": self.epsilon, "delta": self.delta, "releases": self.releases,
                 "noise_multiplier": self.noise_multiplier, "clip_norm": clip_norm, "exhausted": self.exhausted}
+
+
+class Accounted:
+    """What every private mechanism reports of its budget (``_budget``, and ``privacy.clip_norm``)."""
+
+    _budget: PrivacyBudget
+    privacy: Any
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent so far at privacy.delta (0.0 before any release; inf when noise_multiplier is 0)."""
+        return self._budget.epsilon
+
+    @property
+    def releases(self) -> int:
+        return self._budget.releases
+
+    @property
+    def exhausted(self) -> bool:
+        """True once a release was refused, or when the next one would pass max_epsilon."""
+        return self._budget.exhausted
+
+    def status(self) -> dict[str, Any]:
+        return self._budget.status(self.privacy.clip_norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The accountant's history, so a restarted peer never resets the budget it spent."""
+        return self._budget.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._budget.load_state_dict(state)
+

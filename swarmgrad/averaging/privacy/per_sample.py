@@ -6,16 +6,16 @@ Opacus's GradSampleModule computes the per-sample gradients; the clipping and no
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from .budget import BudgetExhausted, PrivacyBudget
+from .budget import Accounted, BudgetExhausted, PrivacyBudget
 from .release import add_gaussian_noise, private_generator
 from .settings import Privacy, PrivacyError
 
 
-class PerSamplePrivacy:
+class PerSamplePrivacy(Accounted):
     """After ``loss.backward()`` on a batch, ``clip_and_noise_gradients()`` replaces every ``param.grad`` with the
     DP-SGD gradient: sum_i clip(g_i, clip_norm) + N(0, (noise_multiplier*clip_norm)^2), divided by batch_size."""
 
@@ -95,26 +95,9 @@ class PerSamplePrivacy:
         return self._last_sample_norms
 
     @property
-    def epsilon(self) -> float:
-        return self._budget.epsilon
-
-    @property
     def steps(self) -> int:
-        return self._budget.releases
-
-    @property
-    def exhausted(self) -> bool:
-        return self._budget.exhausted
-
-    def status(self) -> dict[str, Any]:
-        """Same keys as PrivateReleaser.status(); "releases" counts DP-SGD steps."""
-        return self._budget.status(self.privacy.clip_norm)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._budget.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._budget.load_state_dict(state)
+        """DP-SGD steps taken (each is one release)."""
+        return self.releases
 
 
 def _stacked(grad_sample: torch.Tensor | list[torch.Tensor] | None) -> torch.Tensor | None:

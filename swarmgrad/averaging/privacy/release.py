@@ -5,11 +5,10 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from .budget import PrivacyBudget
+from .budget import Accounted, PrivacyBudget
 from .settings import Privacy, PrivacyError
 
 # clipped updates land a hair under clip_norm so float32 rounding can never push them over it
@@ -37,7 +36,7 @@ def add_gaussian_noise(tensor: torch.Tensor, std: float, generator: torch.Genera
     tensor.add_(noise.normal_(0.0, std, generator=generator).to(tensor.device))
 
 
-class PrivateReleaser:
+class PrivateReleaser(Accounted):
     """Applies the privacy setting to every update that leaves the peer and keeps the budget (DESIGN invariant 6).
 
     Call ``release`` once per update that leaves the peer, before compression; send its result to every
@@ -79,34 +78,9 @@ class PrivateReleaser:
             self._budget.commit()
         return released
 
-    @property
-    def epsilon(self) -> float:
-        """Epsilon spent so far at privacy.delta (0.0 before any release; inf when noise_multiplier is 0)."""
-        return self._budget.epsilon
-
-    @property
-    def releases(self) -> int:
-        return self._budget.releases
-
-    @property
-    def exhausted(self) -> bool:
-        """True once a release was refused, or when the next one would pass max_epsilon."""
-        return self._budget.exhausted
-
-    def status(self) -> dict[str, Any]:
-        """For reports and the membership record: epsilon, delta, releases, noise_multiplier, clip_norm, exhausted."""
-        return self._budget.status(self.privacy.clip_norm)
-
     def last_clip_norm(self) -> float:
         """L2 norm of the last released update after clipping and before noise (0.0 before any release)."""
         return self._last_clip_norm
-
-    def state_dict(self) -> dict[str, Any]:
-        """The accountant's history, for checkpoints: a restarted peer must not start its budget from zero."""
-        return self._budget.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._budget.load_state_dict(state)
 
 
 def _check_update(update: Sequence[torch.Tensor]) -> None:

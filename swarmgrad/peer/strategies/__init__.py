@@ -1,28 +1,23 @@
-"""Training strategies: one class per aggregation policy."""
+"""Training strategies as policies (one class per aggregation policy), built from their settings."""
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
-from swarmgrad.errors import ConfigError
-from swarmgrad.peer.strategies.base import Strategy, StrategyContext, SwarmStepOutcome
-from swarmgrad.peer.strategies.diloco import DiLoCo
-from swarmgrad.peer.strategies.gossip import GossipSGD
-from swarmgrad.peer.strategies.sync import SyncSGD
+from swarmgrad.peer.config import DiLoCo, GossipSGD, RunConfig, SyncSGD
+from swarmgrad.peer.strategies.base import FlatLayout, Policy, Progress
+from swarmgrad.peer.strategies.diloco import DiLoCoPolicy
+from swarmgrad.peer.strategies.gossip import GossipPolicy
+from swarmgrad.peer.strategies.sync import SyncPolicy
 
-STRATEGIES: dict[str, type[Strategy]] = {"sync": SyncSGD, "diloco": DiLoCo, "gossip": GossipSGD}
-
-
-def strategy_from_dict(data: dict[str, Any]) -> Strategy:
-    """The inverse of ``Strategy.config()`` (run manifests carry it)."""
-    options = {key: value for key, value in data.items() if key != "name"}
-    if data.get("name") not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {data.get('name')!r}; choose one of {', '.join(STRATEGIES)}")
-    try:
-        return STRATEGIES[data["name"]](**options)
-    except TypeError as error:
-        raise ConfigError(f"strategy {data['name']}: {error}") from None
+POLICIES: dict[type, type[Policy]] = {DiLoCo: DiLoCoPolicy, SyncSGD: SyncPolicy, GossipSGD: GossipPolicy}
 
 
-__all__ = ["STRATEGIES", "DiLoCo", "GossipSGD", "Strategy", "StrategyContext", "SwarmStepOutcome", "SyncSGD",
-           "strategy_from_dict"]
+def make_policy(config: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                progress: Progress) -> Policy:
+    """The policy of ``config.strategy``; gossip averaging makes it asynchronous (no shared epochs)."""
+    synchronous = config.averaging.kind != "gossip"
+    return POLICIES[type(config.strategy)](config.strategy, model, optimizer, progress, synchronous=synchronous)
+
+
+__all__ = ["POLICIES", "DiLoCoPolicy", "FlatLayout", "GossipPolicy", "Policy", "Progress", "SyncPolicy", "make_policy"]

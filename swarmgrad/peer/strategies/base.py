@@ -1,92 +1,86 @@
-"""What every training strategy gives the Peer: local work per batch, a swarm step when due, its state."""
+"""What a training strategy is: a policy. It says what it contributes to a round (views into one
+flat float32 buffer, so the averaging layer sends it from its own memory), how it applies the
+swarm's average, when a swarm step is due, and what its state is. It does no networking: the
+``RoundDriver`` (driver.py) runs the rounds.
+"""
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
-from swarmgrad.averaging import Averager, AveragingReport, GossipReport
-from swarmgrad.averaging.privacy import Privacy
-from swarmgrad.dht.node import SwarmNode
-from swarmgrad.errors import ConfigError
-from swarmgrad.peer.progress import ProgressTracker
-from swarmgrad.peer.settings import Averaging, Moshpit
+from swarmgrad.peer.progress import SwarmProgress
 
 
-@dataclass
-class StrategyContext:
-    """What the Peer hands a strategy when it opens."""
+class Progress(Protocol):
+    """What a policy reads and counts of the swarm's progress (a ProgressTracker)."""
 
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    node: SwarmNode
-    run_id: str
-    tracker: ProgressTracker
-    averaging: Averaging
-    compression: str
-    privacy: Privacy | None  # update-level privacy, applied by the averaging layer
-    direct: bool = True
-    trusted_network: bool = False
+    local: object
 
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+    def add(self, samples: int) -> None: ...
+
+    def fresh(self) -> SwarmProgress: ...
 
 
-@dataclass
-class SwarmStepOutcome:
-    """``applied``: the swarm's average was used. False: the round failed and nothing changed."""
+class FlatLayout:
+    """Parameters laid end to end in one flat float32 CPU vector; ``views`` cuts a vector back up."""
 
-    applied: bool
-    report: AveragingReport | GossipReport | None = None
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [math.prod(shape) for shape in self.shapes]
+        self.total = sum(self.numels)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.total, dtype=torch.float32)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [part.view(shape) for part, shape in zip(flat.split(self.numels), self.shapes)]
 
 
-class Strategy(ABC):
-    """One aggregation policy (as in Flower's strategy objects)."""
+class Policy(ABC):
+    """One training strategy (as in Flower's strategy objects), bound to a model and optimizer."""
 
     name: ClassVar[str]
-    averagings: ClassVar[tuple[str, ...]]  # averaging kinds this strategy works with
-    synchronous: ClassVar[bool] = True  # swarm steps are numbered epochs that every peer takes together
+    averages: ClassVar[str]  # what its rounds average, naming its averager: delta, grad or params
     # each peer steps its own inner optimizer (its state is local, not the swarm's): a peer that
     # already has one keeps it when it takes the swarm's state, and downloads only the rest
     local_optimizer: ClassVar[bool] = True
 
-    ctx: StrategyContext
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: Progress,
+                 synchronous: bool = True):
+        self.model, self.optimizer, self.progress = model, optimizer, progress
+        self.synchronous = synchronous  # swarm steps are numbered epochs every peer takes together
+        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.layout = FlatLayout(self.params)
+        self.contribution = self.layout.zeros()  # what a round averages; the averager reads it in place
 
-    def check(self, averaging: Averaging) -> None:
-        if averaging.kind not in self.averagings:
-            raise ConfigError(f"strategy {self.name} does not work with {averaging.kind} averaging; "
-                              f"use {' or '.join(self.averagings)}")
-
-    @abstractmethod
-    def config(self) -> dict[str, Any]:
-        """Settings for the run manifest; ``strategy_from_dict`` reverses it."""
-
-    async def open(self, ctx: StrategyContext) -> None:
-        self.ctx = ctx
-
-    async def close(self) -> None:
-        """Release what ``open`` took: the averagers it entered."""
-        for averager in self.averagers():
-            await averager.__aexit__(None, None, None)
+    def contribution_views(self) -> dict[str, torch.Tensor]:
+        """The contribution as one named view per parameter (the averaging schema keeps their shapes)."""
+        return {f"{self.averages}{i}": view for i, view in enumerate(self.layout.views(self.contribution))}
 
     @abstractmethod
     def after_backward(self, batch_size: int) -> bool:
         """Local work after the user's backward pass (runs in the training thread). True when a swarm step is due."""
 
+    def weight(self) -> float:
+        """The samples behind this peer's contribution (DESIGN invariant 5)."""
+        return float(self.progress.local.samples)  # type: ignore[attr-defined]
+
     @abstractmethod
-    async def swarm_step(self, epoch: int, attempt: int) -> SwarmStepOutcome:
-        """Average with the swarm and apply the result; on failure change nothing."""
+    def prepare(self) -> None:
+        """Fill ``contribution`` for this epoch's round (idempotent: a retried round calls it again)."""
 
-    def averagers(self) -> list[Any]:
-        """The averagers this strategy opened (for the peer's privacy accounting)."""
-        return []
+    @abstractmethod
+    def apply(self, average: torch.Tensor) -> None:
+        """Use the swarm's average (flat, laid out like ``contribution``)."""
 
-    def solo_step(self) -> None:
+    def solo(self) -> None:
         """Finish the epoch without the swarm (nobody else is training), from local values only."""
+        self.prepare()
+        self.apply(self.contribution)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}
@@ -101,33 +95,22 @@ class Strategy(ABC):
             for name, target in self.expected_state().items():
                 target.copy_(tensors[name])
 
-    def epoch_due(self, epoch: int, mean_steps: float | None = None, samples: float | None = None) -> bool:
+    def epoch_due(self, mean_steps: float | None = None, samples: float | None = None) -> bool:
         """Common test: the swarm moved on, somebody started averaging, or the target was reached."""
-        swarm = self.ctx.tracker.fresh()
+        epoch = self.progress.local.epoch  # type: ignore[attr-defined]
+        swarm = self.progress.fresh()
         if swarm.epoch > epoch or swarm.averaging_in(epoch):
             return True
         if mean_steps is not None and swarm.mean_steps_in(epoch) >= mean_steps:
             return True
         return samples is not None and swarm.samples_in(epoch) >= samples
 
-    def moshpit_averager(self, tensors: dict[str, torch.Tensor]) -> Averager:
-        settings = self.ctx.averaging
-        assert isinstance(settings, Moshpit)
-        return Averager(
-            self.ctx.node, self.ctx.run_id, tensors, group_size=settings.group_size,
-            min_group_size=settings.min_group_size, codec=self.ctx.compression,
-            matchmaking_seconds=settings.matchmaking_seconds, round_timeout=settings.round_timeout,
-            direct=self.ctx.direct, trusted_network=self.ctx.trusted_network, privacy=self.ctx.privacy,
-        )
+    @torch.no_grad()
+    def copy_params_into(self, flat: torch.Tensor) -> None:
+        for param, view in zip(self.params, self.layout.views(flat)):
+            view.copy_(param.detach())
 
-    async def moshpit_round(self, averager: Averager, weight: float, epoch: int, attempt: int) -> AveragingReport:
-        # peers still finishing the previous round will be here in a moment: count them too
-        swarm = self.ctx.tracker.fresh()
-        expected = len(swarm.at(epoch)) + len(swarm.at(epoch - 1))
-        return await averager.step(weight=max(weight, 1e-6), round_index=epoch, expected_peers=expected,
-                                   attempt=attempt)
-
-
-def cpu_buffers(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """Float32 CPU tensors shaped like ``params``: what the averaging layer reads and writes."""
-    return [torch.zeros(p.shape, dtype=torch.float32) for p in params]
+    @torch.no_grad()
+    def copy_into_params(self, flat: torch.Tensor) -> None:
+        for param, view in zip(self.params, self.layout.views(flat)):
+            param.copy_(view)

@@ -1,0 +1,92 @@
+"""One network runtime per peer: the node, one transport, the state server, one presence record.
+
+    async with NetworkRuntime("my-run", NodeConfig(initial_peers=[...])) as runtime:
+        async with Averager(runtime, [tensor], name="delta") as averager:
+            ...
+
+Everything that talks to other peers shares what the runtime owns: averagers and gossip register
+their protocols on its transport (direct TCP with the libp2p fallback), so any number of them can
+run on one node; joiners download state from its state server over the same data plane; and the
+peer's membership and training progress travel in one presence record with one TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from swarmgrad.averaging.direct import default_transport
+from swarmgrad.averaging.state_transfer import StateServer
+from swarmgrad.averaging.transport import Transport
+from swarmgrad.dht.membership import Member, Membership, Role, check_run_id
+from swarmgrad.dht.node import NodeConfig, SwarmNode
+from swarmgrad.timing import DEFAULT_TIMING, Timing
+
+logger = logging.getLogger(__name__)
+
+
+class NetworkRuntime:
+    """Owns a peer's networking for the length of an ``async with`` block.
+
+    ``node``: an already started SwarmNode to use (the caller keeps it); otherwise one is started
+    from ``network``. ``direct=False`` keeps tensors on libp2p streams; ``trusted_network=True``
+    sends them unencrypted on the direct plane (both ends must opt in). ``before_publish`` fills in
+    what each presence heartbeat announces (the peer layer's progress).
+    """
+
+    def __init__(self, run_id: str, network: NodeConfig | None = None, *, node: SwarmNode | None = None,
+                 role: Role | None = None, direct: bool = True, trusted_network: bool = False,
+                 timing: Timing = DEFAULT_TIMING, before_publish: Callable[[Membership], None] | None = None):
+        self.run_id = check_run_id(run_id)
+        self.timing = timing
+        self._owns_node = node is None
+        self.node = node if node is not None else SwarmNode(network or NodeConfig())
+        self.role: Role = role or ("client" if self.node.config.client_mode else "peer")
+        self.direct, self.trusted_network = direct, trusted_network
+        self.transport: Transport | None = None
+        self.state_protocol = f"swarmgrad/{self.run_id}/state"
+        self.state_server: StateServer | None = None
+        self.presence = Membership(self.node, self.run_id, role=self.role, ttl=timing.presence_ttl,
+                                   refresh=timing.presence_refresh, watch=True, before_publish=before_publish)
+        self._entered: list[tuple[str, Callable]] = []
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.peer_id
+
+    def members(self) -> list[Member]:
+        """The run's live members as of the last presence refresh (this peer included)."""
+        return self.presence.members
+
+    async def __aenter__(self) -> NetworkRuntime:
+        try:
+            if self._owns_node:
+                await self.node.start()
+                self._entered.append(("node", self.node.shutdown))
+            elif self.node.p2p is None:
+                raise RuntimeError("start the SwarmNode before the NetworkRuntime that uses it")
+            self.transport = default_transport(self.node, self.direct, self.trusted_network, self.timing)
+            await self.transport.start()
+            self._entered.append(("transport", self.transport.stop))
+            self.state_server = StateServer(self.transport, self.state_protocol, idle_seconds=self.timing.join_timeout)
+            await self.state_server.__aenter__()
+            self._entered.append(("state server", lambda: self.state_server.__aexit__(None, None, None)))
+            await self.presence.__aenter__()
+            self._entered.append(("presence", lambda: self.presence.__aexit__(None, None, None)))
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        """Leave in reverse order; each part gets a deadline, so one that hangs (a groupmate that is
+        leaving too, a daemon that died) cannot keep the peer from leaving."""
+        while self._entered:
+            name, close = self._entered.pop()
+            try:
+                await asyncio.wait_for(close(), self.timing.close_part)
+            except asyncio.TimeoutError:
+                logger.warning("while leaving: the %s did not close within %.0f s", name, self.timing.close_part)
+            except Exception as error:  # keep closing the rest
+                logger.debug("while leaving: the %s: %s: %s", name, type(error).__name__, error)

@@ -1,0 +1,56 @@
+"""How a run's peers average: moshpit groups or push-sum gossip, and with which codec.
+
+These are run-level settings (every peer of a run must share them: they are part of the round key)
+and the only place their defaults are written.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+import pydantic
+
+from swarmgrad.errors import ConfigError
+from swarmgrad.settings import SettingsModel
+
+DEFAULT_COMPRESSION = "int8"  # ~4x smaller than fp32 at a tiny error, with error feedback where lossy
+
+
+class Moshpit(SettingsModel):
+    """Rounds of group all-reduce, regrouping every round (the peers of a round meet in groups of
+    ``group_size``; with fewer peers than that, everyone meets in one group)."""
+
+    kind: Literal["moshpit"] = "moshpit"
+    group_size: Annotated[int, pydantic.Field(ge=2, le=1024)] = 16
+    min_group_size: Annotated[int, pydantic.Field(ge=2, le=1024)] = 2
+    matchmaking_seconds: Annotated[float, pydantic.Field(ge=0.05, le=600)] = 2.0
+    round_timeout: Optional[Annotated[float, pydantic.Field(ge=1, le=3600)]] = None  # None: from measured rounds
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> Moshpit:
+        if self.min_group_size > self.group_size:
+            raise ConfigError(f"moshpit: need min_group_size <= group_size, got {self.min_group_size} and "
+                              f"{self.group_size}")
+        return self
+
+
+class Gossip(SettingsModel):
+    """Asynchronous push-sum gossip: no rounds, no barrier; each push goes to ``fanout`` peers."""
+
+    kind: Literal["gossip"] = "gossip"
+    fanout: Annotated[int, pydantic.Field(ge=1, le=16)] = 1
+    push_timeout: Annotated[float, pydantic.Field(ge=1, le=600)] = 30.0
+
+
+Averaging = Annotated[Union[Moshpit, Gossip], pydantic.Field(discriminator="kind")]
+
+
+def check_codec(spec: str) -> str:
+    """A codec spec (none, fp16, bf16, int8[:block], topk[:fraction], powersgd[:rank]), validated."""
+    from swarmgrad.averaging.codecs import get_codec  # torch: only when a spec is checked
+
+    try:
+        get_codec(spec)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return spec

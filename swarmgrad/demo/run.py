@@ -1,0 +1,79 @@
+"""Running the demo swarm: a bootstrap node here, N ``swarmgrad peer`` processes, the live dashboard,
+the summary and the plot."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from rich.live import Live
+
+from swarmgrad.console import print_json, stderr, stdout
+from swarmgrad.demo.dashboard import render_dashboard
+from swarmgrad.demo.events import RunLog
+from swarmgrad.demo.plot import plot_run
+from swarmgrad.demo.processes import ChildPeer, PeerProcesses
+from swarmgrad.demo.summary import TARGETS, summarize
+from swarmgrad.dht.membership import Membership
+from swarmgrad.dht.node import NodeConfig, SwarmNode
+from swarmgrad.demo.settings import DemoSettings, peer_command
+
+
+async def _follow(child: ChildPeer, log: RunLog) -> None:
+    """Feed one child's event lines into the log until it exits."""
+    assert child.process.stdout is not None
+    while line := await child.process.stdout.readline():
+        log.add_line(line)
+
+
+async def run_demo(settings: DemoSettings, *, json_output: bool) -> dict:
+    log_dir = Path(tempfile.mkdtemp(prefix="swarmgrad-demo-"))
+    started = time.time()
+    log = RunLog(started_at=started)
+    config = settings.run_config()
+    title = f"swarmgrad demo: {settings.peers} peers, {settings.task}, {config.strategy.name}+{config.averaging.kind}, " \
+            f"{config.compression}"
+    async with SwarmNode(NodeConfig(host="127.0.0.1")) as bootstrap, \
+            Membership(bootstrap, settings.run_id, role="bootstrap"):
+        commands = [peer_command(settings, index, bootstrap.maddrs) for index in range(settings.peers)]
+        with Live(render_dashboard(log, title=title), console=stderr, refresh_per_second=4,
+                  transient=json_output) as live:
+            async with PeerProcesses(commands, log_dir) as children:
+                await children.wait_ready(seconds=60 + 3 * settings.peers)
+                for child in children.children:
+                    log.add({"event": "ready", "t": time.time(), "peer_id": child.peer_id, "maddrs": child.maddrs})
+                formation_seconds = time.time() - started
+                followers = [asyncio.create_task(_follow(child, log)) for child in children.children]
+                evaluator = children.children[0].process
+                while evaluator.returncode is None and not all(f.done() for f in followers):
+                    live.update(render_dashboard(log, title=title))
+                    await asyncio.sleep(0.25)
+                    if followers[0].done():
+                        break
+                await children.stop()  # the others leave gracefully and report
+                await asyncio.wait(followers, timeout=15)
+            live.update(render_dashboard(log, title=title))
+    summary = summarize(log, targets=TARGETS)
+    plot = plot_run(log, settings.plot, title, targets=TARGETS)
+    summary.update({
+        "task": settings.task, "strategy": config.strategy.name, "averaging": config.averaging.kind,
+        "compression": config.compression, "num_peers": settings.peers, "run_id": settings.run_id,
+        "formation_seconds": round(formation_seconds, 3), "total_seconds": round(time.time() - started, 3),
+        "time_to_85": summary["seconds_to"].get("0.85"), "time_to_88": summary["seconds_to"].get("0.88"),
+        "plot": str(plot), "logs": str(log_dir),
+    })
+    if json_output:
+        print_json(summary)
+    else:
+        final = summary.get("final_accuracy")
+        stdout.print(f"final held-out accuracy: {'-' if final is None else f'{final:.4f}'}; "
+                     f"85% after {_seconds(summary['time_to_85'])}, 88% after {_seconds(summary['time_to_88'])}; "
+                     f"{summary['total_seconds']:.0f} s in all")
+        stdout.print(f"plot: {plot}   logs: {log_dir}")
+    return summary
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.0f} s"

@@ -1,0 +1,155 @@
+"""The run configuration: every run-level setting (what every peer of a run must share) and the only
+copy of its defaults. ``sg.Peer``, ``swarmgrad peer``, the run manifest, ``swarmgrad demo`` and
+the lab's scenarios all read it.
+
+    config = RunConfig(strategy=DiLoCo(inner_steps=100), compression="int8")
+
+Which fields a caller set is kept (pydantic's ``model_fields_set``): a peer joining a run takes
+the fields it did not set from the run's manifest, and refuses to start when a field it did set
+differs (``resolve_against_run``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal, Optional, Union
+
+import pydantic
+
+from swarmgrad.averaging.privacy import Privacy
+from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Averaging, Gossip, Moshpit, check_codec
+from swarmgrad.errors import ConfigError
+from swarmgrad.settings import SettingsModel, describe_validation_error  # noqa: F401  (re-exported)
+
+
+class DiLoCo(SettingsModel):
+    """DiLoCo (arXiv 2311.08105): ``inner_steps`` local steps per peer between swarm steps (on
+    average over the peers of an epoch), then the pseudo-gradients are averaged and an outer
+    Nesterov step is taken from the common start."""
+
+    name: Literal["diloco"] = "diloco"
+    inner_steps: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = 50
+    outer_lr: Annotated[float, pydantic.Field(gt=0, le=10)] = 0.7
+    outer_momentum: Annotated[float, pydantic.Field(ge=0, lt=1)] = 0.9
+
+
+class SyncSGD(SettingsModel):
+    """Synchronous data parallelism: one optimizer step per ``target_batch_size`` samples swarm-wide."""
+
+    name: Literal["sync"] = "sync"
+    target_batch_size: Annotated[int, pydantic.Field(ge=1, le=10**9)] = 4096
+
+
+class GossipSGD(SettingsModel):
+    """Local steps; every ``every`` steps the parameters are averaged (gossip or moshpit)."""
+
+    name: Literal["gossip"] = "gossip"
+    every: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = 4
+
+
+Strategy = Annotated[Union[DiLoCo, SyncSGD, GossipSGD], pydantic.Field(discriminator="name")]
+STRATEGY_AVERAGINGS = {"diloco": ("moshpit",), "sync": ("moshpit",), "gossip": ("gossip", "moshpit")}
+Hyperparameter = Union[int, float, str, bool]
+
+
+class RunConfig(SettingsModel):
+    """What every peer of a run shares. ``averaging`` left out means the strategy's natural choice:
+    moshpit for diloco and sync, gossip for the gossip strategy."""
+
+    task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
+    strategy: Strategy = DiLoCo()
+    averaging: Optional[Averaging] = None
+    compression: str = DEFAULT_COMPRESSION
+    privacy: Optional[Privacy] = None
+    hparams: dict[str, Hyperparameter] = {}  # the task's hyperparameters (lr, batch_size), for `swarmgrad peer`
+    seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = 0  # the model's initial weights, for `swarmgrad peer`
+
+    @pydantic.field_validator("compression")
+    @classmethod
+    def _check_compression(cls, value: str) -> str:
+        return check_codec(value)
+
+    @pydantic.model_validator(mode="after")
+    def _fill_averaging(self) -> RunConfig:
+        if self.averaging is None:  # a default, not a choice: model_fields_set does not change
+            object.__setattr__(self, "averaging", Gossip() if self.strategy.name == "gossip" else Moshpit())
+        allowed = STRATEGY_AVERAGINGS[self.strategy.name]
+        if self.averaging.kind not in allowed:
+            raise ConfigError(f"strategy {self.strategy.name} does not work with {self.averaging.kind} averaging; "
+                              f"use {' or '.join(allowed)}")
+        return self
+
+    @property
+    def moshpit(self) -> Moshpit | None:
+        return self.averaging if isinstance(self.averaging, Moshpit) else None
+
+    def settings_json(self) -> str:
+        """The run-level settings as canonical JSON (what the manifest carries; the task travels beside it)."""
+        return json.dumps(self.model_dump(mode="json", exclude={"task"}), sort_keys=True)
+
+    @property
+    def digest(self) -> str:
+        """Short id of the settings: peers whose digests differ will not average together."""
+        return hashlib.sha256(self.settings_json().encode()).hexdigest()[:16]
+
+    def explicit(self) -> dict[str, Any]:
+        """The settings the caller chose, as dotted leaves (a chosen strategy always names itself)."""
+        return _explicit_leaves(self)
+
+
+def run_config(**fields: Any) -> RunConfig:
+    """A RunConfig from plain data (a manifest, a config file), bad input as one ConfigError."""
+    return RunConfig.parse(fields, "run settings")
+
+
+class RunConfigMismatch(ConfigError):
+    """This peer's explicit settings differ from the run's manifest; names each field and both values."""
+
+    def __init__(self, run_id: str, conflicts: list[tuple[str, Any, Any]]):
+        self.conflicts = conflicts
+        listed = "; ".join(f"{field}: {mine!r} here, {theirs!r} in the run" for field, mine, theirs in conflicts)
+        super().__init__(f"run {run_id!r} trains with other settings ({listed}). Leave those settings out to "
+                         "take the run's, or pick another run id")
+
+
+def resolve_against_run(run_id: str, mine: RunConfig, run: RunConfig | None) -> RunConfig:
+    """The settings to train with: the run's (when it has a manifest), after checking that every
+    setting this peer chose agrees with it; this peer's own otherwise."""
+    if run is None:
+        return mine
+    theirs = _leaves(run.model_dump(mode="json"))
+    conflicts = [(field, value, theirs.get(field)) for field, value in sorted(mine.explicit().items())
+                 if field != "task" and theirs.get(field) != value]
+    if conflicts:
+        raise RunConfigMismatch(run_id, conflicts)
+    return run
+
+
+def _explicit_leaves(model: pydantic.BaseModel, prefix: str = "") -> dict[str, Any]:
+    leaves: dict[str, Any] = {}
+    for name in sorted(model.model_fields_set | _discriminators(model)):
+        value = getattr(model, name)
+        if isinstance(value, pydantic.BaseModel):
+            leaves.update(_explicit_leaves(value, f"{prefix}{name}."))
+        else:
+            leaves.update(_leaves({name: _plain(value)}, prefix))
+    return leaves
+
+
+def _discriminators(model: pydantic.BaseModel) -> set[str]:
+    return {name for name in ("name", "kind") if name in type(model).model_fields}
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str)) if isinstance(value, (dict, list, tuple)) else value
+
+
+def _leaves(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

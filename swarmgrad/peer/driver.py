@@ -1,0 +1,178 @@
+"""The one round driver: when a strategy's swarm step is due, it runs the round and owns what is
+common to every strategy (attempts, catching up with a swarm that moved on, how many peers to
+expect, stepping alone) so the policies only say what they contribute and how they apply it.
+
+The driver talks to an ``AveragingBackend`` (a moshpit ``Averager`` or a ``GossipAverager``
+behind a small adapter, or a fake in unit tests) and to the peer's progress tracker; it does no
+networking of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol
+
+import torch
+
+from swarmgrad.averaging import Averager, GossipAverager
+from swarmgrad.peer.progress import SwarmProgress
+from swarmgrad.peer.strategies import Policy
+from swarmgrad.timing import Timing
+
+logger = logging.getLogger(__name__)
+
+MAX_ROUND_ATTEMPTS = 3  # a round that failed is retried under a fresh key, up to this many times
+
+
+@dataclass
+class RoundOutcome:
+    """``ok``: the swarm's average is in ``average``. False: the round failed and nothing changed."""
+
+    ok: bool
+    average: torch.Tensor | None = None
+    report: Any = None
+
+
+class AveragingBackend(Protocol):
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome: ...
+
+
+class MoshpitBackend:
+    """A moshpit Averager over the policy's contribution; the average is read where it landed."""
+
+    def __init__(self, averager: Averager):
+        self.averager = averager
+
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
+        report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch,
+                                          expected_peers=expected_peers, attempt=attempt)
+        average = self.averager.average if not self.averager.write_back else self.averager.tensors[0]
+        return RoundOutcome(report.ok, average if report.ok else None, report)
+
+
+class GossipBackend:
+    """Push-sum gossip: no rounds; every step merges what arrived into the contribution, which then
+    holds this peer's estimate of the swarm's mean whether or not its own push got through."""
+
+    def __init__(self, gossip: GossipAverager, contribution: torch.Tensor):
+        self.gossip, self.contribution = gossip, contribution
+
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
+        report = await self.gossip.step()
+        return RoundOutcome(report.error is None, self.contribution, report)
+
+
+class Tracker(Protocol):
+    local: Any
+
+    def fresh(self) -> SwarmProgress: ...
+
+    def ahead_of(self, epoch: int) -> list[str]: ...
+
+    def others_at(self, epoch: int) -> list[str]: ...
+
+    def set_averaging(self, averaging: bool) -> None: ...
+
+    def next_epoch(self, epoch: int) -> None: ...
+
+
+CatchUp = Callable[[list[str], int], Awaitable[None]]  # donors, minimum version; raises on failure
+
+
+class RoundDriver:
+    """Runs a policy's swarm steps: ``await driver.swarm_step()`` when ``policy.after_backward`` said so.
+
+    ``catch_up(donors, min_version)`` takes the swarm's state (the peer's job: it owns the state);
+    when it fails the peer trains on locally and retries after ``timing.catch_up_retry``.
+    ``record(outcome)`` counts each round. ``run_id`` only names the run in warnings.
+    """
+
+    def __init__(self, policy: Policy, backend: AveragingBackend, tracker: Tracker, timing: Timing,
+                 catch_up: CatchUp, record: Callable[[RoundOutcome], None] = lambda outcome: None,
+                 run_id: str = ""):
+        self.policy, self.backend, self.tracker, self.timing = policy, backend, tracker, timing
+        self.catch_up, self.record, self.run_id = catch_up, record, run_id
+        self.solo_steps = 0  # epochs this peer finished alone
+        self.warning: str | None = None  # why this peer trains alone, when it can tell
+        self._retry_at = 0.0
+
+    async def swarm_step(self) -> bool:
+        """One swarm step; True when this peer's epoch advanced (by averaging, alone, or by catching up)."""
+        epoch = self.tracker.local.epoch
+        if time.monotonic() < self._retry_at:
+            return False  # the last download failed: train on locally for a moment before trying again
+        self._check_settings(self.tracker.fresh())
+        if not self.policy.synchronous:
+            self.policy.prepare()
+            outcome = await self.backend.average(epoch, 0, self.policy.weight(), 0)
+            self.record(outcome)
+            if outcome.average is not None:
+                self.policy.apply(outcome.average)
+            self.tracker.next_epoch(epoch + 1)
+            return True
+        ahead = self.tracker.ahead_of(epoch)
+        if ahead:  # the swarm moved on without us: take its state instead of averaging stale values
+            return await self._try_catch_up(ahead, epoch + 1)
+        alone = not self.tracker.others_at(epoch) and not self.tracker.others_at(epoch - 1)
+        attempts = 0 if alone else MAX_ROUND_ATTEMPTS
+        if not alone:
+            self.tracker.set_averaging(True)
+        for attempt in range(attempts):
+            self.policy.prepare()
+            outcome = await self.backend.average(epoch, attempt, self.policy.weight(), self.expected_peers(epoch))
+            self.record(outcome)
+            if outcome.ok and outcome.average is not None:
+                self.policy.apply(outcome.average)
+                self.tracker.next_epoch(epoch + 1)
+                return True
+            ahead = await self._wait_for_ahead(epoch)
+            if ahead:
+                return await self._try_catch_up(ahead, epoch + 1)
+            if not self.tracker.others_at(epoch):
+                break  # nobody else is training: finish the epoch alone
+        logger.info("epoch %d: no group after %d attempt(s); stepping on local values", epoch, attempts)
+        self.policy.solo()
+        self.solo_steps += 1
+        self.tracker.next_epoch(epoch + 1)
+        return True
+
+    def expected_peers(self, epoch: int) -> int:
+        """Peers expected in this epoch's round: those at it, and those still finishing the one before."""
+        swarm = self.tracker.fresh()
+        return len(swarm.at(epoch)) + len(swarm.at(epoch - 1))
+
+    async def _wait_for_ahead(self, epoch: int) -> list[str]:
+        """Peers that finished ``epoch`` (a round we missed), waiting long enough for them to say so."""
+        deadline = time.monotonic() + self.timing.ahead_wait
+        while True:
+            ahead = self.tracker.ahead_of(epoch)
+            if ahead or time.monotonic() > deadline:
+                return ahead
+            await asyncio.sleep(min(0.1, self.timing.presence_refresh / 4))
+
+    async def _try_catch_up(self, donors: list[str], min_version: int) -> bool:
+        """Take the swarm's state; if no donor can hand it over, keep training locally and retry later
+        (a donor that just left, or a slow link, must not end this peer)."""
+        try:
+            await self.catch_up(donors, min_version)
+            return True
+        except Exception as error:
+            self._retry_at = time.monotonic() + self.timing.catch_up_retry
+            logger.warning("could not take the swarm's state (%s); training on, retrying in %.0f s",
+                           error, self.timing.catch_up_retry)
+            return False
+
+    def _check_settings(self, swarm: SwarmProgress) -> None:
+        """Peers of the run that train with other settings never meet this peer's rounds: say so."""
+        others, mine = len(swarm.other_settings), len(swarm.peers) - 1
+        warning = None
+        if others:
+            warning = (f"{others} peer(s) of run {self.run_id!r} train with other settings or another model, so "
+                       f"their rounds never meet this peer's ({mine} share this peer's); leave the run settings "
+                       "out to take the run's manifest, or pass the ones the run uses")
+        if warning is not None and warning != self.warning:
+            logger.warning(warning)
+        self.warning = warning

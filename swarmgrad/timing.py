@@ -1,0 +1,67 @@
+"""Every deadline a peer keeps, derived from one ``Timing`` object instead of literals spread around.
+
+What sets the pace is the presence refresh (how often a peer republishes and rereads the run's
+presence records) and the measured round times (``RoundTimer``); the rest are small fixed budgets
+for exchanges that take milliseconds on a live peer, collected here so they are tuned in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import pydantic
+
+from swarmgrad.settings import SettingsModel
+
+Seconds = Annotated[float, pydantic.Field(gt=0, le=3600, allow_inf_nan=False)]
+
+
+class Timing(SettingsModel):
+    """A peer's local timing: not a run-level setting (peers of one run may differ)."""
+
+    presence_refresh: Annotated[float, pydantic.Field(ge=0.1, le=60)] = 1.0  # republish and reread presence
+    control_timeout: Seconds = 5.0  # one small control exchange (a direct-connection setup, a state description)
+    reply_timeout: Seconds = 2.0  # a live peer answers an invitation in milliseconds: this is generous
+    connect_timeout: Seconds = 2.0  # one TCP connect to a peer's advertised data address
+    first_round_deadline: Seconds = 60.0  # a round's all-reduce, before any round was measured
+    min_round_deadline: Seconds = 5.0
+    max_round_deadline: Seconds = 600.0
+    round_slack: Annotated[float, pydantic.Field(ge=1, le=100)] = 4.0  # deadline = slack x measured round time
+    join_timeout: Seconds = 60.0  # downloading the swarm's state
+    catch_up_retry: Seconds = 5.0  # after a failed state download, train locally this long before retrying
+    close_part: Seconds = 10.0  # each part of leaving (averagers, presence, state server, node)
+
+    @property
+    def presence_ttl(self) -> float:
+        """A presence record outlives five missed refreshes, and never less than 6 s (DHT latency)."""
+        return max(6.0, 6 * self.presence_refresh)
+
+    @property
+    def ahead_wait(self) -> float:
+        """How long a peer whose round failed waits to see whether the others finished it: two
+        refreshes (one to publish, one to read) and a little slack."""
+        return 2 * self.presence_refresh + 0.5
+
+    def round_timer(self, override: float | None = None) -> RoundTimer:
+        if override is not None:
+            return RoundTimer(override, override, override, self.round_slack)
+        return RoundTimer(self.first_round_deadline, self.min_round_deadline, self.max_round_deadline, self.round_slack)
+
+
+class RoundTimer:
+    """A round's deadline from measured round times (a smoothed estimate times ``slack``)."""
+
+    def __init__(self, initial: float, minimum: float, maximum: float, slack: float = 4.0):
+        self.estimate: float | None = None
+        self.initial, self.minimum, self.maximum, self.slack = initial, minimum, maximum, slack
+
+    def deadline(self) -> float:
+        if self.estimate is None:
+            return self.initial
+        return min(self.maximum, max(self.minimum, self.slack * self.estimate))
+
+    def observe(self, seconds: float) -> None:
+        self.estimate = seconds if self.estimate is None else 0.7 * self.estimate + 0.3 * seconds
+
+
+DEFAULT_TIMING = Timing()

@@ -1,0 +1,159 @@
+"""The round driver's logic, in-process against a fake averaging backend: retries under fresh
+attempts, catching up with a swarm that moved on, stepping alone, expected peers, and saying why a
+peer trains alone. The same driver runs with real peers in test_peer_* and test_cli."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_async
+from peer_fakes import FakeBackend, FakeTracker, attach, model_and_optimizer, set_grads
+
+from swarmgrad.averaging.settings import Gossip
+from swarmgrad.peer.config import DiLoCo, GossipSGD
+from swarmgrad.peer.driver import MAX_ROUND_ATTEMPTS, RoundDriver
+from swarmgrad.peer.progress import PeerProgress
+from swarmgrad.timing import Timing
+
+FAST = Timing(presence_refresh=0.1)  # ahead_wait 0.7 s
+
+
+def peer_at(epoch: int, name: str = "other") -> PeerProgress:
+    return PeerProgress(name, epoch, 0.0, 0.0, 0.0, False)
+
+
+class Harness:
+    """A DiLoCo policy that took a few local steps, its driver, and what the driver called."""
+
+    def __init__(self, outcomes: list[bool], others=(peer_at(0),), other_settings=(), fail_catch_up=False,
+                 on_call=None):
+        self.model, optimizer = model_and_optimizer(0, lr=0.5)
+        self.tracker = FakeTracker(tuple(others), tuple(other_settings))
+        self.policy = attach(DiLoCo(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), self.model, optimizer,
+                             self.tracker)
+        for seed in range(2):
+            set_grads(self.policy.params, seed)
+            self.policy.after_backward(batch_size=4)
+        self.swarm_average = torch.full((self.policy.layout.total,), 0.25)
+        self.backend = FakeBackend(self.policy.contribution, outcomes, self.swarm_average, on_call)
+        self.catch_ups: list[tuple[list[str], int]] = []
+        self.fail_catch_up, self.recorded = fail_catch_up, []
+        self.driver = RoundDriver(self.policy, self.backend, self.tracker, FAST, self.catch_up,
+                                  self.recorded.append, run_id="unit")
+
+    async def catch_up(self, donors: list[str], min_version: int) -> None:
+        self.catch_ups.append((donors, min_version))
+        if self.fail_catch_up:
+            raise ConnectionError("donor left")
+        self.tracker.next_epoch(min_version)
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.policy.params]
+
+
+def test_a_round_that_succeeds_applies_the_swarms_average_once():
+    h = Harness([True])
+    start = [s.clone() for s in h.policy.layout.views(h.policy.start)]
+    assert run_async(h.driver.swarm_step())
+    assert [call["attempt"] for call in h.backend.calls] == [0]
+    assert h.backend.calls[0]["weight"] == 8 and h.backend.calls[0]["expected"] == 2  # me and the other at epoch 0
+    for s, p in zip(start, h.policy.params):  # outer lr 1, no momentum: start - average
+        torch.testing.assert_close(p.detach(), s - 0.25)
+    assert h.tracker.local.epoch == 1 and h.tracker.averaging_set == [True]
+    assert len(h.recorded) == 1 and h.recorded[0].ok and h.driver.solo_steps == 0
+
+
+def test_failed_rounds_are_retried_with_fresh_attempts_and_change_nothing_until_one_succeeds():
+    before = None
+
+    def check_unchanged(calls: int) -> None:
+        if calls > 1:  # every retry sees the same contribution and the parameters as they were
+            assert all(torch.equal(a, b) for a, b in zip(before, h.params()))
+
+    h = Harness([False, False, True], on_call=check_unchanged)
+    before = h.params()
+    assert run_async(h.driver.swarm_step())
+    assert [call["attempt"] for call in h.backend.calls] == [0, 1, 2]
+    assert all(torch.equal(call["values"], h.backend.calls[0]["values"]) for call in h.backend.calls)
+    assert [outcome.ok for outcome in h.recorded] == [False, False, True]
+    assert h.tracker.local.epoch == 1 and h.driver.solo_steps == 0
+    assert not all(torch.equal(a, b) for a, b in zip(before, h.params()))
+
+
+def test_after_every_attempt_fails_the_peer_steps_alone():
+    h = Harness([False] * MAX_ROUND_ATTEMPTS)
+    start = [s.clone() for s in h.policy.layout.views(h.policy.start)]
+    own_delta = [s - p.detach() for s, p in zip(start, h.policy.params)]
+    assert run_async(h.driver.swarm_step())
+    assert len(h.backend.calls) == MAX_ROUND_ATTEMPTS
+    assert h.driver.solo_steps == 1 and h.tracker.local.epoch == 1
+    for s, d, p in zip(start, own_delta, h.policy.params):  # the outer step on its own delta: start - delta
+        torch.testing.assert_close(p.detach(), s - d)
+
+
+def test_alone_in_the_run_no_round_is_attempted():
+    h = Harness([], others=())
+    assert run_async(h.driver.swarm_step())
+    assert h.backend.calls == [] and h.driver.solo_steps == 1 and h.tracker.local.epoch == 1
+    assert h.tracker.averaging_set == []  # nobody is told to join a round that will not happen
+
+
+def test_a_peer_behind_the_swarm_catches_up_instead_of_averaging():
+    h = Harness([], others=(peer_at(3, "ahead"),))
+    assert run_async(h.driver.swarm_step())
+    assert h.catch_ups == [(["ahead"], 1)] and h.backend.calls == []
+    assert h.tracker.local.epoch == 1 and h.driver.solo_steps == 0
+
+
+def test_a_round_missed_while_the_others_finished_it_is_caught_up():
+    h = Harness([False])
+    h.backend.on_call = lambda calls: setattr(h.tracker, "others", (peer_at(1, "finished"),))
+    assert run_async(h.driver.swarm_step())
+    assert len(h.backend.calls) == 1 and h.catch_ups == [(["finished"], 1)]
+    assert h.driver.solo_steps == 0
+
+
+def test_when_the_others_leave_after_a_failed_round_the_peer_steps_alone_at_once():
+    h = Harness([False])
+    h.backend.on_call = lambda calls: setattr(h.tracker, "others", ())
+    assert run_async(h.driver.swarm_step())
+    assert len(h.backend.calls) == 1 and h.driver.solo_steps == 1
+
+
+def test_a_failed_catch_up_keeps_training_and_waits_before_retrying():
+    h = Harness([], others=(peer_at(2, "ahead"),), fail_catch_up=True)
+    assert not run_async(h.driver.swarm_step())
+    assert not run_async(h.driver.swarm_step())  # within catch_up_retry: not even tried
+    assert len(h.catch_ups) == 1 and h.tracker.local.epoch == 0 and h.backend.calls == []
+
+
+def test_expected_peers_counts_those_finishing_the_previous_epoch():
+    h = Harness([], others=(peer_at(4, "a"), peer_at(3, "b"), peer_at(2, "c")))
+    h.tracker.next_epoch(4)
+    assert h.driver.expected_peers(4) == 3  # me and a at 4, b still finishing 3
+
+
+def test_peers_with_other_settings_are_named_in_the_warning():
+    h = Harness([], others=(), other_settings=("x", "y"))
+    assert run_async(h.driver.swarm_step())
+    assert h.driver.warning is not None and "2 peer(s) of run 'unit' train with other settings" in h.driver.warning
+    assert h.driver.solo_steps == 1
+    h.tracker.other_settings = ()
+    run_async(h.driver.swarm_step())
+    assert h.driver.warning is None
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_gossip_steps_once_and_always_takes_the_merged_values(ok):
+    model, optimizer = model_and_optimizer(0)
+    tracker = FakeTracker((peer_at(0),))
+    policy = attach(GossipSGD(every=1), model, optimizer, tracker, averaging=Gossip())
+    assert not policy.synchronous
+    merged = torch.arange(policy.layout.total, dtype=torch.float32)
+    backend = FakeBackend(policy.contribution, [ok], average=merged)
+    backend.fixed_average = merged
+    driver = RoundDriver(policy, backend, tracker, FAST, catch_up=None)  # gossip never catches up
+    assert run_async(driver.swarm_step())
+    assert len(backend.calls) == 1 and tracker.local.epoch == 1
+    if ok:
+        torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in policy.params]), merged)

@@ -1,0 +1,98 @@
+"""The Python API end to end: real peers (real p2pd daemons, a real DHT, loopback) embedded with
+``async with sg.Peer(...)`` in one event loop, training a small model with real averaging rounds.
+What joining a run from Python does with the run's settings, and what a peer says when it can
+meet nobody. (Peers made by the CLI: test_peer_cli.py and test_config.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from conftest import run_async
+
+import swarmgrad as sg
+from swarmgrad.peer.manifest import RunManifest
+
+STEPS = 40
+INNER = 8
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)  # every peer starts from the same weights
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+async def train(peer: sg.Peer, model: torch.nn.Module, seed: int, steps: int = STEPS) -> sg.PeerStatus:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        await peer.astep(batch_size=16, loss=loss)
+        await asyncio.sleep(0.01)  # the other peers share this loop
+    return peer.status()
+
+
+async def swarm(run_id: str, settings: list[dict], steps: int = STEPS) -> list[sg.PeerStatus]:
+    """Peers with the given keyword settings join run ``run_id`` through the first, wait for each
+    other, then train side by side; returns their statuses."""
+    models = [model_and_optimizer() for _ in settings]
+    first = sg.Peer(*models[0], run_id=run_id, timing=sg.Timing(presence_refresh=0.5),
+                    **settings[0])
+    async with first:
+        others = [sg.Peer(*pair, run_id=run_id, initial_peers=first.maddrs, timing=sg.Timing(presence_refresh=0.5),
+                          **kwargs) for pair, kwargs in zip(models[1:], settings[1:])]
+        for peer in others:
+            await peer.__aenter__()
+        try:
+            peers = [first, *others]
+            await asyncio.gather(*(peer.await_peers(len(peers), 20) for peer in peers))
+            return await asyncio.gather(*(train(peer, model, seed, steps) for seed, (peer, (model, _)) in
+                                          enumerate(zip(peers, models))))
+        finally:
+            for peer in others:
+                await peer.__aexit__(None, None, None)
+
+
+def test_python_peers_with_default_settings_average_together():
+    inner_steps = sg.DiLoCo().inner_steps
+    statuses = run_async(swarm("py-defaults", [{}, {}], steps=3 * inner_steps))
+    for status in statuses:
+        assert status.rounds_ok > 0, status
+        assert status.warning is None and status.settings == statuses[0].settings
+
+
+def test_python_peers_whose_settings_differ_say_why_they_train_alone():
+    """Without a manifest nothing stops two peers with other codecs from joining one run: they never
+    share a round key, so each steps alone, and says so in its status."""
+    statuses = run_async(swarm("py-mismatch", [{"compression": "none", "strategy": sg.DiLoCo(inner_steps=INNER)},
+                                               {"strategy": sg.DiLoCo(inner_steps=INNER)}]))
+    for status in statuses:
+        assert status.rounds_ok == 0 and status.solo_steps > 0, status
+        assert status.warning is not None and "1 peer(s) of run 'py-mismatch' train with other settings" in status.warning
+    assert statuses[0].settings != statuses[1].settings
+
+
+def test_a_python_peer_takes_the_runs_settings_from_its_manifest_and_refuses_conflicting_ones():
+    run = sg.RunConfig(task="digits", strategy=sg.DiLoCo(inner_steps=INNER), compression="fp16")
+    manifest = RunManifest.create(run, data_fingerprint=None)
+
+    async def scenario() -> tuple[sg.RunConfig, str, list[sg.PeerStatus]]:
+        model, optimizer = model_and_optimizer()
+        async with sg.Peer(model, optimizer, run_id="py-manifest", config=run, manifest=manifest) as first:
+            conflicting = sg.Peer(*model_and_optimizer(), run_id="py-manifest", initial_peers=first.maddrs,
+                                  compression="int8", strategy=sg.DiLoCo(inner_steps=INNER + 1))
+            with pytest.raises(sg.RunConfigMismatch) as refused:
+                await conflicting.__aenter__()
+            assert not conflicting._opened
+            joiner = sg.Peer(*model_and_optimizer(), run_id="py-manifest", initial_peers=first.maddrs)
+            async with joiner:
+                taken = joiner.config
+        return taken, str(refused.value), []
+
+    taken, message, _ = run_async(scenario())
+    assert taken.compression == "fp16" and taken.strategy == sg.DiLoCo(inner_steps=INNER)
+    assert "compression: 'int8' here, 'fp16' in the run" in message
+    assert f"strategy.inner_steps: {INNER + 1} here, {INNER} in the run" in message
