@@ -6,13 +6,19 @@ meet nobody. (Peers made by the CLI: test_peer_cli.py and test_config.py.)"""
 from __future__ import annotations
 
 import asyncio
+import secrets
+import signal
+import time
 
 import pytest
 import torch
 from conftest import run_async
+from peer_processes import Swarm
 
 import swarmgrad as sg
 from swarmgrad.peer.manifest import RunManifest
+from swarmgrad.tasks import get_task
+from swarmgrad.tasks.base import endless_batches
 
 STEPS = 40
 INNER = 8
@@ -96,3 +102,33 @@ def test_a_python_peer_takes_the_runs_settings_from_its_manifest_and_refuses_con
     assert taken.compression == "fp16" and taken.strategy == sg.DiLoCo(inner_steps=INNER)
     assert "compression: 'int8' here, 'fp16' in the run" in message
     assert f"strategy.inner_steps: {INNER + 1} here, {INNER} in the run" in message
+
+
+def test_a_python_peer_and_a_cli_peer_with_default_settings_average_together():
+    """The first user report of issue 13: `swarmgrad peer digits --create` and a Python peer, both with
+    their defaults, in one run. They must share a round key and average (before, they never met)."""
+    run = Swarm(f"mix-{secrets.token_hex(4)}")
+    try:
+        cli = run.peer("--create", "--max-seconds", "120", "--eval-every", "0", "--no-final-eval",
+                       "--num-shards", "2", "--shard", "0", "--wait-peers", "2", "--wait", "90", name="cli")
+        task = get_task("digits")
+        torch.manual_seed(sg.RunConfig().seed)  # the weights the CLI peers start from
+        model = task.make_model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        batches = endless_batches(task.train_data(1, 2, 0), 64, seed=1)
+        with sg.Peer(model, optimizer, run_id=run.run_id, initial_peers=[run.bootstrap.maddr]) as peer:
+            assert peer.wait_for_peers(2, 90) == 2, run.describe()
+            deadline = time.monotonic() + 90
+            while peer.status().rounds_ok < 2 and time.monotonic() < deadline:
+                inputs, targets = next(batches)
+                loss = task.loss_fn(model(inputs), targets)
+                loss.backward()
+                peer.step(batch_size=len(targets), loss=loss)
+            mine = peer.status()
+        assert mine.rounds_ok >= 2 and mine.warning is None, mine
+        cli.signal(signal.SIGTERM)
+        done = cli.done(60)
+        assert done["status"]["rounds_ok"] > 0, done["status"]
+        assert done["status"]["settings"] == mine.settings
+    finally:
+        run.close()
