@@ -71,6 +71,8 @@ class BackgroundLoop:
     def close(self) -> None:
         if not self._loop.is_running():
             return
+        # cancelled tasks finish their cleanup in moments; a task that ignores cancellation must not
+        # keep the caller's process from exiting
         self.run(_cancel_remaining_tasks(), timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

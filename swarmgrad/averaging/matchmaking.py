@@ -227,6 +227,7 @@ class Matchmaker:
         looking.committed = True
         await channel.send({"t": "accept", "share": looking.share})
         try:
+            # the leader answers once every invitee has replied (each within reply_timeout)
             async with timeout(2 * self.reply_timeout):
                 decision = await channel.recv(max_payload=0)
             plan = None

@@ -33,6 +33,7 @@ from swarmgrad.averaging.transport import Channel, Transport
 from swarmgrad.averaging.wire import FrameError, RemoteError, expect_kind, field, int_field
 from swarmgrad.errors import SwarmgradError
 from swarmgrad.runtime import timeout
+from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
 class StateServer:
     """Serves this peer's latest snapshots to joiners over ``protocol``."""
 
-    def __init__(self, transport: Transport, protocol: str, keep: int = 2, idle_seconds: float = 60.0):
+    def __init__(self, transport: Transport, protocol: str, keep: int = 2,
+                 idle_seconds: float = DEFAULT_TIMING.join_timeout):
         self.transport, self.protocol, self.keep, self.idle_seconds = transport, protocol, keep, idle_seconds
         self._snapshots: dict[int, StateSnapshot] = {}
         self._described: dict[int, bytes] = {}
@@ -192,7 +194,8 @@ class _Offer:
     meta: dict
 
 
-async def download_state(transport: Transport, protocol: str, donors: list[str], *, seconds: float = 60.0,
+async def download_state(transport: Transport, protocol: str, donors: list[str], *,
+                         seconds: float = DEFAULT_TIMING.join_timeout,
                          min_version: int = 0, max_bytes: int = MAX_STATE_BYTES,
                          keep: Callable[[str], bool] | None = None) -> StateSnapshot:
     """The freshest state among ``donors``, fetched in parts spread over every donor that holds it.

@@ -13,7 +13,7 @@ from swarmgrad.errors import StartupError
 from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
-STOP_GRACE_SECONDS = 10.0
+STOP_GRACE_SECONDS = 10.0  # SIGTERM -> a peer leaves (each part of leaving has its own deadline), else SIGKILL
 
 
 @dataclass

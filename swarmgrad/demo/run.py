@@ -41,6 +41,7 @@ async def run_demo(settings: DemoSettings, *, json_output: bool) -> dict:
         with Live(render_dashboard(log, title=title), console=stderr, refresh_per_second=4,
                   transient=json_output) as live:
             async with PeerProcesses(commands, log_dir) as children:
+                # imports, a p2pd per peer and --wait-peers on a small shared machine: a minute, and more peers take longer
                 await children.wait_ready(seconds=60 + 3 * settings.peers)
                 for child in children.children:
                     log.add({"event": "ready", "t": time.time(), "peer_id": child.peer_id, "maddrs": child.maddrs})
@@ -49,11 +50,11 @@ async def run_demo(settings: DemoSettings, *, json_output: bool) -> dict:
                 evaluator = children.children[0].process
                 while evaluator.returncode is None and not all(f.done() for f in followers):
                     live.update(render_dashboard(log, title=title))
-                    await asyncio.sleep(0.25)
+                    await asyncio.sleep(0.25)  # the dashboard's refresh rate
                     if followers[0].done():
                         break
                 await children.stop()  # the others leave gracefully and report
-                await asyncio.wait(followers, timeout=15)
+                await asyncio.wait(followers, timeout=15)  # their last lines, after STOP_GRACE_SECONDS at most
             live.update(render_dashboard(log, title=title))
     summary = summarize(log, targets=TARGETS)
     plot = plot_run(log, settings.plot, title, targets=TARGETS)

@@ -57,7 +57,7 @@ class SyncNode:
         if self._background is None:
             return
         try:
-            self._background.run(self._stop(), timeout=30)
+            self._background.run(self._stop(), timeout=30)  # a leave record, then the node (10 s bound each)
         finally:
             self._background.close()
             self._background = None

@@ -60,7 +60,7 @@ from swarmgrad.lab.scenario import ChurnEvent, Scenario
 from swarmgrad.lab.sweep import killpg
 
 BOOTSTRAP_PORT = 31337
-POLL_SECONDS = 0.25
+POLL_SECONDS = 0.25  # how often the driver looks at its peers: the live table's refresh
 BOOTSTRAP_SECONDS = 90.0  # a loaded 2-core machine takes a while to start a node
 FORMATION_SECONDS = 240.0  # until the first peer is ready: imports, two p2pd starts, --wait-peers
 WAIT_SECONDS = 180  # `swarmgrad peer --wait`: for the DHT and for the other peers

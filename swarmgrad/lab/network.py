@@ -237,7 +237,7 @@ class EmulatedNetwork:
         Received bytes count before the link's loss is applied."""
         self._check_index(i)
         result = subprocess.run([self.tools.get("ip", "ip"), "-n", self.namespace(i), "-s", "-j", "link", "show",
-                                 TUN_NAME], capture_output=True, text=True, check=False, timeout=10)
+                                 TUN_NAME], capture_output=True, text=True, check=False, timeout=10)  # a local netlink read
         if result.returncode != 0:
             raise StartupError(f"cannot read the traffic counters of peer {i}: {result.stderr.strip()[-300:]}")
         stats = json.loads(result.stdout)[0]["stats64"]
@@ -404,7 +404,7 @@ class EmulatedNetwork:
                 killpg(process.pid, signal.SIGKILL)
         for process in live:
             try:
-                process.wait(timeout=5)
+                process.wait(timeout=5)  # after SIGKILL
             except subprocess.TimeoutExpired:
                 pass
 

@@ -126,10 +126,10 @@ def sweep(prefix: str, hub: subprocess.Popen | None) -> None:
         if hub.stdin:
             close_quietly(hub.stdin)  # EOF on the control pipe: the hub exits and its tuns vanish
         try:
-            hub.wait(timeout=3)
+            hub.wait(timeout=3)  # it exits at once on EOF; one that does not is killed
         except subprocess.TimeoutExpired:
             hub.kill()
-            hub.wait(timeout=5)
+            hub.wait(timeout=5)  # SIGKILL: only the kernel's own cleanup remains
         if hub.stdout:
             close_quietly(hub.stdout)
     kill_all(lambda: set(lab_processes(prefix)))
@@ -143,7 +143,7 @@ def sweep(prefix: str, hub: subprocess.Popen | None) -> None:
         run_tool([ip, "link", "del", link], check=False)
 
 
-def kill_all(current: Any, timeout: float = 5.0) -> None:
+def kill_all(current: Any, timeout: float = 5.0) -> None:  # SIGKILLed processes vanish in milliseconds
     pids = current()
     deadline = time.monotonic() + timeout
     while pids and time.monotonic() < deadline:

@@ -105,7 +105,7 @@ async def wait_for_manifest(node: SwarmNode, run_id: str, seconds: float) -> Run
         if time.monotonic() > deadline:
             raise StartupError(f"run {run_id!r} has no manifest in the DHT after {seconds:.0f} s: is the run id right, "
                                "and was it created with `swarmgrad peer TASK --run-id ... --create`?")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a creator publishes within a second of starting
 
 
 def check_compatible(manifest: RunManifest, task: str | None, data_fingerprint: str | None) -> None:

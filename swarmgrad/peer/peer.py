@@ -174,7 +174,8 @@ class Peer:
         if self._background is None:
             return
         try:
-            self._background.run(self.__aexit__(*exc_info), timeout=60)
+            # the final checkpoint, then the averager and the runtime's four parts, each within close_part
+            self._background.run(self.__aexit__(*exc_info), timeout=6 * self.timing.close_part)
         finally:
             self._background.close()
             self._background = None
@@ -215,7 +216,7 @@ class Peer:
         if self._local_step(batch_size, loss):
             await self._swarm_step()
 
-    def wait_for_peers(self, count: int, seconds: float = 60.0) -> int:
+    def wait_for_peers(self, count: int, seconds: float = 60.0) -> int:  # a user's choice: others start within a minute
         """Block until ``count`` peers (this one included) train in the run, or ``seconds`` pass;
         returns how many there are. Useful to start a swarm together."""
         if self._background is None:
