@@ -13,7 +13,7 @@ It joins a running swarm of the ``digits`` task. Start one in two other terminal
     swarmgrad peer digits --run-id digits-demo --create --initial-peers MADDR   # diloco, 50 inner steps, int8
 then:
     python examples/embedded_peer.py --run-id digits-demo --initial-peers MADDR --seconds 60
-The strategy and compression below must match the run's (a peer with another codec finds no group).
+It passes no run settings: it takes the run's (strategy, compression, ...) from the run's manifest.
 """
 
 import argparse
@@ -66,14 +66,12 @@ async def main() -> None:
     optimizer = make_optimizer(model.parameters(), task.default_hparams)
     peer = sg.Peer(
         model, optimizer,
-        run_id=args.run_id,
-        strategy=sg.DiLoCo(inner_steps=50),
-        compression="int8",
+        run_id=args.run_id,  # the run's settings come from its manifest; any given here must agree with it
         # outbound connections only; a client-mode NodeConfig must name its initial peers itself
         network=sg.NodeConfig(client_mode=True, initial_peers=args.initial_peers),
     )
     async with peer:  # joins on this loop: downloads the swarm's state if the run is under way
-        print(f"joined run {args.run_id} as {peer.peer_id} (client mode)")
+        print(f"joined run {args.run_id} as {peer.peer_id} (client mode), training {peer.config.strategy}")
         beat = asyncio.create_task(heartbeat(peer))
         try:
             await train(peer, task, model, args.seconds)

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -44,25 +44,25 @@ Emit = Callable[[dict[str, Any]], None]
 
 @dataclass
 class LocalOptions:
-    """Each peer's own choices: which data, how long, where to keep checkpoints."""
+    """Each peer's own choices: which data, how long, where to keep checkpoints. Built from the
+    command's options (commands/options.py, where their defaults live); None means not set."""
 
+    eval_every: float  # seconds between held-out evaluations; 0 = only at the end
+    final_eval: bool
+    trusted_network: bool
+    wait_peers: int  # wait until this many peers train in the run before starting
+    slowdown: float  # emulate slower hardware: each local step takes this many times longer
+    wait_seconds: float
     shard: int | None = None
     num_shards: int | None = None
     data_dir: str | None = None
     max_seconds: float | None = None
     max_steps: int | None = None
     target_accuracy: float | None = None
-    eval_every: float = 10.0  # seconds between held-out evaluations; 0 = only at the end
     eval_batches: int | None = None
-    final_eval: bool = True
     checkpoint_dir: Path | None = None
     threads: int | None = None
-    trusted_network: bool = False
     timing: Timing | None = None  # None: the Peer's default
-    wait_peers: int = 1  # wait until this many peers train in the run before starting
-    slowdown: float = 1.0  # emulate slower hardware: each local step takes this many times longer
-    wait_seconds: float = 60.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def no_initial_peers(run_id: str) -> str:
