@@ -118,6 +118,22 @@ def test_averager_names_and_settings_are_checked():
     assert default.codec.spec == "int8" and default.group_size == 16  # the run defaults
 
 
+def test_a_node_has_one_runtime_which_its_averagers_share():
+    """A second runtime on a node would take over the first's direct-connection protocol: refused."""
+
+    async def scenario():
+        async with SwarmNode(NodeConfig()) as node:
+            async with NetworkRuntime(RUN, node=node) as runtime:
+                with pytest.raises(RuntimeError, match="already has a NetworkRuntime"):
+                    await NetworkRuntime(RUN, node=node).__aenter__()
+                assert node.runtime is runtime and runtime.transport is not None
+            assert node.runtime is None and node.p2p is not None  # the caller's node stays up
+            async with NetworkRuntime(RUN, node=node) as again:  # once the first left, a new one may come
+                assert node.runtime is again
+
+    run_async(scenario())
+
+
 def test_two_averagers_of_one_peer_step_at_once_in_the_same_round():
     """One runtime (one node, one transport) per peer, two averagers on it over tensors of the very
     same shapes, told apart only by their names: both step concurrently, in the same round index,

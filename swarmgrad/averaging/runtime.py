@@ -66,6 +66,12 @@ class NetworkRuntime:
                 self._entered.append(("node", self.node.shutdown))
             elif self.node.p2p is None:
                 raise RuntimeError("start the SwarmNode before the NetworkRuntime that uses it")
+            if getattr(self.node, "runtime", None) is not None:
+                # a second transport would take over the first's direct-connection protocol
+                raise RuntimeError("this node already has a NetworkRuntime: share it (any number of "
+                                   "averagers can use one runtime)")
+            self.node.runtime = self
+            self._entered.append(("node's runtime", self._release_node))
             self.transport = default_transport(self.node, self.direct, self.trusted_network, self.timing)
             await self.transport.start()
             self._entered.append(("transport", self.transport.stop))
@@ -78,6 +84,9 @@ class NetworkRuntime:
             await self.__aexit__(None, None, None)
             raise
         return self
+
+    async def _release_node(self) -> None:
+        self.node.runtime = None
 
     async def __aexit__(self, *exc_info) -> None:
         """Leave in reverse order; each part gets a deadline, so one that hangs (a groupmate that is

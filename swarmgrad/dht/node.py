@@ -39,6 +39,7 @@ class SwarmNode:
         if identity is None and self.config.identity_path is not None:
             identity = Identity.load_or_create(self.config.identity_path)
         self.identity = identity or Identity.generate()
+        self.runtime = None  # the NetworkRuntime that owns this node's transport, at most one
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
 
