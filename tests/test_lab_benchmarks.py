@@ -95,6 +95,8 @@ _LAB_REASON = lab_unavailable()
 
 
 @pytest.mark.skipif(_LAB_REASON is not None, reason=f"emulated network unavailable: {_LAB_REASON}")
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # above the benchmark's own 420 s limit, so that one can fire and say why
 def test_quick_benchmark_runs_swarmgrad_and_hivemind_on_one_network_and_cleans_up(tmp_path):
     import json
     import os

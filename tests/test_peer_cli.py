@@ -132,10 +132,9 @@ def test_mid_run_joiner_downloads_the_swarms_state(swarm):
                           *PATIENT, name=f"original{shard}") for shard in range(2)]
     for peer in originals:
         peer.ready(90)
-    time.sleep(6)
-    for peer in originals:
+    for peer in originals:  # the swarm is under way: each original has averaged at least once
+        peer.wait_until(lambda peer=peer: (peer.progress_value("rounds_ok") or 0) >= 1, 30, "a first round")
         assert peer.process.poll() is None, peer.describe()
-        assert peer.progress_value("rounds_ok") >= 1, peer.describe()
 
     joiner = run.peer(*common, "--shard", "2", "--max-seconds", "5", *PATIENT, name="joiner")
     ready = joiner.ready(90)
