@@ -1,0 +1,147 @@
+"""Property-based tests (hypothesis) of the pure core: wire frames, the chunk layout, the int8
+codec's error bound. Seeded (derandomized) and small, so the whole file runs in seconds; each
+property is stated as the module's docstring states it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmgrad.averaging.codecs import CodecError, get_codec
+from swarmgrad.averaging.layout import Schema, TensorSpec, assign_parts
+from swarmgrad.averaging.wire import (
+    MAX_HEADER_BYTES,
+    PREFIX,
+    WIRE_VERSION,
+    FrameError,
+    RemoteError,
+    check_lengths,
+    pack_prefix_and_header,
+    parse_header,
+)
+
+settings.register_profile("swarmgrad", derandomize=True, max_examples=150, deadline=None)
+settings.load_profile("swarmgrad")
+
+# ---- wire frames ---------------------------------------------------------------------------------
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False),
+                    st.text(max_size=20), st.binary(max_size=40))
+headers = st.dictionaries(st.text(min_size=1, max_size=8).filter(lambda key: key not in ("t", "v")),
+                          st.one_of(scalars, st.lists(scalars, max_size=4)), max_size=6)
+kinds = st.text(min_size=1, max_size=12).filter(lambda kind: kind != "error")
+
+
+@given(kinds, headers, st.integers(0, 2**32 - 1))
+def test_a_frame_header_round_trips(kind, fields, payload_length):
+    packed = pack_prefix_and_header({"t": kind, **fields}, payload_length)
+    header_length, length = PREFIX.unpack(packed[:PREFIX.size])
+    assert (header_length, length) == (len(packed) - PREFIX.size, payload_length)
+    assert parse_header(packed[PREFIX.size:]) == {"v": WIRE_VERSION, "t": kind, **fields}
+
+
+@given(kinds, headers, st.data())
+def test_a_corrupted_header_is_refused_or_still_a_valid_header(kind, fields, data):
+    """Truncation or any flipped bit gives a FrameError (never another exception), or, when the
+    bytes still decode, a map that passes every check parse_header makes."""
+    body = bytearray(pack_prefix_and_header({"t": kind, **fields}, 0)[PREFIX.size:])
+    if data.draw(st.booleans()):
+        body = body[: data.draw(st.integers(0, len(body) - 1))]
+    else:
+        position = data.draw(st.integers(0, len(body) - 1))
+        body[position] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        header = parse_header(bytes(body))
+    except RemoteError:
+        return  # the flip spelled "error": an error frame, handled as one
+    except FrameError:
+        return
+    assert isinstance(header, dict) and isinstance(header["t"], str) and header["v"] == WIRE_VERSION
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**31))
+def test_length_lies_are_refused_before_anything_is_read(header_length, payload_length, max_payload):
+    fits = 1 <= header_length <= MAX_HEADER_BYTES and payload_length <= max_payload
+    if fits:
+        check_lengths(header_length, payload_length, max_payload)
+    else:
+        with pytest.raises(FrameError):
+            check_lengths(header_length, payload_length, max_payload)
+
+
+def test_a_header_too_large_to_send_is_refused():
+    with pytest.raises(FrameError):
+        pack_prefix_and_header({"t": "x", "blob": b"\0" * MAX_HEADER_BYTES}, 0)
+
+
+# ---- the chunk layout ----------------------------------------------------------------------------
+
+shapes = st.lists(st.lists(st.integers(0, 70), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6)
+
+
+@given(shapes, st.integers(1, 5000))
+def test_the_chunk_grid_covers_every_element_exactly_once(tensor_shapes, chunk_elements):
+    schema = Schema([TensorSpec(f"t{i}", shape, "float32") for i, shape in enumerate(tensor_shapes)], chunk_elements)
+    covered = np.zeros(schema.total, dtype=np.int64)
+    for index, chunk in enumerate(schema.chunks):
+        assert chunk.index == index and 0 < chunk.length <= chunk_elements
+        assert math.prod(chunk.view) == chunk.length
+        covered[chunk.start : chunk.start + chunk.length] += 1
+    assert (covered == 1).all()
+    assert schema.total == sum(math.prod(shape) for shape in tensor_shapes)
+
+
+@given(shapes, st.integers(1, 5000), st.lists(st.floats(0, 100), min_size=1, max_size=8))
+def test_parts_are_contiguous_cover_every_chunk_and_skip_zero_shares(tensor_shapes, chunk_elements, shares):
+    schema = Schema([TensorSpec(f"t{i}", shape, "float32") for i, shape in enumerate(tensor_shapes)], chunk_elements)
+    parts = assign_parts(schema.chunks, shares)
+    assert len(parts) == len(shares)
+    if sum(shares) <= 0 or not schema.chunks:
+        assert all(len(part) == 0 for part in parts)
+        return
+    assert [index for part in parts for index in part] == list(range(len(schema.chunks)))
+    for part, share in zip(parts, shares):
+        if share == 0:
+            assert len(part) == 0
+
+
+@given(shapes, st.integers(0, 2**32 - 1))
+def test_flatten_and_unflatten_round_trip(tensor_shapes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(shape, generator=generator) for shape in tensor_shapes]
+    schema = Schema.of([(f"t{i}", t) for i, t in enumerate(tensors)])
+    flat = schema.flatten_into(tensors, torch.empty(schema.total))
+    back = [torch.empty_like(t) for t in tensors]
+    schema.unflatten_into(flat, back)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+
+
+# ---- the int8 codec's error bound ----------------------------------------------------------------
+
+values = st.floats(-2.0**100, 2.0**100, allow_nan=False, allow_subnormal=True, width=32)
+
+
+@given(st.lists(values, min_size=0, max_size=300), st.integers(1, 64))
+def test_int8_meets_its_stated_error_bound(items, block):
+    """|x - decoded| <= max(absmax_block, 2^-100) / 254 + absmax_block * 2^-22 (int8.py's docstring)."""
+    tensor = torch.tensor(items, dtype=torch.float32)
+    codec = get_codec(f"int8:{block}")
+    decoded = codec.decode(codec.encode(tensor)).reshape(-1)
+    for start in range(0, len(items), block):
+        original = tensor[start : start + block].double()
+        absmax = float(original.abs().max())
+        bound = max(absmax, 2.0**-100) / 254 + absmax * 2.0**-22
+        assert float((original - decoded[start : start + block].double()).abs().max()) <= bound
+
+
+@given(st.lists(values, min_size=1, max_size=50), st.sampled_from([math.nan, math.inf, -math.inf]), st.data())
+def test_int8_refuses_nan_and_inf(items, bad, data):
+    tensor = torch.tensor(items, dtype=torch.float32)
+    tensor[data.draw(st.integers(0, len(items) - 1))] = bad
+    with pytest.raises(CodecError):
+        get_codec("int8").encode(tensor)
