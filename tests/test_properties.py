@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of the pure core: wire frames, the chunk layout, the int8
-codec's error bound. Seeded (derandomized) and small, so the whole file runs in seconds; each
-property is stated as the module's docstring states it."""
+codec's error bound and the privacy budget. Seeded (derandomized) and small, so the whole file runs
+in seconds; each property is stated as the module under test states it."""
 
 from __future__ import annotations
 
@@ -145,3 +145,27 @@ def test_int8_refuses_nan_and_inf(items, bad, data):
     tensor[data.draw(st.integers(0, len(items) - 1))] = bad
     with pytest.raises(CodecError):
         get_codec("int8").encode(tensor)
+
+
+# ---- the privacy budget --------------------------------------------------------------------------
+
+
+@settings(max_examples=25)  # each epsilon is an RDP computation (milliseconds): fewer, longer cases
+@given(st.floats(0.5, 4.0), st.floats(0.05, 1.0), st.floats(0.5, 12.0), st.integers(1, 8))
+def test_epsilon_never_decreases_never_passes_the_limit_and_a_refusal_leaves_no_trace(noise, rate, limit, attempts):
+    from swarmgrad.averaging.privacy import BudgetExhausted, PrivacyBudget
+
+    budget = PrivacyBudget(noise, rate, 1e-5, limit)
+    spent = [budget.epsilon]
+    for _ in range(attempts):
+        before = (budget.releases, budget.state_dict()["history"], budget.epsilon)
+        try:
+            budget.check()
+        except BudgetExhausted:
+            assert (budget.releases, budget.state_dict()["history"], budget.epsilon) == before
+            assert budget.exhausted
+            continue
+        budget.commit()
+        spent.append(budget.epsilon)
+        assert budget.epsilon <= limit
+    assert spent == sorted(spent) and budget.releases == len(spent) - 1
