@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis) of the pure core: wire frames, the chunk layout, the int8
-codec's error bound and the privacy budget. Seeded (derandomized) and small, so the whole file runs
+codec's error bound, the privacy budget and push-sum's mass. Seeded (derandomized) and small, so the whole file runs
 in seconds; each property is stated as the module under test states it."""
 
 from __future__ import annotations
@@ -169,3 +169,51 @@ def test_epsilon_never_decreases_never_passes_the_limit_and_a_refusal_leaves_no_
         spent.append(budget.epsilon)
         assert budget.epsilon <= limit
     assert spent == sorted(spent) and budget.releases == len(spent) - 1
+
+
+# ---- push-sum mass ------------------------------------------------------------------------------
+
+operations = st.lists(st.tuples(st.sampled_from(["push", "lost push", "refused push", "merge"]),
+                                st.integers(0, 2), st.integers(0, 2), st.floats(0.05, 0.95)), max_size=30)
+
+
+@settings(max_examples=60)
+@given(operations, st.integers(0, 2**32 - 1))
+def test_push_sum_conserves_mass_for_any_sequence_of_pushes_and_merges(ops, seed):
+    """The sum of w x over the peers and the pushes in flight never changes: a push gives away what
+    arrives (even when the codec changed it on the way), a refused push is taken back, a merge only
+    moves mass; a lost push loses exactly its share, never more (gossip.py's mass accounting)."""
+    from swarmgrad.averaging.gossip import _Push
+    from test_gossip import lone_averager
+
+    generator = torch.Generator().manual_seed(seed)
+    peers = [lone_averager(torch.randn(64, generator=generator), weight=float(i + 1)) for i in range(3)]
+    in_flight: list[tuple[int, _Push]] = []  # (receiver, push) not merged yet
+
+    def mass() -> tuple[float, torch.Tensor]:
+        weights = sum(p.weight for p in peers) + sum(push.weight for _, push in in_flight)
+        total = sum(p.weight * p._values.double() for p in peers)
+        return weights, total + sum(push.weight * push.values.double() for _, push in in_flight)
+
+    weight0, total0 = mass()
+    lost_weight, lost_total = 0.0, torch.zeros(64, dtype=torch.float64)
+    for op, sender, receiver, fraction in ops:
+        peer = peers[sender]
+        if op == "merge":
+            peer._pending = [push for who, push in in_flight if who == sender]
+            in_flight = [(who, push) for who, push in in_flight if who != sender]
+            peer._merge()
+            continue
+        given = peer.weight * fraction
+        arrives = peer._values + 1e-3 * torch.randn(64, generator=generator)  # what a lossy codec delivers
+        before = peer._give(given, arrives)
+        if op == "push" and receiver != sender:
+            in_flight.append((receiver, _Push(given, arrives)))
+        elif op == "refused push":
+            peer._take_back(given, before)
+        else:  # lost on the way (or pushed to itself, which the graph never does): its share is gone
+            lost_weight += given
+            lost_total += given * arrives.double()
+    weight, total = mass()
+    assert math.isclose(weight + lost_weight, weight0, rel_tol=1e-9)
+    torch.testing.assert_close(total + lost_total, total0, rtol=1e-4, atol=1e-4)
