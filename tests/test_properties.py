@@ -1,9 +1,10 @@
-"""Property-based tests (hypothesis) of the pure core: wire frames, the chunk layout, the int8
-codec's error bound, the privacy budget and push-sum's mass. Seeded (derandomized) and small, so the whole file runs
+"""Property-based tests (hypothesis) of the pure core: wire frames, signed records, the chunk
+layout, the int8 codec's error bound, the privacy budget and push-sum's mass. Seeded (derandomized) and small, so the whole file runs
 in seconds; each property is stated as the module under test states it."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -217,3 +218,39 @@ def test_push_sum_conserves_mass_for_any_sequence_of_pushes_and_merges(ops, seed
     weight, total = mass()
     assert math.isclose(weight + lost_weight, weight0, rel_tol=1e-9)
     torch.testing.assert_close(total + lost_total, total0, rtol=1e-4, atol=1e-4)
+
+
+# ---- signed records ------------------------------------------------------------------------------
+
+@functools.cache
+def _identity():
+    from swarmgrad.dht.identity import Identity
+
+    return Identity.generate()
+
+
+@settings(max_examples=100)
+@given(st.integers(0, 10**9), st.floats(0, 1e6), st.text(max_size=20), st.data())
+def test_a_signed_record_altered_anywhere_is_refused(step, rate, run, data):
+    """Flip any bit of a sealed presence record: it is refused (RecordError), or, if it still opens,
+    nothing it says changed (records.py: the signature covers kind, key, subkey, expiry and body)."""
+    import time
+
+    from swarmgrad.dht.membership import MemberRecord, Progress
+    from swarmgrad.dht.records import RecordError, open_envelope, seal
+
+    body = MemberRecord(maddrs=[f"/ip4/127.0.0.1/tcp/{1 + step % 65535}"], role="peer", version="0.1.0", step=step,
+                        samples_per_second=rate, updated_at=time.time(),
+                        progress=Progress(epoch=step % 100, samples=step, steps=step % 7, steps_per_second=rate,
+                                          settings=run))
+    key, expires = f"swarmgrad/r{len(run)}/members", time.time() + 30
+    envelope = bytearray(seal(_identity(), key, body, expires))
+    original = open_envelope(bytes(envelope))
+    position = data.draw(st.integers(0, len(envelope) - 1))
+    envelope[position] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        opened = open_envelope(bytes(envelope))
+    except RecordError:
+        return
+    assert (opened.key, opened.owner, opened.expires, opened.body) == \
+        (original.key, original.owner, original.expires, original.body)
