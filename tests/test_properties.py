@@ -184,8 +184,9 @@ def test_push_sum_conserves_mass_for_any_sequence_of_pushes_and_merges(ops, seed
     """The sum of w x over the peers and the pushes in flight never changes: a push gives away what
     arrives (even when the codec changed it on the way), a refused push is taken back, a merge only
     moves mass; a lost push loses exactly its share, never more (gossip.py's mass accounting)."""
-    from swarmgrad.averaging.gossip import _Push
     from test_gossip import lone_averager
+
+    from swarmgrad.averaging.gossip import _Push
 
     generator = torch.Generator().manual_seed(seed)
     peers = [lone_averager(torch.randn(64, generator=generator), weight=float(i + 1)) for i in range(3)]
