@@ -66,7 +66,7 @@ class NetworkRuntime:
                 self._entered.append(("node", self.node.shutdown))
             elif self.node.p2p is None:
                 raise RuntimeError("start the SwarmNode before the NetworkRuntime that uses it")
-            if getattr(self.node, "runtime", None) is not None:
+            if self.node.runtime is not None:
                 # a second transport would take over the first's direct-connection protocol
                 raise RuntimeError("this node already has a NetworkRuntime: share it (any number of "
                                    "averagers can use one runtime)")

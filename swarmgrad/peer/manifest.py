@@ -22,7 +22,7 @@ from swarmgrad.dht.config import check_run_id
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.errors import ConfigError, StartupError
-from swarmgrad.peer.config import RunConfig, describe_validation_error, resolve_against_run
+from swarmgrad.peer.config import RunConfig, resolve_against_run
 from swarmgrad.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,7 @@ class RunManifest(RecordBody):
 
     def run_config(self) -> RunConfig:
         """The run's settings, task included (what :meth:`create` was given); bad ones are a ConfigError."""
-        try:
-            return RunConfig.model_validate({**self.options, "task": self.task})
-        except pydantic.ValidationError as error:
-            raise ConfigError(f"the run manifest's settings are invalid: {describe_validation_error(error)}") from None
-        except ConfigError as error:
-            raise ConfigError(f"the run manifest's settings are invalid: {error}") from None
+        return RunConfig.parse({**self.options, "task": self.task}, "the run manifest's settings are invalid")
 
     @property
     def options(self) -> dict[str, Any]:

@@ -268,11 +268,13 @@ class Peer:
     async def _settle_config(self) -> None:
         """Take the run's settings from its manifest; refuse settings given here that differ (issue:
         two peers whose settings differ never share a round key, and would train alone silently)."""
-        found = await read_manifest(self.node, self.run_id) if self.node.config.initial_peers else None
+        found = self.manifest  # a caller that settled the run already (`swarmgrad peer`) hands it over
+        if found is None and self.node.config.initial_peers:
+            found = await read_manifest(self.node, self.run_id)
         self.config = resolve_against_run(self.run_id, self.requested, found.run_config() if found else None)
         self._check_local_privacy(self.config)
-        if found is not None and self.manifest is None:
-            self.manifest = found  # train with the run's settings, and keep them published with the others
+        self.manifest = found  # train with the run's settings, and keep them published with the others
+        if found is not None:
             logger.info("run %s: settings from its manifest (%s)", self.run_id, self.config.settings_json())
 
     def _check_local_privacy(self, config: RunConfig) -> None:

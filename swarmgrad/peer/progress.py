@@ -14,6 +14,7 @@ listed apart (``SwarmProgress.other_settings``) and counted neither as groupmate
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -161,7 +162,7 @@ class ProgressTracker:
             step, rate = local.total_steps, float(local.samples_per_second)
         epsilon = self.epsilon()
         presence.update(step=step, samples_per_second=rate, progress=progress,
-                        epsilon=epsilon if epsilon is not None and epsilon == epsilon and epsilon >= 0 else None)
+                        epsilon=epsilon if epsilon is not None and math.isfinite(epsilon) else None)
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -181,9 +182,10 @@ class ProgressTracker:
                 continue
             # extrapolate by the peer's rate, at most two refresh intervals (it may have stopped)
             elapsed = min(max(0.0, wall - member.last_seen), 2 * self.refresh) if not record.averaging else 0.0
-            peers.append(PeerProgress(member.peer_id, record.epoch, record.samples + member.samples_per_second * elapsed,
-                                      record.steps + record.steps_per_second * elapsed,
-                                      member.samples_per_second, record.averaging))
+            samples = record.samples + member.samples_per_second * elapsed
+            steps = record.steps + record.steps_per_second * elapsed
+            peers.append(PeerProgress(member.peer_id, record.epoch, samples, steps, member.samples_per_second,
+                                      record.averaging))
         self.swarm = SwarmProgress(tuple(peers), taken_at=now, other_settings=tuple(other_settings))
 
     def fresh(self) -> SwarmProgress:

@@ -15,7 +15,7 @@ import torch
 from swarmgrad.peer.progress import SwarmProgress
 
 
-class Progress(Protocol):
+class ProgressCounter(Protocol):
     """What a policy reads and counts of the swarm's progress (a ProgressTracker)."""
 
     local: object
@@ -49,7 +49,7 @@ class Policy(ABC):
     # already has one keeps it when it takes the swarm's state, and downloads only the rest
     local_optimizer: ClassVar[bool] = True
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: Progress,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
                  synchronous: bool = True):
         self.model, self.optimizer, self.progress = model, optimizer, progress
         self.synchronous = synchronous  # swarm steps are numbered epochs every peer takes together
