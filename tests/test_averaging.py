@@ -266,12 +266,10 @@ def test_straggler_is_left_out_and_keeps_its_values():
                 Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec="none"))
                 for runtime, ts in zip(runtimes, tensors)]
 
-            async def straggle():
-                await asyncio.sleep(4 * WINDOW + 5)  # past the group's matchmaking deadline
-                return await averagers[3].step(weight=1.0)
-
-            on_time = [averagers[i].step(weight=float(i + 1)) for i in range(3)]
-            *reports, late = await asyncio.gather(*on_time, straggle())
+            # the straggler comes once the others' round is over (it is in presence all along, so
+            # they wait out their matchmaking window for it, then average without it)
+            reports = await asyncio.gather(*(averagers[i].step(weight=float(i + 1)) for i in range(3)))
+            late = await averagers[3].step(weight=1.0)
             assert all(r.ok and len(r.group) == 3 for r in reports), [r.error for r in reports]
             expected = (0 * 1 + 1 * 2 + 2 * 3) / 6
             for ts in tensors[:3]:
@@ -305,7 +303,9 @@ def test_sigkill_mid_round_leaves_survivors_correct_or_unchanged():
                 child.stdin.flush()
 
                 async def kill_during_allreduce():
-                    await asyncio.sleep(window + 0.3)
+                    rounds = averagers[0]._rounds_changed  # notified when a group's all-reduce starts
+                    async with rounds:
+                        await rounds.wait_for(lambda: averagers[0]._rounds)
                     child.kill()
 
                 started = time.monotonic()

@@ -21,7 +21,8 @@ from hivemind.p2p import PeerID
 
 from swarmgrad.averaging import Gossip, GossipAverager, NetworkRuntime
 from swarmgrad.averaging.framestream import FastChannel
-from swarmgrad.averaging.gossip import MIN_WEIGHT_FRACTION, UNREACHABLE_FACTOR, _Push, exponential_neighbors
+from swarmgrad.averaging.gossip import MIN_WEIGHT_FRACTION, UNREACHABLE_FACTOR
+from swarmgrad.averaging.pushsum import Push, exponential_neighbors
 from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.timing import Timing
@@ -103,7 +104,7 @@ def test_a_peer_that_only_pushes_stays_finite_and_waits_once_starved():
     assert (averager.tensors[0] - original).abs().max() < 0.05  # only the compression errors it kept
     # one push in and it mixes again: the arriving values dominate a starved peer's estimate
     arriving = torch.zeros(1000)
-    averager._pending.append(_Push(0.5, arriving))
+    averager._pending.append(Push(0.5, arriving))
     run_async(averager.step())
     assert pushes == 42 and averager.weight == pytest.approx((0.5 + 2.0**-41) / 2)
     assert (averager.tensors[0] - arriving).abs().max() < 0.01  # the push after the merge kept its error
@@ -122,7 +123,7 @@ def test_weight_lost_by_the_whole_swarm_does_not_stop_the_mixing():
 
     averager._push = push
     averager.weight = 2.0**-60  # far below its starting weight of 1
-    averager._pending.append(_Push(2.0**-61, torch.ones(8)))
+    averager._pending.append(Push(2.0**-61, torch.ones(8)))
     run_async(averager.step())
     assert pushes == [2.0**-60 + 2.0**-61]
 
@@ -132,7 +133,7 @@ def test_push_sum_arithmetic_holds_at_any_weight_magnitude():
         values = torch.randn(64, generator=torch.Generator().manual_seed(2))
         averager = lone_averager(values.clone(), weight=weight)
         other = torch.randn(64, generator=torch.Generator().manual_seed(3))
-        averager._pending.append(_Push(weight / 3, other))
+        averager._pending.append(Push(weight / 3, other))
         averager._merge()
         torch.testing.assert_close(averager.tensors[0], (3 * values + other) / 4)
         arrives = averager._values + 0.01

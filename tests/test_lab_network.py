@@ -228,16 +228,23 @@ def test_traffic_counters_see_what_a_peer_sends(rated):
 
 # -- lifecycle ----------------------------------------------------------------------------------------
 
+def count_sleeps(leftover: list[str]) -> int:
+    return sum(re.fullmatch(r"process \d+ sleep 300", item) is not None for item in leftover)
+
+
 def test_exit_removes_everything():
     with EmulatedNetwork([LinkSpec(10, 10, 5, 0.1), LinkSpec(INF, INF, 0, 0)]) as net:
         net.popen(0, ["sh", "-c", "sleep 300 & sleep 300"])
         untracked = subprocess.Popen(net.exec_argv(1, ["sleep", "300"]), start_new_session=True)
-        time.sleep(0.2)
         present = leftovers(net.prefix)
+        deadline = time.monotonic() + 10  # until all three sleeps run (sh forks its own)
+        while count_sleeps(present) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            present = leftovers(net.prefix)
         assert {f"netns {net.prefix}-0", f"netns {net.prefix}-1"} <= set(present)
         assert any("swarmgrad.lab.hub" in item for item in present)
         net.check()
-        assert sum(re.fullmatch(r"process \d+ sleep 300", item) is not None for item in present) == 3
+        assert count_sleeps(present) == 3
     assert leftovers(net.prefix) == []
     assert untracked.wait(timeout=5) == -signal.SIGKILL
 

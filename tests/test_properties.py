@@ -148,6 +148,104 @@ def test_int8_refuses_nan_and_inf(items, bad, data):
         get_codec("int8").encode(tensor)
 
 
+# ---- the other codecs' bounds and error feedback --------------------------------------------------
+
+FP16_MAX, BF16_MAX = 65504.0, float(torch.finfo(torch.bfloat16).max)
+wide_values = st.floats(-2.0**127, 2.0**127, allow_nan=False, allow_subnormal=True, width=32)
+
+
+@given(st.lists(wide_values, max_size=300))
+def test_fp16_meets_its_stated_bound_and_clamps_instead_of_overflowing(items):
+    """|err| <= 2^-11 |x| + 2^-25 for |x| <= 65504; beyond, the value becomes +-65504 (cast.py)."""
+    tensor = torch.tensor(items, dtype=torch.float32)
+    decoded = get_codec("fp16").decode(get_codec("fp16").encode(tensor)).double()
+    original = tensor.double()
+    inside = original.abs() <= FP16_MAX
+    assert ((original - decoded).abs()[inside] <= 2.0**-11 * original.abs()[inside] + 2.0**-25).all()
+    assert torch.equal(decoded[~inside], original[~inside].sign() * FP16_MAX)
+
+
+@given(st.lists(wide_values, max_size=300))
+def test_bf16_meets_its_stated_bound(items):
+    """|err| <= 2^-8 |x| + 2^-134 (cast.py), and never an inf: the range is fp32's."""
+    tensor = torch.tensor(items, dtype=torch.float32)
+    decoded = get_codec("bf16").decode(get_codec("bf16").encode(tensor)).double()
+    original = tensor.double()
+    assert torch.isfinite(decoded).all()
+    below = original.abs() <= BF16_MAX
+    assert ((original - decoded).abs()[below] <= 2.0**-8 * original.abs()[below] + 2.0**-134).all()
+    assert (decoded[~below].abs() == BF16_MAX).all()
+
+
+@given(st.lists(values, min_size=1, max_size=400), st.floats(0.001, 1.0))
+def test_topk_keeps_exactly_the_k_largest_magnitudes_and_zeroes_the_rest(items, fraction):
+    tensor = torch.tensor(items, dtype=torch.float32)
+    codec = get_codec(f"topk:{fraction!r}")
+    encoded = codec.encode(tensor)
+    decoded = codec.decode(encoded)
+    k = min(len(items), max(1, math.ceil(fraction * len(items))))
+    kept = torch.zeros(len(items), dtype=torch.bool)
+    kept[torch.frombuffer(bytearray(encoded.parts["idx"]), dtype=torch.int32).long()] = True
+    assert int(kept.sum()) == k == encoded.meta["k"]
+    assert torch.equal(decoded[kept], tensor[kept]) and not decoded[~kept].any()
+    if not kept.all():  # no dropped element is larger than a kept one
+        assert float(tensor[~kept].abs().max()) <= float(tensor[kept].abs().min())
+
+
+@given(st.integers(2, 24), st.integers(2, 24), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_powersgd_is_a_projection_exact_on_low_rank_matrices(rows, cols, rank, seed):
+    """decode = P P^T M with orthonormal P: never larger than M, and exactly M when rank(M) <= rank."""
+    generator = torch.Generator().manual_seed(seed)
+    codec = get_codec(f"powersgd:{rank}")
+    matrix = torch.randn(rows, cols, generator=generator)
+    decoded = codec.decode(codec.encode(matrix))
+    if codec.matrix_dims((rows, cols)) is None:  # low rank would not be smaller: sent raw, exactly
+        assert torch.equal(decoded, matrix)
+        return
+    assert float(decoded.norm()) <= float(matrix.norm()) * (1 + 1e-5)
+    assert float((matrix - decoded).norm()) <= float(matrix.norm()) * (1 + 1e-5)
+    low_rank = torch.randn(rows, rank, generator=generator) @ torch.randn(rank, cols, generator=generator)
+    torch.testing.assert_close(codec.decode(codec.encode(low_rank)), low_rank, atol=1e-4 * float(low_rank.abs().max()), rtol=0)
+
+
+def contraction(spec: str, numel: int) -> float:
+    """sqrt(1 - delta) with ||C(x) - x||^2 <= (1 - delta) ||x||^2 for the codec."""
+    if spec.startswith("topk"):
+        return math.sqrt(1 - min(numel, max(1, math.ceil(0.01 * numel))) / numel)
+    return {"fp16": 2.0**-11, "bf16": 2.0**-8, "int8:32": 1 / 254 * math.sqrt(32)}[spec]
+
+
+moderate = st.floats(-1e4, 1e4, allow_nan=False, allow_subnormal=True, width=32)
+
+
+@settings(max_examples=60)
+@given(st.sampled_from(["fp16", "bf16", "int8:32", "topk"]), st.integers(1, 100),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]), st.integers(1, 8), st.data())
+def test_error_feedback_delivers_every_update_and_its_residual_stays_bounded(spec, numel, dtype, rounds, data):
+    """Over any updates u_t: sum(decoded_t) + e_T = sum(u_t) (feedback.py), and for a contractive
+    codec (||C(x) - x|| <= c ||x||, c < 1) ||e_t|| <= c / (1 - c) * max ||u_s||, from
+    ||e_t|| <= c (||u_t|| + ||e_t-1||)."""
+    from swarmgrad.averaging.codecs import ErrorFeedback
+
+    codec = get_codec(spec)
+    feedback = ErrorFeedback(codec)
+    updates = [torch.tensor(data.draw(st.lists(moderate, min_size=numel, max_size=numel))).to(dtype)
+               for _ in range(rounds)]
+    delivered = torch.zeros(numel, dtype=torch.float64)
+    c = contraction(spec, numel)
+    for t, update in enumerate(updates, 1):
+        encoded = feedback.encode("w", update)
+        assert encoded.dtype == str(dtype).removeprefix("torch.")
+        delivered += codec.decode(encoded).double()
+        feedback.commit()
+        residual = feedback._residual["w"].double()
+        sent = sum(u.double() for u in updates[:t])
+        scale = max(float(u.double().norm()) for u in updates[:t])
+        assert float((sent - delivered - residual).norm()) <= 1e-5 * (1 + t * scale)
+        # the casts' additive term (subnormals) and fp32 rounding: far below any real residual
+        assert float(residual.norm()) <= c / (1 - c) * scale * (1 + 1e-3) + numel**0.5 * 2.0**-24
+
+
 # ---- the privacy budget --------------------------------------------------------------------------
 
 
@@ -186,11 +284,11 @@ def test_push_sum_conserves_mass_for_any_sequence_of_pushes_and_merges(ops, seed
     moves mass; a lost push loses exactly its share, never more (gossip.py's mass accounting)."""
     from test_gossip import lone_averager
 
-    from swarmgrad.averaging.gossip import _Push
+    from swarmgrad.averaging.pushsum import Push
 
     generator = torch.Generator().manual_seed(seed)
     peers = [lone_averager(torch.randn(64, generator=generator), weight=float(i + 1)) for i in range(3)]
-    in_flight: list[tuple[int, _Push]] = []  # (receiver, push) not merged yet
+    in_flight: list[tuple[int, Push]] = []  # (receiver, push) not merged yet
 
     def mass() -> tuple[float, torch.Tensor]:
         weights = sum(p.weight for p in peers) + sum(push.weight for _, push in in_flight)
@@ -210,7 +308,7 @@ def test_push_sum_conserves_mass_for_any_sequence_of_pushes_and_merges(ops, seed
         arrives = peer._values + 1e-3 * torch.randn(64, generator=generator)  # what a lossy codec delivers
         before = peer._give(given, arrives)
         if op == "push" and receiver != sender:
-            in_flight.append((receiver, _Push(given, arrives)))
+            in_flight.append((receiver, Push(given, arrives)))
         elif op == "refused push":
             peer._take_back(given, before)
         else:  # lost on the way (or pushed to itself, which the graph never does): its share is gone

@@ -46,6 +46,7 @@ from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
+from swarmgrad.averaging.pushsum import Push, exponential_neighbors, give, merge
 from swarmgrad.averaging.runtime import NetworkRuntime
 from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Gossip
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
@@ -82,30 +83,6 @@ class GossipReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class _Push:
-    weight: float | torch.Tensor  # a scalar, or per-coordinate weights of a sparse push
-    values: torch.Tensor  # decoded estimate of the sender, flat float32 (or the pushed coordinates only)
-    indices: torch.Tensor | None = None  # sparse pushes: which coordinates
-
-
-def exponential_neighbors(members: list[str], me: str, step: int, fanout: int) -> list[str]:
-    """Time-varying exponential graph over sorted ids: offsets 2^(step mod log2 n), and the next ones."""
-    ordered = sorted(set(members) | {me})
-    n = len(ordered)
-    if n < 2:
-        return []
-    exponents = max(1, math.ceil(math.log2(n)))
-    index = ordered.index(me)
-    picked: list[str] = []
-    for k in range(fanout):
-        offset = 2 ** ((step + k) % exponents) % n or 1
-        peer = ordered[(index + offset) % n]
-        if peer != me and peer not in picked:
-            picked.append(peer)
-    return picked
 
 
 class GossipAverager:
@@ -148,7 +125,7 @@ class GossipAverager:
         self.protocol = f"swarmgrad/{self.run_id}/gossip/{check_averager_name(name)}/{self.schema.digest[:12]}/{self.codec.spec}"
         self.step_index = 0
         self._values = torch.empty(self.schema.total, dtype=torch.float32)
-        self._pending: list[_Push] = []
+        self._pending: list[Push] = []
         # peers a push just failed to reach (gone, or hung while leaving), skipped until then: a
         # departed peer costs one push timeout, not one per step until its membership expires
         self._unreachable: dict[str, float] = {}
@@ -213,15 +190,9 @@ class GossipAverager:
             self.weight = self.sparse.mean_weight
             self.schema.unflatten_into(self._values, self.tensors)
             return len(pending)
-        # x <- (w x + sum w_k x_k) / W with the ratios w/W, w_k/W taken in double precision first:
-        # the tensors never carry a weight's magnitude (float32 would lose tiny or huge ones)
-        merged = self.weight + sum(push.weight for push in pending)
         self._neighbour_weight = max(push.weight for push in pending)
-        total = self._values.mul_(self.weight / merged)
-        for push in pending:
-            total.add_(push.values, alpha=push.weight / merged)
-        self.weight = merged
-        self.schema.unflatten_into(total, self.tensors)
+        self.weight = merge(self._values, self.weight, pending)
+        self.schema.unflatten_into(self._values, self.tensors)
         return len(pending)
 
     def _live_members(self) -> list[str]:
@@ -319,13 +290,11 @@ class GossipAverager:
         ``self._values`` follows, so a second push of the same step starts from what is left.
         Returns the values before, when they changed (for ``_take_back``); None when they did not.
         """
-        kept, before = self.weight - given, None
-        if not torch.equal(arrives, self._values):
-            before = self._values
-            # (w x - g x^) / (w - g) = x + g / (w - g) (x - x^): scale-free, whatever w's magnitude
-            self._values = torch.add(self._values, self._values - arrives, alpha=given / kept)
-            self.schema.unflatten_into(self._values, self.tensors)
-        self.weight = kept
+        kept, self.weight = give(self._values, self.weight, given, arrives)
+        if kept is self._values:
+            return None
+        before, self._values = self._values, kept
+        self.schema.unflatten_into(kept, self.tensors)
         return before
 
     def _take_back(self, given: float, before: torch.Tensor | None) -> None:
@@ -344,7 +313,7 @@ class GossipAverager:
         if len(self._pending) >= self.max_pending:
             await channel.send_error("busy: too many pushes waiting to be merged; try another peer")
             return
-        self._pending.append(_Push(weights, values, indices))
+        self._pending.append(Push(weights, values, indices))
         self._received_bytes += channel.bytes_received
         await channel.send({"t": "ack"})
 
@@ -389,7 +358,7 @@ class GossipAverager:
             if len(self._pending) >= self.max_pending:
                 await channel.send_error("busy: too many pushes waiting to be merged; try another peer")
                 return
-            self._pending.append(_Push(weight, values))
+            self._pending.append(Push(weight, values))
             self._received_refs.pop(channel.peer_id, None)
             self._received_refs[channel.peer_id] = (version + 1, values)
             while len(self._received_refs) > MAX_RECEIVE_REFERENCES:  # forget the longest-silent sender
