@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from swarmgrad.averaging.codecs import CodecError, get_codec
@@ -27,7 +28,9 @@ from swarmgrad.averaging.wire import (
 )
 
 settings.register_profile("swarmgrad", derandomize=True, max_examples=150, deadline=None)
-settings.load_profile("swarmgrad")
+# scripts/mutation.sh: one failing example kills a mutant; shrinking it to the smallest only costs time
+settings.register_profile("mutation", settings.get_profile("swarmgrad"), phases=[Phase.explicit, Phase.generate])
+settings.load_profile(os.environ.get("SWARMGRAD_HYPOTHESIS_PROFILE", "swarmgrad"))
 
 # ---- wire frames ---------------------------------------------------------------------------------
 
