@@ -33,7 +33,7 @@ done
 if [ -z "${report_only:-}" ]; then
     [ "$keep" = 1 ] || rm -rf mutants
     # mutmut's own progress line; --max-children: one worker per core
-    .venv/bin/mutmut run --max-children "$(nproc)" "${run_args[@]}"
+    SWARMGRAD_HYPOTHESIS_PROFILE=mutation .venv/bin/mutmut run --max-children "$(nproc)" "${run_args[@]}"
     echo >&2
 fi
 exec .venv/bin/python scripts/mutation_report.py "${report_args[@]}"
