@@ -1,9 +1,10 @@
 """Per-module mutation scores and the surviving mutants of the last ``mutmut run`` (scripts/mutation.sh).
 
 Reads mutmut's results under ./mutants and the reasons in scripts/mutation_survivors.toml. A
-survivor listed there (an equivalent mutant, an unreachable branch) is *explained*; the score
-counts it as not killed all the same, so the number says what the tests notice. A listed reason
-whose mutant no longer makes the same change is stale and reported as such.
+survivor listed there (an equivalent mutant: it behaves exactly like the code; or an unreachable
+branch) is *explained*. The score is the usual one, killed / (mutants - explained): an equivalent
+mutant is no change at all, so no test can or should notice it. "raw" is killed / mutants. A listed
+reason whose mutant no longer makes the same change is stale, and counts as unexplained.
 
 Exit status: 0 when every module reaches --min-score and every survivor is explained, 1 otherwise.
 """
@@ -47,7 +48,16 @@ class ModuleScore:
         return sum(self.statuses[status] for status in DETECTED)
 
     @property
+    def explained(self) -> int:
+        return sum(1 for survivor in self.survivors if survivor.get("explained"))
+
+    @property
     def score(self) -> float:
+        relevant = self.counted - self.explained
+        return self.detected / relevant if relevant else 1.0
+
+    @property
+    def raw(self) -> float:
         return self.detected / self.counted if self.counted else 1.0
 
 
@@ -103,17 +113,20 @@ def main() -> int:
     unexplained = [s for module in scores for s in module.survivors if not s.get("explained")]
     failing = [module.path for module in scores if module.score < args.min_score]
     if args.json:
-        print(json.dumps([{"module": m.path, "score": round(m.score, 4), "mutants": m.counted,
-                           "detected": m.detected, "statuses": dict(m.statuses), "survivors": m.survivors}
+        print(json.dumps([{"module": m.path, "score": round(m.score, 4), "raw": round(m.raw, 4), "mutants": m.counted,
+                           "detected": m.detected, "explained": m.explained, "statuses": dict(m.statuses),
+                           "survivors": m.survivors}
                           for m in scores], indent=2))
     else:
-        print(f"{'module':<44} {'mutants':>7} {'killed':>7} {'survived':>8} {'no tests':>8} {'score':>7}")
+        print(f"{'module':<44} {'mutants':>7} {'killed':>7} {'survived':>8} {'no tests':>8} {'explained':>9} "
+              f"{'raw':>6} {'score':>6}")
         for m in scores:
             print(f"{m.path:<44} {m.counted:>7} {m.detected:>7} {m.statuses['survived']:>8} "
-                  f"{m.statuses['no tests']:>8} {m.score:>7.1%}")
-        total = sum(m.counted for m in scores)
-        detected = sum(m.detected for m in scores)
-        print(f"{'all':<44} {total:>7} {detected:>7} {'':>8} {'':>8} {detected / max(total, 1):>7.1%}")
+                  f"{m.statuses['no tests']:>8} {m.explained:>9} {m.raw:>6.1%} {m.score:>6.1%}")
+        total, detected = sum(m.counted for m in scores), sum(m.detected for m in scores)
+        explained = sum(m.explained for m in scores)
+        print(f"{'all':<44} {total:>7} {detected:>7} {'':>8} {'':>8} {explained:>9} "
+              f"{detected / max(total, 1):>6.1%} {detected / max(total - explained, 1):>6.1%}")
         for m in scores:
             for s in m.survivors:
                 mark = "explained" if s.get("explained") else "UNEXPLAINED"

@@ -339,3 +339,40 @@ def test_per_sample_target_and_budget_stop() -> None:
         tight.clip_and_noise_gradients()
     assert all(p.grad is None for p in model.parameters())  # raw gradients cannot reach an optimizer
     assert tight.steps == 0 and tight.exhausted
+
+
+def test_a_restored_budget_reads_its_epsilon_afresh_and_forgets_a_refusal() -> None:
+    from swarmgrad.averaging.privacy import BudgetExhausted, PrivacyBudget
+
+    spent = PrivacyBudget(1.0, 1.0, 1e-5, None)
+    spent.commit()
+    one = spent.epsilon
+    assert one > 0
+    restored = PrivacyBudget(1.0, 1.0, 1e-5, None)
+    restored.load_state_dict(spent.state_dict())
+    assert restored.releases == 1 and restored.epsilon == one  # recomputed, not a stale 0
+    fresh = PrivacyBudget(1.0, 1.0, 1e-5, None)
+    fresh.load_state_dict(PrivacyBudget(1.0, 1.0, 1e-5, None).state_dict())
+    assert fresh.releases == 0 and fresh.epsilon == 0.0
+    tight = PrivacyBudget(1.0, 1.0, 1e-5, one / 2)
+    with pytest.raises(BudgetExhausted):
+        tight.check()
+    assert tight.exhausted
+    looser = PrivacyBudget(1.0, 1.0, 1e-5, one * 10)
+    looser._refused = True
+    looser.load_state_dict(tight.state_dict())  # a restart with a larger limit may release again
+    assert not looser.exhausted
+    looser.check()
+
+
+def test_a_checkpoint_of_another_accountant_or_malformed_is_refused_by_name() -> None:
+    from swarmgrad.averaging.privacy import PrivacyBudget
+
+    budget = PrivacyBudget(1.0, 0.5, 1e-5, None)
+    with pytest.raises(PrivacyError, match="^accountant: checkpoint was kept with 'prv', this peer uses 'rdp'$"):
+        budget.load_state_dict({"mechanism": "prv", "history": [], "releases": 0})
+    with pytest.raises(PrivacyError, match=r"^accountant: malformed privacy state in checkpoint \(KeyError\('releases'\)\)$"):
+        budget.load_state_dict({"mechanism": "rdp", "history": []})
+    with pytest.raises(PrivacyError, match="^accountant: malformed privacy state in checkpoint"):
+        budget.load_state_dict({"mechanism": "rdp", "history": [(1.0, "x", 1)], "releases": 1})
+    assert budget.releases == 0 and budget.state_dict()["history"] == []  # nothing changed

@@ -151,3 +151,65 @@ def test_bad_contribution_inside_a_round_fails_it_cleanly(case):
                 await attacker.shutdown()
 
     run_async(scenario())
+
+
+# ---- typed header fields and error frames, without a stream -------------------------------------
+
+def test_typed_fields_accept_what_they_say_and_name_what_they_refuse():
+    from swarmgrad.averaging.wire import Frame, error_header, field, int_field
+
+    header = {"w": 3, "f": 2.5, "b": True, "s": "x", "n": 7}
+    assert field(header, "w", float) == 3.0 and type(field(header, "w", float)) is float  # msgpack packs 3.0 as 3
+    assert field(header, "f", float) == 2.5 and field(header, "s", str) == "x"
+    assert field(header, "w", int) == 3 and type(field(header, "w", int)) is int
+    assert field(header, "f", (int, float)) == 2.5
+    with pytest.raises(FrameError, match="^frame field 'b' must be int, got bool$"):
+        field(header, "b", int)
+    with pytest.raises(FrameError, match="^frame field 'f' must be int, got float$"):
+        field(header, "f", int)
+    with pytest.raises(FrameError, match="^frame field 's' must be int/float, got str$"):
+        field(header, "s", (int, float))
+    with pytest.raises(FrameError, match="^frame field 'missing' must be str, got NoneType$"):
+        field(header, "missing", str)
+    with pytest.raises(FrameError, match="^frame field 'w' must be str, got int$"):
+        field(header, "w", str)
+    assert int_field(header, "n", 7, 7) == 7 and int_field(header, "n", 0, 10) == 7
+    for low, high in ((8, 10), (0, 6)):
+        with pytest.raises(FrameError, match=rf"^frame field 'n'=7 is outside {low}\.\.{high}$"):
+            int_field(header, "n", low, high)
+    with pytest.raises(FrameError, match="^frame field 'b' must be int, got bool$"):
+        int_field(header, "b", 0, 1)
+    assert error_header("x" * 600) == {"t": "error", "message": "x" * 500}
+    with pytest.raises(FrameError, match="^expected a 'ack' frame, got 'push'$"):
+        expect_kind(Frame({"t": "push"}), "ack")
+    frame = Frame({"t": "ack"}, b"abc")
+    assert expect_kind(frame, "ack") is frame and frame.kind == "ack"
+
+
+def test_header_limits_are_exact():
+    from swarmgrad.averaging.wire import MAX_HEADER_BYTES, check_lengths, parse_header
+
+    check_lengths(1, 10, 10)
+    check_lengths(MAX_HEADER_BYTES, 0, 0)
+    for header_length in (0, MAX_HEADER_BYTES + 1):
+        with pytest.raises(FrameError, match=rf"^frame header of {header_length} bytes is outside 1\.\.65536$"):
+            check_lengths(header_length, 0, 10)
+    with pytest.raises(FrameError, match="^frame payload of 11 bytes exceeds the limit of 10$"):
+        check_lengths(1, 11, 10)
+    largest = {"t": "x", "pad": "p" * (MAX_HEADER_BYTES - 20)}
+    while len(pack_prefix_and_header(largest, 0)) - PREFIX.size < MAX_HEADER_BYTES:
+        largest["pad"] += "p"
+    assert len(pack_prefix_and_header(largest, 0)) - PREFIX.size == MAX_HEADER_BYTES
+    largest["pad"] += "p"
+    with pytest.raises(FrameError, match=rf"^header of {MAX_HEADER_BYTES + 1} bytes exceeds {MAX_HEADER_BYTES}$"):
+        pack_prefix_and_header(largest, 0)
+    with pytest.raises(FrameError, match="^frame header is not msgpack: "):
+        parse_header(b"\xc1")
+    with pytest.raises(FrameError, match="^frame header must be a map with a string field 't'$"):
+        parse_header(msgpack.packb({"t": 1, "v": 1}))
+    with pytest.raises(FrameError, match=r"^unsupported wire version None \(this peer speaks 1\)$"):
+        parse_header(msgpack.packb({"t": "x"}))
+    with pytest.raises(RemoteError, match="^unspecified error$"):
+        parse_header(msgpack.packb({"t": "error", "v": 1}))
+    with pytest.raises(RemoteError, match="^y{500}$"):
+        parse_header(msgpack.packb({"t": "error", "v": 1, "message": "y" * 900}))
