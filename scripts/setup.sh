@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up swarmgrad in ./.venv (idempotent): a CPU build of torch, hivemind with its p2pd, the package
-# itself with its test tools, and the offline datasets the demo and tests train on.
+# itself with its test tools, the offline datasets the demo and tests train on, and (as root) the
+# tools some tests need: iptables for the swarm lab, chromium for the dashboard.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,5 +38,16 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v iptables 
     apt-get install -y -qq iptables iproute2 >/dev/null 2>&1 \
         || { apt-get update -qq >/dev/null && apt-get install -y -qq iptables iproute2 >/dev/null; } \
         || echo "setup: warning: could not install iptables; 'swarmgrad lab' will say what is missing" >&2
+fi
+# The dashboard's test loads its page in headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "setup: installing chromium (the dashboard's test loads its page in it)" >&2
+        apt-get install -y -qq chromium >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; } \
+            || echo "setup: warning: could not install chromium; tests/test_dashboard.py will fail" >&2
+    else
+        echo "setup: warning: chromium is missing; run 'sudo apt-get install chromium' for the dashboard's test" >&2
+    fi
 fi
 echo "setup: done ($(.venv/bin/swarmgrad --version))" >&2

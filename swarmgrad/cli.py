@@ -1,4 +1,4 @@
-"""The ``swarmgrad`` command: bootstrap, status, peer, keygen, demo and lab.
+"""The ``swarmgrad`` command: bootstrap, status, dashboard, peer, keygen, demo and lab.
 
 Logs go to stderr; what scripts read (addresses, JSON) goes to stdout. Errors a user can fix are
 printed as one ``error: ...`` line with a non-zero exit code, never as a traceback.
@@ -18,6 +18,7 @@ from swarmgrad.averaging.settings import Moshpit
 from swarmgrad.commands.exits import EXIT_CONFIG_ERROR, call_reporting_errors
 from swarmgrad.commands.options import BootstrapOptions, PeerOptions
 from swarmgrad.commands.run_options import AVERAGINGS, STRATEGIES
+from swarmgrad.dashboard.settings import DashboardSettings
 from swarmgrad.demo.settings import DemoSettings
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import DiLoCo, GossipSGD, RunConfig, SyncSGD
@@ -145,6 +146,30 @@ def status(
     _run(run_status(config, run_id, json_output=json_output, watch=watch, interval=interval))
 
 
+@app.command()
+def dashboard(
+    run_id: str = RunId,
+    initial_peers: Optional[List[str]] = InitialPeers,
+    host: str = typer.Option(DashboardSettings.model_fields["host"].default, "--host", help="Address to serve the page on; 0.0.0.0 to open it from other machines."),
+    port: int = typer.Option(DashboardSettings.model_fields["port"].default, "--port", min=0, max=65535, help="HTTP port; 0 picks a free one."),
+    timeout: float = typer.Option(10.0, "--timeout", min=0.5, help="Seconds to keep trying the initial peers."),
+) -> None:
+    """Serve a live web dashboard of a run: its members, its loss, speed, rounds and held-out accuracy.
+
+    Prints the page's URL on stdout. JSON is under /api/ (run, members, history, evaluations) and Prometheus metrics at /metrics. The dashboard is a client-mode node of the run (listed as a monitor); it reads the DHT on a fixed schedule and answers every page from that, so watching costs the swarm the same however many pages are open. Runs until SIGINT or SIGTERM.
+    """
+    from swarmgrad.commands.dashboard import run_dashboard
+    from swarmgrad.dht.node import NodeConfig
+
+    peers = _split_addresses(initial_peers)
+    if not peers:
+        typer.echo("error: dashboard needs --initial-peers (or SWARMGRAD_INITIAL_PEERS) to find the run", err=True)
+        raise typer.Exit(EXIT_CONFIG_ERROR)
+    settings = _validated(lambda: DashboardSettings(host=host, port=port))
+    config = _validated(lambda: NodeConfig(initial_peers=peers, client_mode=True, bootstrap_timeout=timeout))
+    _run(run_dashboard(config, run_id, settings))
+
+
 def _local_default(name: str) -> Any:
     return PeerOptions.model_fields[name].default
 
@@ -194,6 +219,8 @@ def peer(
     client_mode: bool = typer.Option(False, "--client-mode", help="Dial out only (behind NAT, no port open).", rich_help_panel="Network", show_default=False),
     trusted_network: bool = typer.Option(False, "--trusted-network", help="Send tensors unencrypted (trusted LAN only).", rich_help_panel="Network", show_default=False),
     wait: Optional[float] = typer.Option(None, "--wait", help=f"Seconds to wait for the run's manifest and peers (default {_local_default('wait')}).", rich_help_panel="Network"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default off).", rich_help_panel="Monitoring"),
+    metrics_host: Optional[str] = typer.Option(None, "--metrics-host", help=f"Listen address of --metrics-port (default {_local_default('metrics_host')}; 0.0.0.0 for a Prometheus elsewhere).", rich_help_panel="Monitoring"),
     config_file: Optional[Path] = ConfigFile,
     print_config: bool = PrintConfig,
     json_output: bool = typer.Option(False, "--json", help="Print progress events as JSON lines on stdout (with --print-config: the options as JSON).", show_default=False),
@@ -202,13 +229,15 @@ def peer(
 
     With --create and no --initial-peers, this peer starts run RUN_ID as its first peer and prints on stderr how others join.
 
+    On a terminal it shows a live panel (step, epoch, peers, loss, samples/s, rounds, traffic, held-out accuracy); on a pipe, a line every few seconds; with --json, events on stdout. Each held-out evaluation is published as a signed record of the run, for its dashboards.
+
     Stops on Ctrl-C/SIGTERM, --max-seconds, --max-steps or --target-accuracy; leaves the run cleanly.
 
     Precedence: each option is taken from its flag, else from its SWARMGRAD_* environment variable (SWARMGRAD_INNER_STEPS for --inner-steps; lists comma or space separated), else from the --config TOML file (flat; keys are the flag names without --, e.g. inner-steps = 20), else its default. Run settings left unset take the run's when joining a run that has a manifest.
     """
     from swarmgrad.commands.options import node_config
-    from swarmgrad.commands.run_options import run_config_from
     from swarmgrad.commands.peer import run_peer
+    from swarmgrad.commands.run_options import run_config_from
 
     loaded = _load_options(ctx, PeerOptions, config_file)
     options = loaded.options
@@ -227,7 +256,8 @@ def peer(
                          threads=options.threads, trusted_network=options.trusted_network,
                          wait_peers=options.wait_peers, wait_seconds=options.wait, slowdown=options.slowdown)
     call_reporting_errors(lambda: run_peer(network, options.run_id, config, create=options.create, local=local,
-                                           json_output=json_output))
+                                           json_output=json_output, metrics_port=options.metrics_port,
+                                           metrics_host=options.metrics_host))
 
 
 def _load_options(ctx: typer.Context, model: type[Any], config_file: Optional[Path]) -> Any:
@@ -282,6 +312,8 @@ def demo(
     plot: Path = typer.Option(DemoSettings.plot, "--plot", help="Where to write the loss/accuracy plot."),
     json_output: bool = JsonOutput,
     run_id: str = typer.Option(DemoSettings.run_id, "--run-id", help="Run name used on the local swarm."),
+    dashboard: bool = typer.Option(False, "--dashboard", help="Also serve the swarm's web dashboard (see `swarmgrad dashboard`) and print its URL.", show_default=False),
+    port: int = typer.Option(DashboardSettings.model_fields["port"].default, "--port", min=0, max=65535, help="HTTP port of the dashboard, with --dashboard; 0 picks a free one."),
 ) -> None:
     """Train a model with a whole swarm on this machine (loopback only): a bootstrap node and N peer
     processes, live progress, a loss/accuracy plot, and the time to 85% and 88% held-out accuracy."""
@@ -291,7 +323,8 @@ def demo(
                             compression=compression, inner_steps=inner_steps, target_accuracy=target_accuracy,
                             max_seconds=max_seconds, plot=plot)
     _validated(settings.run_config)  # a bad strategy or codec is one line here, not N failing peers
-    _run(run_demo(settings, json_output=json_output))
+    board = _validated(lambda: DashboardSettings(port=port)) if dashboard else None
+    _run(run_demo(settings, json_output=json_output, dashboard=board))
 
 
 def _validated(make_config):

@@ -5,7 +5,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -114,12 +116,34 @@ def test_bad_input_gets_one_line_errors(tmp_path, bootstrap_node):
     assert_one_line_error(swarmgrad("bootstrap", "--identity", str(tmp_path)), 2, "cannot read identity file")
 
 
-def test_demo_trains_digits_with_two_peers(tmp_path):
+def test_demo_trains_digits_with_two_peers_and_serves_its_dashboard(tmp_path):
     plot = tmp_path / "demo.png"
-    result = swarmgrad("demo", "--peers", "2", "--task", "digits", "--inner-steps", "20", "--target-accuracy", "0.93",
-                       "--max-seconds", "30", "--plot", str(plot), "--json", timeout=180)
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+    demo = subprocess.Popen([*SWARMGRAD, "demo", "--peers", "2", "--task", "digits", "--inner-steps", "20",
+                             "--target-accuracy", "0.93", "--max-seconds", "30", "--plot", str(plot), "--json",
+                             "--dashboard", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    errors: list[str] = []
+    drain = threading.Thread(target=lambda: errors.extend(demo.stderr), daemon=True)  # the pipe never fills
+    drain.start()
+    try:
+        deadline, url = time.monotonic() + 60, None
+        while url is None and time.monotonic() < deadline and demo.poll() is None:
+            time.sleep(0.2)  # the URL comes before the peers start
+            url = next((line.split()[1] for line in list(errors) if line.startswith("dashboard: ")), None)
+        assert url is not None and url.startswith("http://127.0.0.1:"), errors
+        deadline, roles = time.monotonic() + 90, []
+        while roles.count("peer") < 2 and time.monotonic() < deadline and demo.poll() is None:
+            time.sleep(0.5)
+            with urllib.request.urlopen(url + "api/run", timeout=5) as response:
+                roles = [row["role"] for row in json.loads(response.read())["members"]]
+        assert roles.count("peer") == 2 and "bootstrap" in roles and "monitor" in roles, roles
+        stdout = demo.stdout.read()
+        demo.wait(timeout=180)
+    finally:
+        demo.kill()
+        drain.join(timeout=10)
+    assert demo.returncode == 0, "".join(errors)
+    summary = json.loads(stdout)
+    assert summary["dashboard"] == url
     assert summary["num_peers"] == 2 and len(summary["peers"]) == 2
     assert summary["final_accuracy"] >= 0.93
     assert summary["seconds_to"]["0.85"] is not None and summary["seconds_to"]["0.85"] <= summary["total_seconds"]

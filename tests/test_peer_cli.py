@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pty
+import re
 import secrets
+import select
 import signal
+import subprocess
 import time
 
 import pytest
-
-from peer_processes import PeerProcess, Swarm
+from peer_processes import SWARMGRAD, PeerProcess, Swarm
 
 
 @pytest.fixture
@@ -283,3 +287,53 @@ def assert_one_line_error(result, *fragments: str) -> None:
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
     assert not any('"event": "ready"' in line for line in result.stdout.splitlines()), result.stdout[-2000:]
+
+
+def run_on_a_terminal(argv: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``argv`` with its stderr on a pseudo-terminal (what a volunteer's shell gives it); returns
+    the exit code and everything it drew there."""
+    master, slave = pty.openpty()
+    env = dict(os.environ, COLUMNS="120", LINES="40", TERM="xterm-256color")
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave, env=env)
+    os.close(slave)
+    drawn, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the other end closed: the process exited
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        elif process.poll() is not None:
+            break
+    os.close(master)
+    try:
+        code = process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError(f"still running after {timeout} s:\n{drawn.decode(errors='replace')[-3000:]}") from None
+    return code, drawn.decode(errors="replace")
+
+
+def test_a_lone_volunteer_sees_a_live_panel_on_a_terminal_and_plain_lines_on_a_pipe():
+    def argv(run_id: str) -> list[str]:
+        return [*SWARMGRAD, "peer", "digits", "--run-id", run_id, "--create", "--max-seconds", "6",
+                "--eval-every", "1", "--threads", "1"]
+
+    on_a_pipe = subprocess.Popen(argv(f"pipe-{secrets.token_hex(4)}"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    code, drawn = run_on_a_terminal(argv(f"tty-{secrets.token_hex(4)}"), timeout=90)
+    stdout, lines = on_a_pipe.communicate(timeout=90)
+    assert code == 0, drawn[-3000:]
+    assert "╭─ swarmgrad · run tty-" in drawn and "samples/s" in drawn and "rounds" in drawn, drawn[-3000:]
+    assert "held-out accuracy" in drawn and "final held-out accuracy" in drawn, drawn[-3000:]
+    assert "\x1b[1A" in drawn  # redrawn in place, not scrolled
+    assert not re.search(r"^step +\d+ +epoch", drawn, re.M), drawn[-3000:]
+
+    assert on_a_pipe.returncode == 0 and stdout == "", lines
+    assert re.search(r"^step +\d+ +epoch +\d+ +loss", lines, re.M), lines
+    assert re.search(r"^held-out accuracy 0\.\d+", lines, re.M), lines
+    assert "stopped (max_seconds)" in lines and "╭" not in lines and "\x1b[" not in lines, lines

@@ -31,8 +31,7 @@ from typing import Annotated, Any, Callable, ClassVar, Generic, Mapping, Optiona
 import pydantic
 
 from swarmgrad.commands.run_options import RUN_OPTIONS, flag_name, key_name, problem_message
-from swarmgrad.dht.config import check_run_id
-from swarmgrad.dht.config import NodeConfig
+from swarmgrad.dht.config import NodeConfig, check_run_id
 from swarmgrad.errors import ConfigError
 
 ENV_PREFIX = "SWARMGRAD_"
@@ -132,6 +131,8 @@ class PeerOptions(CommandOptions):
     trusted_network: bool = False
     wait: Annotated[float, pydantic.Field(ge=1)] = 30.0  # seconds for the run's manifest and peers
     wait_peers: Positive = 1
+    metrics_port: Optional[Annotated[int, pydantic.Field(ge=0, le=65535)]] = None  # Prometheus /metrics; 0: any port
+    metrics_host: str = "127.0.0.1"  # metrics say what this peer does: local unless asked
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> PeerOptions:

@@ -4,6 +4,7 @@ the summary and the plot."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -11,14 +12,15 @@ from pathlib import Path
 from rich.live import Live
 
 from swarmgrad.console import print_json, stderr, stdout
+from swarmgrad.dashboard.settings import DashboardSettings
 from swarmgrad.demo.dashboard import render_dashboard
 from swarmgrad.demo.events import RunLog
 from swarmgrad.demo.plot import plot_run
 from swarmgrad.demo.processes import ChildPeer, PeerProcesses
+from swarmgrad.demo.settings import DemoSettings, peer_command
 from swarmgrad.demo.summary import TARGETS, summarize
 from swarmgrad.dht.membership import Membership
 from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.demo.settings import DemoSettings, peer_command
 
 
 async def _follow(child: ChildPeer, log: RunLog) -> None:
@@ -28,15 +30,24 @@ async def _follow(child: ChildPeer, log: RunLog) -> None:
         log.add_line(line)
 
 
-async def run_demo(settings: DemoSettings, *, json_output: bool) -> dict:
+async def run_demo(settings: DemoSettings, *, json_output: bool, dashboard: DashboardSettings | None = None) -> dict:
+    """``dashboard``: also serve the swarm's web dashboard with these settings, for as long as the demo runs."""
     log_dir = Path(tempfile.mkdtemp(prefix="swarmgrad-demo-"))
     started = time.time()
     log = RunLog(started_at=started)
     config = settings.run_config()
     title = f"swarmgrad demo: {settings.peers} peers, {settings.task}, {config.strategy.name}+{config.averaging.kind}, " \
             f"{config.compression}"
+    board_url = None
     async with SwarmNode(NodeConfig(host="127.0.0.1")) as bootstrap, \
-            Membership(bootstrap, settings.run_id, role="bootstrap"):
+            Membership(bootstrap, settings.run_id, role="bootstrap"), contextlib.AsyncExitStack() as stack:
+        if dashboard is not None:
+            from swarmgrad.dashboard.server import Dashboard
+
+            board = await stack.enter_async_context(Dashboard(
+                settings.run_id, NodeConfig(initial_peers=bootstrap.maddrs, client_mode=True), dashboard))
+            board_url = board.url
+            stderr.print(f"dashboard: {board_url}", markup=False, soft_wrap=True)
         commands = [peer_command(settings, index, bootstrap.maddrs) for index in range(settings.peers)]
         with Live(render_dashboard(log, title=title), console=stderr, refresh_per_second=4,
                   transient=json_output) as live:
@@ -63,7 +74,7 @@ async def run_demo(settings: DemoSettings, *, json_output: bool) -> dict:
         "compression": config.compression, "num_peers": settings.peers, "run_id": settings.run_id,
         "formation_seconds": round(formation_seconds, 3), "total_seconds": round(time.time() - started, 3),
         "time_to_85": summary["seconds_to"].get("0.85"), "time_to_88": summary["seconds_to"].get("0.88"),
-        "plot": str(plot), "logs": str(log_dir),
+        "plot": str(plot), "logs": str(log_dir), "dashboard": board_url,
     })
     if json_output:
         print_json(summary)

@@ -4,9 +4,9 @@ Each peer keeps one signed ``MemberRecord`` in its own slot of the DHT key ``swa
 refreshed every ``refresh`` seconds (and at once when ``publish_soon`` is called) and expiring after
 ``ttl`` seconds, so a peer that dies silently drops out within its TTL. A graceful leave overwrites
 the slot with a ``left`` record, so it is gone from every listing at once. A training peer's record
-carries its ``Progress`` (filled by the peer layer; this layer only carries it), so membership and
-training progress are one record with one TTL, and a watching member rereads everyone's records on
-the same beat.
+carries its ``Progress`` and its ``TrainingStats`` (loss, rounds, traffic: what a dashboard shows),
+both filled by the peer layer; this layer only carries them. So membership and training progress
+are one record with one TTL, and a watching member rereads everyone's records on the same beat.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from swarmgrad.version import __version__
 logger = logging.getLogger(__name__)
 
 Role = Literal["peer", "bootstrap", "client", "monitor"]
+Reachability = Literal["public", "relayed", "client"]
 DEFAULT_TTL = 30.0
 
 
@@ -50,6 +51,22 @@ class Progress(pydantic.BaseModel):
     settings: Annotated[str, pydantic.Field(max_length=64)] = ""  # digest of the run settings it trains with
 
 
+class TrainingStats(pydantic.BaseModel):
+    """A training member's totals, for dashboards: its smoothed loss and averaging counters.
+
+    Claims like everything in a record: readers show them attributed, and combine them robustly.
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    loss: Annotated[float, pydantic.Field(ge=-1e9, le=1e9, allow_inf_nan=False)] | None = None
+    rounds_ok: Annotated[int, pydantic.Field(ge=0)] = 0
+    rounds_failed: Annotated[int, pydantic.Field(ge=0)] = 0
+    bytes_sent: Annotated[int, pydantic.Field(ge=0)] = 0
+    bytes_received: Annotated[int, pydantic.Field(ge=0)] = 0
+    state_downloads: Annotated[int, pydantic.Field(ge=0)] = 0
+
+
 @record_kind
 class MemberRecord(RecordBody):
     kind = "member"
@@ -64,6 +81,17 @@ class MemberRecord(RecordBody):
     state: Literal["alive", "left"] = "alive"
     epsilon: Annotated[float, pydantic.Field(ge=0)] | None = None  # privacy spent so far; inf without noise
     progress: Progress | None = None  # training members only
+    stats: TrainingStats | None = None  # training members only
+
+
+def reachability(maddrs: list[str]) -> Reachability:
+    """How others reach a member, from the addresses it publishes: none (it dials out only), only
+    through circuit relays, or directly (as far as it knows: it announces what it listens on)."""
+    if not maddrs:
+        return "client"
+    if all("/p2p-circuit" in maddr for maddr in maddrs):
+        return "relayed"
+    return "public"
 
 
 @dataclass(frozen=True)
@@ -80,10 +108,17 @@ class Member:
     expires: float
     epsilon: float | None = None  # differential privacy spent so far, when the member releases privately
     progress: Progress | None = None
+    stats: TrainingStats | None = None
+
+    @property
+    def reachability(self) -> Reachability:
+        return reachability(self.maddrs)
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["progress"] = self.progress.model_dump() if self.progress is not None else None
+        data["stats"] = self.stats.model_dump() if self.stats is not None else None
+        data["reachability"] = self.reachability
         if data["epsilon"] is not None and not math.isfinite(data["epsilon"]):
             data["epsilon"] = "inf"  # JSON has no infinity
         return data
@@ -105,6 +140,7 @@ async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
             expires=record.expires,
             epsilon=record.body.epsilon,
             progress=record.body.progress,
+            stats=record.body.stats,
         )
         for owner, record in records.items()
         if record.body.state == "alive" and record.expires > now
@@ -137,6 +173,7 @@ class Membership:
         self.samples_per_second = 0.0
         self.epsilon: float | None = None
         self.progress: Progress | None = None
+        self.stats: TrainingStats | None = None
         self.members: list[Member] = []  # with watch=True: the latest listing (this member included)
         self.members_read_at = -math.inf  # time.monotonic() of that listing
         self._last_expires = 0.0
@@ -146,7 +183,7 @@ class Membership:
 
     def update(
         self, *, step: int | None = None, samples_per_second: float | None = None, epsilon: float | None = None,
-        progress: Progress | None = None,
+        progress: Progress | None = None, stats: TrainingStats | None = None,
     ) -> None:
         """Change what the next heartbeat announces."""
         if step is not None:
@@ -157,6 +194,8 @@ class Membership:
             self.epsilon = epsilon
         if progress is not None:
             self.progress = progress
+        if stats is not None:
+            self.stats = stats
 
     def publish_soon(self) -> None:
         """Announce now rather than at the next beat (thread-safe): an epoch changed, a round began."""
@@ -193,6 +232,7 @@ class Membership:
             state=state,
             epsilon=self.epsilon,
             progress=self.progress,
+            stats=self.stats,
         )
         # a frequent heartbeat needs latency more than durability: the next one follows soon. A leave
         # has no next one, and the node usually shuts down right after it, which would cut off the

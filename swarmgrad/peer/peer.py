@@ -19,12 +19,13 @@ checkpoints and reports.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,7 +33,8 @@ from swarmgrad.averaging import Averager, GossipAverager, NetworkRuntime
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
 from swarmgrad.averaging.settings import Averaging
 from swarmgrad.averaging.state_transfer import StateTransferError, download_state
-from swarmgrad.dht.membership import check_run_id
+from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
+from swarmgrad.dht.membership import TrainingStats, check_run_id
 from swarmgrad.dht.node import NodeConfig
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
@@ -144,7 +146,10 @@ class Peer:
         self.runtime = NetworkRuntime(self.run_id, node_config, direct=direct, trusted_network=trusted_network,
                                       timing=timing)
         self.node = self.runtime.node
-        self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon)
+        self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon, stats=self._stats)
+        self.evaluations = EvaluationLog(self.node, self.run_id, task=self.requested.task or "")
+        # called on the peer's loop with each round's outcome (the metrics' round-time histogram)
+        self.round_listeners: list[Callable[[RoundOutcome], None]] = []
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.manifest = manifest
@@ -256,6 +261,25 @@ class Peer:
             warning=self.driver.warning if self.driver else None, last_report=counters.last_report,
         )
 
+    def publish_evaluation(self, accuracy: float, loss: float | None = None, *, samples: int | None = None,
+                           evaluated_at: float | None = None) -> concurrent.futures.Future[bool]:
+        """Publish a held-out result of the current model as this peer's signed record of the run, so
+        any dashboard of the run shows it. Returns at once; the future says whether it was stored."""
+        if self._background is None:
+            raise RuntimeError("use `with peer:` first (or `await peer.apublish_evaluation(...)` inside `async with`)")
+        result = self._evaluation(accuracy, loss, samples, evaluated_at)
+        return self._background.submit(self.evaluations.add(result))
+
+    async def apublish_evaluation(self, accuracy: float, loss: float | None = None, *, samples: int | None = None,
+                                  evaluated_at: float | None = None) -> bool:
+        """The asyncio twin of ``publish_evaluation``: True once the record is stored."""
+        return await self.evaluations.add(self._evaluation(accuracy, loss, samples, evaluated_at))
+
+    def _evaluation(self, accuracy: float, loss: float | None, samples: int | None,
+                    evaluated_at: float | None) -> Evaluation:
+        return evaluation(accuracy, loss, epoch=self.epoch, step=self.tracker.local.total_steps,
+                          evaluated_at=evaluated_at, samples=samples)
+
     @property
     def epsilon(self) -> float | None:
         if self.per_sample is not None:
@@ -273,6 +297,7 @@ class Peer:
             found = await read_manifest(self.node, self.run_id)
         self.config = resolve_against_run(self.run_id, self.requested, found.run_config() if found else None)
         self._check_local_privacy(self.config)
+        self.evaluations.task = (self.config.task or "")[:64]
         self.manifest = found  # train with the run's settings, and keep them published with the others
         if found is not None:
             logger.info("run %s: settings from its manifest (%s)", self.run_id, self.config.settings_json())
@@ -378,10 +403,23 @@ class Peer:
         epoch = self.tracker.local.epoch
         self.runtime.state_server.publish(self.state.capture(epoch, {"settings": self.config.settings_json()}))
 
+    def _stats(self) -> TrainingStats:
+        """The totals this peer's presence record carries (for dashboards)."""
+        counters = self._counters
+        loss = counters.loss if counters.loss is not None and abs(counters.loss) <= 1e9 else None
+        return TrainingStats(loss=loss, rounds_ok=counters.rounds_ok, rounds_failed=counters.rounds_failed,
+                             bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
+                             state_downloads=counters.state_downloads)
+
     def _record(self, outcome: RoundOutcome) -> None:
         counters, report = self._counters, outcome.report
         if report is None:
             return
+        for listener in self.round_listeners:
+            try:
+                listener(outcome)
+            except Exception as error:  # an observer must not break the round's bookkeeping
+                logger.warning("round listener failed: %s: %s", type(error).__name__, error)
         counters.rounds_ok += int(outcome.ok)
         counters.rounds_failed += int(not outcome.ok)
         counters.bytes_sent += getattr(report, "bytes_sent", 0)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from swarmgrad.dht.membership import Membership, Progress
+from swarmgrad.dht.membership import Membership, Progress, TrainingStats
 
 RATE_SMOOTHING = 0.3  # weight of the newest interval in the samples/s average
 
@@ -110,8 +110,9 @@ class ProgressTracker:
     """
 
     def __init__(self, presence: Membership, settings: str = "", *,
-                 epsilon: Callable[[], float | None] = lambda: None):
-        self.presence, self.settings, self.epsilon = presence, settings, epsilon
+                 epsilon: Callable[[], float | None] = lambda: None,
+                 stats: Callable[[], TrainingStats | None] = lambda: None):
+        self.presence, self.settings, self.epsilon, self.stats = presence, settings, epsilon, stats
         self.refresh = presence.refresh
         self.local = LocalProgress()
         self.swarm = SwarmProgress()
@@ -161,7 +162,7 @@ class ProgressTracker:
                                 settings=self.settings)
             step, rate = local.total_steps, float(local.samples_per_second)
         epsilon = self.epsilon()
-        presence.update(step=step, samples_per_second=rate, progress=progress,
+        presence.update(step=step, samples_per_second=rate, progress=progress, stats=self.stats(),
                         epsilon=epsilon if epsilon is not None and math.isfinite(epsilon) else None)
 
     # ---- reading -------------------------------------------------------------------------------

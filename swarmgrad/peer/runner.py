@@ -8,6 +8,8 @@ threads, stop conditions, network) are each peer's own.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import logging
 import math
@@ -33,6 +35,7 @@ from swarmgrad.tasks.train import make_optimizer
 from swarmgrad.timing import Timing
 
 if TYPE_CHECKING:
+    from swarmgrad.peer.metrics import PeerMetrics
     from swarmgrad.peer.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -109,10 +112,13 @@ def _fingerprint(task: str | None, data_dir: str | None) -> str | None:
 
 
 def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConfig, manifest: RunManifest | None,
-          emit: Emit, announce: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
+          emit: Emit, announce: Callable[[list[str]], None] | None = None,
+          metrics: PeerMetrics | None = None) -> dict[str, Any]:
     """Train ``config.task`` with ``config`` until a stop condition or SIGTERM/SIGINT; returns the
     final summary (also emitted as ``done``). ``manifest``: the run's, which the peer keeps published.
-    ``announce(maddrs)`` is called once the peer listens, before it waits for ``local.wait_peers``."""
+    ``announce(maddrs)`` is called once the peer listens, before it waits for ``local.wait_peers``.
+    ``metrics``: a served PeerMetrics, which then reports this peer. Every held-out evaluation is
+    published as this peer's evaluation record of the run."""
     from swarmgrad.peer.peer import Peer
 
     if config.task is None:
@@ -135,6 +141,8 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
                 checkpoint_dir=local.checkpoint_dir, network=network, trusted_network=local.trusted_network,
                 manifest=manifest, timing=local.timing)
+    if metrics is not None:
+        metrics.attach(peer)
     reason, final, started = "stopped", None, time.time()
     with stop, peer:
         if announce is not None:
@@ -143,7 +151,8 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
             peer.wait_for_peers(local.wait_peers, local.wait_seconds)
         emit({"event": "ready", "peer_id": peer.peer_id, "maddrs": peer.maddrs, "shard": shard,
               "num_shards": num_shards, "epoch": peer.epoch, "step": peer.status().step, "task": task_name,
-              "options": run_options(config), "state_downloads": peer.status().state_downloads})
+              "options": run_options(config), "state_downloads": peer.status().state_downloads,
+              "metrics_url": metrics.url if metrics is not None else None})
         # the first evaluation comes after the first step: a joiner's shows the state it downloaded
         last_progress, last_eval, eval_epoch = 0.0, -float("inf"), -1
         while True:
@@ -172,22 +181,44 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
                 evaluated_at = time.time()  # the model's time: the event says when it had this accuracy
                 # say so first: a long evaluation (seconds on a big model) is not a hung round
                 emit({**_progress_event(peer), "evaluating": True})
-                metrics = task.evaluate(model, max_batches=local.eval_batches)
+                result = task.evaluate(model, max_batches=local.eval_batches)
                 last_eval, eval_epoch = time.monotonic(), peer.epoch
+                _publish(peer, result, evaluated_at)  # for the run's dashboards; training goes on meanwhile
                 emit({"event": "eval", "t": evaluated_at, "peer_id": peer.peer_id, "step": peer.status().step,
-                      "epoch": peer.epoch, **_finite_metrics(metrics)})
-                if local.target_accuracy is not None and metrics["accuracy"] >= local.target_accuracy:
-                    reason, final = "target_accuracy", metrics
+                      "epoch": peer.epoch, **_finite_metrics(result)})
+                if local.target_accuracy is not None and result["accuracy"] >= local.target_accuracy:
+                    reason, final = "target_accuracy", result
                     break
         emit(_progress_event(peer))
         if final is None and local.final_eval:
+            evaluated_at = time.time()
             final = task.evaluate(model)
+            # the peer leaves right after: wait (briefly) for the record, or it would be cut off
+            with contextlib.suppress(Exception):  # a failure is logged by _publish
+                _publish(peer, final, evaluated_at).result(timeout=2 * network.request_timeout + 1)
         status = peer.status()
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
                "reason": reason, "final": None if final is None else _finite_metrics(final),
                "status": status.to_json(), "seconds": time.time() - started}
     emit(summary)
     return summary
+
+
+def _publish(peer: Peer, metrics: dict[str, float], evaluated_at: float) -> concurrent.futures.Future[bool]:
+    """Publish an evaluation without waiting for the DHT; a failure is one warning (the next one may get through)."""
+    samples = metrics.get("samples")
+    future = peer.publish_evaluation(metrics["accuracy"], metrics.get("loss"), evaluated_at=evaluated_at,
+                                     samples=int(samples) if samples is not None and samples >= 1 else None)
+    future.add_done_callback(_log_unpublished)
+    return future
+
+
+def _log_unpublished(future: concurrent.futures.Future[bool]) -> None:
+    if future.cancelled():
+        return
+    error = future.exception()
+    if error is not None or not future.result():
+        logger.warning("could not publish the evaluation record%s", f": {error}" if error is not None else "")
 
 
 def run_options(config: RunConfig) -> dict[str, Any]:
