@@ -75,12 +75,12 @@ def test_raw_frames_of_other_tensors_go_through_the_codec():
 def test_non_finite_values_are_refused_unless_the_caller_checked_them():
     tensor = values()
     tensor[2, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN or Inf"):
+    with pytest.raises(ValueError, match="^tensor to send has NaN or Inf values$"):
         encode_chunk(get_codec("none"), tensor)
     with pytest.raises(ValueError, match="NaN or Inf"):
         encode_chunk(get_codec("fp16"), tensor)
     header, payload = encode_chunk(get_codec("none"), tensor, known_finite=True)
-    with pytest.raises(FrameError, match="NaN or Inf"):
+    with pytest.raises(FrameError, match="^received tensor has NaN or Inf values$"):
         decode_chunk(get_codec("none"), header, bytes(payload), SHAPE)
 
 
@@ -113,14 +113,32 @@ def test_a_raw_frame_must_carry_exactly_its_bytes():
 
 
 @pytest.mark.parametrize("sizes", [
-    "data",  # not a list
     [["data", 60, 1]], [["data"]], [[1, 60]], [["data", "60"]], [["data", True]], [["data", -1]], [("data", 60)],
     [["p", 0]] * 9,  # more parts than any codec has
 ])
 def test_malformed_part_sizes_are_refused(sizes):
     header, payload = encoded_to_frame(get_codec("int8:8").encode(values()))
-    with pytest.raises(FrameError, match="sizes"):
+    with pytest.raises(FrameError, match=r"^frame field 'sizes' must be a short list of \[name, byte count\] pairs$"):
         encoded_from_frame({**header, "sizes": sizes}, payload)
+
+
+def test_sizes_that_are_not_a_list_are_refused_by_the_field_check():
+    header, payload = encoded_to_frame(get_codec("int8:8").encode(values()))
+    with pytest.raises(FrameError, match="^frame field 'sizes' must be list, got str$"):
+        encoded_from_frame({**header, "sizes": "data"}, payload)
+
+
+def test_parts_are_cut_where_the_sizes_say():
+    """Up to 8 parts, empty ones allowed, each taken at its own offset; one part that is the whole
+    payload is the payload itself (no copy)."""
+    header = {"enc": {"codec": "x", "shape": [3], "dtype": "float32", "meta": {}}}
+    payload = bytes(range(12))
+    sizes = [["a", 2], ["b", 0], ["c", 3], ["d", 1], ["e", 2], ["f", 1], ["g", 2], ["h", 1]]
+    encoded = encoded_from_frame({**header, "sizes": sizes}, payload)
+    assert encoded.parts == {"a": b"\x00\x01", "b": b"", "c": b"\x02\x03\x04", "d": b"\x05", "e": b"\x06\x07",
+                             "f": b"\x08", "g": b"\x09\x0a", "h": b"\x0b"}
+    whole = encoded_from_frame({**header, "sizes": [["data", 12]]}, payload)
+    assert whole.parts["data"] is payload
 
 
 def test_declared_sizes_must_add_up_to_the_payload():

@@ -134,6 +134,7 @@ def test_open_envelope_reads_back_everything_that_was_sealed():
 @pytest.mark.parametrize("changes, message", [
     ({"v": 2}, "^unsupported record version 2$"),
     ({"kind": 7}, "^unknown record kind 7$"),
+    ({"kind": [1]}, r"^unknown record kind \[1\]$"),  # not even hashable
     ({"kind": "k" * 33}, "^unknown record kind 'k{33}'$"),
     ({"key": b"run"}, "^record field 'key' must be str$"),
     ({"subkey": 5}, "^record field 'subkey' must be str$"),

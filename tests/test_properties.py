@@ -28,8 +28,10 @@ from swarmgrad.averaging.wire import (
 )
 
 settings.register_profile("swarmgrad", derandomize=True, max_examples=150, deadline=None)
-# scripts/mutation.sh: one failing example kills a mutant; shrinking it to the smallest only costs time
-settings.register_profile("mutation", settings.get_profile("swarmgrad"), phases=[Phase.explicit, Phase.generate])
+# scripts/mutation.sh: one failing example kills a mutant, so no shrinking, and fewer examples for
+# each of its thousands of runs
+settings.register_profile("mutation", settings.get_profile("swarmgrad"), max_examples=40,
+                          phases=[Phase.explicit, Phase.generate])
 settings.load_profile(os.environ.get("SWARMGRAD_HYPOTHESIS_PROFILE", "swarmgrad"))
 
 # ---- wire frames ---------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ def exponential_neighbors(members: list[str], me: str, step: int, fanout: int) -
     n = len(ordered)
     if n < 2:
         return []
-    exponents = max(1, math.ceil(math.log2(n)))
+    exponents = math.ceil(math.log2(n))  # offsets 1, 2, ..., 2^(exponents-1), all below n
     index = ordered.index(me)
     picked: list[str] = []
     for k in range(fanout):
-        offset = 2 ** ((step + k) % exponents) % n or 1
+        offset = 2 ** ((step + k) % exponents)
         peer = ordered[(index + offset) % n]
         if peer != me and peer not in picked:
             picked.append(peer)
