@@ -32,6 +32,9 @@ for arg in "$@"; do
 done
 if [ -z "${report_only:-}" ]; then
     [ "$keep" = 1 ] || rm -rf mutants
+    # a mutant that sizes a buffer wrongly can ask for tens of GB: it fails with MemoryError
+    # (a kill) instead of taking the machine down
+    ulimit -v $((4 * 1024 * 1024))
     # mutmut's own progress line; --max-children: one worker per core
     SWARMGRAD_HYPOTHESIS_PROFILE=mutation .venv/bin/mutmut run --max-children "$(nproc)" "${run_args[@]}"
     echo >&2

@@ -619,3 +619,91 @@ def test_error_feedback_residual_is_a_fresh_tensor_and_the_payload_keeps_the_cal
     feedback.discard()
     assert feedback.residual_norm("w") == pytest.approx(float(residual.norm()))
     assert feedback.residual_norm("unknown") == 0.0
+
+
+def test_powersgd_sends_raw_exactly_when_low_rank_would_not_be_smaller():
+    codec = PowerSGDCodec(rank=2)
+    assert codec.matrix_dims((4, 4)) is None  # 2 * (4 + 4) == 16: no gain, so raw
+    assert codec.matrix_dims((5, 4)) == (5, 4)  # 18 < 20
+    assert codec.matrix_dims((3, 2, 2)) is None and codec.matrix_dims((5, 2, 2)) == (5, 4)
+    assert type(PowerSGDCodec(1).encoded_nbytes((8, 5))) is int  # a buffer size: allocated with bytearray()
+    assert PowerSGDCodec(1).encoded_nbytes((8, 5)) == 4 * (8 + 5)
+
+
+@pytest.mark.parametrize("shape, meta, message", [
+    ((16, 32), {"raw": 2, "rank": 0}, r"meta\['raw'\] must be an int in \[0, 1\], got 2"),
+    ((16, 32), {"raw": 1, "rank": 1}, r"meta\['rank'\] must be an int in \[0, 0\], got 1"),
+    ((16, 2), {"raw": 0, "rank": 3}, r"meta\['rank'\] must be an int in \[1, 2\], got 3"),  # rank above m
+    ((2, 16), {"raw": 0, "rank": 3}, r"meta\['rank'\] must be an int in \[1, 2\], got 3"),  # rank above n
+    ((0, 5), {"raw": 0, "rank": 1}, r"meta\['rank'\] must be an int in \[1, 0\], got 1"),  # no rows
+    ((40,), {"raw": 0, "rank": 1}, r"^powersgd low-rank payload needs a shape with >= 2 dims, got \(40,\)$"),
+])
+def test_powersgd_meta_must_fit_the_shape(shape, meta, message):
+    codec, encoded = sample("powersgd")
+    with pytest.raises(CodecError, match=message):
+        codec.decode(dataclasses.replace(encoded, shape=shape, meta=meta))
+
+
+def test_powersgd_rank_is_capped_by_max_rank_even_for_large_matrices():
+    codec = PowerSGDCodec(rank=4)
+    n, rank = 1100, 1025
+    parts = {"p": bytes(4 * n * rank), "q": bytes(4 * n * rank)}
+    encoded = Encoded("powersgd", (n, n), "float32", parts, {"raw": 0, "rank": rank})
+    with pytest.raises(CodecError, match=r"meta\['rank'\] must be an int in \[1, 1024\], got 1025"):
+        codec.decode(encoded)
+    ok = Encoded("powersgd", (n, n), "float32", {"p": bytes(4 * n * 1024), "q": bytes(4 * n * 1024)},
+                 {"raw": 0, "rank": 1024})
+    assert not codec.decode(ok).any()
+
+
+def test_powersgd_overflow_bound_is_per_row_and_strict():
+    codec = PowerSGDCodec(rank=1)
+    encoded = codec.encode(torch.ones(8, 8))
+    limit = float(torch.finfo(torch.float32).max) / 2  # exact in float32 and float64
+    rows = f32(*[1e19] * 8)  # every row 1e19, each factor's whole norm 2.8e19: the product of rows fits
+    assert torch.isfinite(codec.decode(with_part(with_part(encoded, "p", rows), "q", rows))).all()
+    at_limit = with_part(with_part(encoded, "p", f32(1.0, *[0.0] * 7)), "q", f32(limit, *[0.0] * 7))
+    with pytest.raises(CodecError, match="too large"):
+        codec.decode(at_limit)
+
+
+def test_powersgd_warm_start_is_taken_in_float32_on_the_cpu():
+    codec = PowerSGDCodec(rank=2)
+    matrix = random_tensor((12, 10), seed=2)
+    warm = torch.randn(10, 2, generator=torch.Generator().manual_seed(1))
+    assert codec.encode(matrix, warm_start=warm.double()).parts == codec.encode(matrix, warm_start=warm).parts
+
+
+def test_powersgd_next_warm_start_only_from_its_own_low_rank_encodings():
+    codec = PowerSGDCodec(rank=2)
+    encoded = codec.encode(random_tensor((12, 10), seed=3))
+    warm = codec.next_warm_start(encoded)
+    assert warm.shape == (10, 2) and torch.equal(warm, torch.frombuffer(bytearray(encoded.parts["q"]),
+                                                                      dtype=torch.float32).view(10, 2))
+    assert codec.next_warm_start(dataclasses.replace(encoded, codec="int8")) is None
+    assert codec.next_warm_start(codec.encode(torch.ones(4))) is None  # raw
+    assert PowerSGDCodec(rank=3).next_warm_start(encoded) is None  # another rank
+    assert codec.next_warm_start(with_part(encoded, "q", encoded.parts["q"][:-4])) is None  # not whole rows
+    assert codec.next_warm_start(dataclasses.replace(encoded, parts={"p": encoded.parts["p"]})) is None  # no Q
+
+
+def test_the_sampled_top_k_search_falls_back_when_the_sample_misleads():
+    """Sampled positions hold the large values: the threshold then admits fewer than k candidates,
+    and the full topk must run instead (still exact)."""
+    from swarmgrad.averaging.codecs.topk import top_k_indices
+
+    generator = torch.Generator().manual_seed(8)
+    magnitude = torch.rand(1 << 17, generator=generator) * 0.5
+    magnitude[::2] = 1 + torch.rand(1 << 16, generator=generator)  # exactly what the stride-2 sample sees
+    got = top_k_indices(magnitude, 1000)
+    assert got.numel() == 1000
+    torch.testing.assert_close(magnitude[got].sort().values, torch.topk(magnitude, 1000).values.sort().values,
+                               rtol=0, atol=0)
+
+
+def test_empty_buffers_keep_their_dtype_and_shape_errors_name_the_type():
+    from swarmgrad.averaging.codecs.base import tensor_from
+
+    assert tensor_from(b"", torch.int32).dtype == torch.int32 and tensor_from(b"", torch.float16).dtype == torch.float16
+    with pytest.raises(CodecError, match="^shape must be a list, got str$"):
+        Encoded.from_msgpack({**sample("none")[1].to_msgpack(), "shape": "16,32"})

@@ -244,3 +244,40 @@ def test_the_validator_says_why_it_refused(caplog):
         validator.validate(DHTRecord(DHTID.generate(source=KEY).to_bytes(), MSGPackSerializer.dumps(owner.peer_id),
                                      MSGPackSerializer.dumps(b"x" * MAX_RECORD_BYTES), expires))
     assert "exceeds" not in caplog.messages[0] and "not msgpack" in caplog.messages[0]
+
+
+def test_a_record_kind_registered_at_run_time_is_validated_by_its_schema():
+    """record_kind registers the schema open_envelope checks bodies against; bytes in a body go on
+    the wire as msgpack bin (a str would fail the strict schema)."""
+    from swarmgrad.dht.records import RecordBody, record_kind
+
+    @record_kind
+    class Blob(RecordBody):
+        kind = "test-blob"
+        max_ttl = 60.0
+        data: bytes
+
+    owner = Identity.generate()
+    opened = open_envelope(seal(owner, KEY, Blob(data=b"\x00\xff"), NOW + 30), now=NOW)
+    assert opened.body == Blob(data=b"\x00\xff")
+    with pytest.raises(RecordError, match="^record expiry is more than 60 s ahead$"):
+        open_envelope(seal(owner, KEY, Blob(data=b""), NOW + 121), now=NOW)
+
+
+def test_the_validator_logs_an_unexpected_error_with_its_type_and_text(caplog):
+    owner = Identity.generate()
+    try:
+        MSGPackSerializer.loads(b"\xc1")
+    except Exception as error:
+        expected = f"rejected DHT record ({type(error).__name__}: {error})"
+    with caplog.at_level("INFO", logger="swarmgrad.dht.records"):
+        assert SignedRecordValidator().validate(DHTRecord(DHTID.generate(source=KEY).to_bytes(),
+                                                          MSGPackSerializer.dumps(owner.peer_id), b"\xc1", 1e12)) is False
+    assert caplog.messages == [expected]
+    # a value of exactly the wrapper limit is looked into, not refused for its size
+    caplog.clear()
+    with caplog.at_level("INFO", logger="swarmgrad.dht.records"):
+        SignedRecordValidator().validate(DHTRecord(DHTID.generate(source=KEY).to_bytes(),
+                                                   MSGPackSerializer.dumps(owner.peer_id),
+                                                   b"\xc1" * (MAX_RECORD_BYTES + 16), 1e12))
+    assert len(caplog.messages) == 1 and "exceeds" not in caplog.messages[0]

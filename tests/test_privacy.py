@@ -376,3 +376,53 @@ def test_a_checkpoint_of_another_accountant_or_malformed_is_refused_by_name() ->
     with pytest.raises(PrivacyError, match="^accountant: malformed privacy state in checkpoint"):
         budget.load_state_dict({"mechanism": "rdp", "history": [(1.0, "x", 1)], "releases": 1})
     assert budget.releases == 0 and budget.state_dict()["history"] == []  # nothing changed
+
+
+def test_the_refusal_says_which_release_and_what_epsilon_and_the_limit_is_inclusive(caplog) -> None:
+    from swarmgrad.averaging.privacy import BudgetExhausted, PrivacyBudget
+
+    probe = PrivacyBudget(1.0, 1.0, 1e-5, None)
+    probe.commit()
+    first = probe.epsilon
+    probe.commit()
+    second = probe.epsilon
+    exact = PrivacyBudget(1.0, 1.0, 1e-5, second)  # a limit exactly at two releases' epsilon
+    exact.check()
+    exact.commit()
+    exact.check()
+    exact.commit()
+    with pytest.raises(BudgetExhausted) as refused:
+        exact.check()
+    assert str(refused.value).startswith(f"privacy budget spent: update 3 would raise epsilon from {second:.4g} to ")
+    assert str(refused.value).endswith(f"past max_epsilon={second:g} (delta=1e-05); this peer stops releasing")
+    steps = PrivacyBudget(1.0, 1.0, 1e-5, first / 2, what="step")
+    with pytest.raises(BudgetExhausted, match="^privacy budget spent: step 1 would raise epsilon from 0 to "):
+        steps.check()
+
+
+def test_epsilon_is_right_however_check_and_commit_interleave() -> None:
+    """check() computes the next epsilon ahead; commit() reuses it only for the release it was for."""
+    from swarmgrad.averaging.privacy import PrivacyBudget
+
+    reference = PrivacyBudget(1.0, 0.5, 1e-5, None)
+    epsilons = []
+    for _ in range(3):
+        reference.commit()
+        epsilons.append(reference.epsilon)
+    budget = PrivacyBudget(1.0, 0.5, 1e-5, 1e9)
+    budget.check()
+    budget.commit()
+    budget.commit()  # no check() for this one: the cached value is for release 1 only
+    assert budget.epsilon == epsilons[1]
+    budget.check()
+    budget.commit()
+    assert budget.epsilon == epsilons[2]
+
+
+def test_a_prv_budget_restored_from_no_releases_reads_zero() -> None:
+    """PRV's epsilon cannot be computed on an empty history: a restored empty budget must not ask."""
+    from swarmgrad.averaging.privacy import PrivacyBudget
+
+    budget = PrivacyBudget(1.0, 0.5, 1e-5, None, mechanism="prv")
+    budget.load_state_dict(PrivacyBudget(1.0, 0.5, 1e-5, None, mechanism="prv").state_dict())
+    assert budget.epsilon == 0.0 and budget.releases == 0

@@ -114,6 +114,12 @@ def test_parts_are_contiguous_cover_every_chunk_and_skip_zero_shares(tensor_shap
     for part, share in zip(parts, shares):
         if share == 0:
             assert len(part) == 0
+    # each chunk goes to the first member whose share boundary covers its middle (the last takes the rest)
+    boundaries = [schema.total * sum(shares[: m + 1]) / sum(shares) for m in range(len(shares))]
+    middles = [chunk.start + chunk.length / 2 - schema.chunks[0].start for chunk in schema.chunks]
+    owners = [next((m for m, b in enumerate(boundaries) if shares[m] > 0 and mid <= b),
+                   max(m for m, share in enumerate(shares) if share > 0)) for mid in middles]
+    assert [m for m, part in enumerate(parts) for _ in part] == owners
 
 
 @given(shapes, st.integers(0, 2**32 - 1))

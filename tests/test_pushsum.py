@@ -168,3 +168,14 @@ def test_a_sparse_payload_of_the_wrong_length_is_refused():
             unpack(payload, count, 10)
     with pytest.raises(FrameError, match="must carry 24 bytes"):
         unpack(payload[:-1], 2, 10)
+
+
+def test_sparse_selection_leaves_the_global_torch_generator_alone():
+    """Training draws from torch's global generator (dropout, shuffling under a seed); gossip's
+    random window must not shift those draws, so it has a generator of its own."""
+    mass = SparseMass(1000, 1.0, 0.02)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    mass.select(torch.zeros(1000))
+    assert torch.equal(torch.rand(3), expected)

@@ -209,6 +209,12 @@ def test_header_limits_are_exact():
         parse_header(msgpack.packb({"t": 1, "v": 1}))
     with pytest.raises(FrameError, match=r"^unsupported wire version None \(this peer speaks 1\)$"):
         parse_header(msgpack.packb({"t": "x"}))
+    with pytest.raises(FrameError, match=r"^unsupported wire version 2 \(this peer speaks 1\)$"):
+        parse_header(msgpack.packb({"t": "x", "v": 2}))
+    with pytest.raises(FrameError, match="^frame header is not msgpack: "):  # keys are strings only
+        parse_header(msgpack.packb({"t": "x", "v": 1, 7: "seven"}))
+    with pytest.raises(FrameError, match="^frame header is not msgpack: "):  # no bin field above the limit
+        parse_header(msgpack.packb({"t": "x", "v": 1, "b": b"x" * (MAX_HEADER_BYTES + 1)}))
     with pytest.raises(RemoteError, match="^unspecified error$"):
         parse_header(msgpack.packb({"t": "error", "v": 1}))
     with pytest.raises(RemoteError, match="^y{500}$"):

@@ -98,7 +98,7 @@ def _chunk_grid(specs: Sequence[TensorSpec], limit: int) -> tuple[Chunk, ...]:
         cols = numel // spec.shape[0] if len(spec.shape) >= 2 and spec.shape[0] else 0
         if cols and numel >= MIN_MATRIX_ELEMENTS and cols <= limit:
             flush_flat()
-            rows_per_chunk = max(1, limit // cols)
+            rows_per_chunk = limit // cols  # >= 1: cols <= limit
             for row in range(0, spec.shape[0], rows_per_chunk):
                 rows = min(rows_per_chunk, spec.shape[0] - row)
                 add(offset + row * cols, rows * cols, (rows, cols))

@@ -108,12 +108,11 @@ class PowerSGDCodec(Codec):
         return {"p": p.numpy().tobytes(), "q": q.numpy().tobytes()}, {"raw": 0, "rank": self.rank}
 
     def next_warm_start(self, encoded: Encoded) -> torch.Tensor | None:
-        if encoded.codec != self.name or encoded.meta.get("raw") != 0:
+        q_bytes = encoded.parts.get("q")
+        if (encoded.codec != self.name or encoded.meta.get("raw") != 0 or encoded.meta.get("rank") != self.rank
+                or not q_bytes or len(q_bytes) % (4 * self.rank)):
             return None
-        rank, q_bytes = encoded.meta.get("rank"), encoded.parts.get("q", b"")
-        if type(rank) is not int or rank != self.rank or len(q_bytes) % (4 * rank):
-            return None
-        return tensor_from(q_bytes, torch.float32).view(-1, rank)
+        return tensor_from(q_bytes, torch.float32).view(-1, self.rank)
 
     def _decode(
         self, parts: Mapping[str, bytes], shape: tuple[int, ...], numel: int, meta: Mapping[str, int | float]
@@ -128,10 +127,10 @@ class PowerSGDCodec(Codec):
         check_finite(p, "powersgd P")
         check_finite(q, "powersgd Q")
         # Cauchy-Schwarz: |(P Q^T)_ij| <= |P_i| |Q_j|, so this bound rules out overflow without a
-        # pass over the n*m output (norms in float64 so they cannot overflow themselves).
-        if p.numel() and q.numel():
-            p_norm = torch.linalg.vector_norm(p.double(), dim=1).max()
-            q_norm = torch.linalg.vector_norm(q.double(), dim=1).max()
-            if not float(p_norm * q_norm) < _FP32_MAX / 2:  # /2: room for float32 rounding in the matmul
-                raise CodecError("powersgd factors are too large: their product would overflow float32")
+        # pass over the n*m output (norms in float64 so they cannot overflow themselves). P and Q
+        # have at least one row each: _part_sizes allows no low-rank payload with n or m = 0.
+        p_norm = torch.linalg.vector_norm(p.double(), dim=1).max()
+        q_norm = torch.linalg.vector_norm(q.double(), dim=1).max()
+        if not float(p_norm * q_norm) < _FP32_MAX / 2:  # /2: room for float32 rounding in the matmul
+            raise CodecError("powersgd factors are too large: their product would overflow float32")
         return (p @ q.T).reshape(-1)
