@@ -357,3 +357,19 @@ def test_moshpit_incomplete_grid_gets_within_one_percent_in_four_rounds():
     values, mean, initial_distance = _grid_scenario(15, rounds=4)
     distances = [float((value - mean).norm()) for value in values]
     assert max(distances) < 0.01 * initial_distance, (max(distances), initial_distance)
+
+
+def test_the_grid_is_sized_by_the_members_that_average():
+    """log_{group}(members) dimensions, where bootstrap nodes and monitors (dashboards) do not count:
+    16 training peers and 20 monitors in groups of 4 make a 2-D grid, not a 3-D one."""
+    from types import SimpleNamespace
+
+    from swarmgrad.timing import Timing
+
+    members = [SimpleNamespace(role="peer")] * 12 + [SimpleNamespace(role="client")] * 4 + \
+        [SimpleNamespace(role="monitor")] * 20 + [SimpleNamespace(role="bootstrap")] * 30
+    runtime = SimpleNamespace(run_id="grid", node=None, timing=Timing(), members=lambda: members)
+    averager = Averager(runtime, [torch.zeros(4)], settings=moshpit(4), codec="none")
+    assert run_async(averager._auto_dims()) == 2
+    members[:] = members[:4]
+    assert run_async(averager._auto_dims()) == 1

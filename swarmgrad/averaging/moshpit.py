@@ -57,6 +57,9 @@ class AveragingReport:
     error: str | None = None
 
 
+AVERAGING_ROLES = ("peer", "client")  # client: a training peer that others cannot dial
+
+
 def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """Float32 CPU tensors that tile one contiguous buffer end to end (a single tensor, or views cut
     from one flat vector in order) are sent from that memory, without a copy (it is only read
@@ -284,8 +287,10 @@ class Averager:
                 f"{round_name}/{others}")
 
     async def _auto_dims(self) -> int:
-        """Enough grid dimensions that each slice holds about one group: log_{group_size}(members)."""
-        peers = max(1, len(self.runtime.members()))
+        """Enough grid dimensions that each slice holds about one group: log_{group_size}(members).
+
+        Only members that average count: bootstrap nodes and dashboards (monitors) never join a group."""
+        peers = max(1, sum(1 for member in self.runtime.members() if member.role in AVERAGING_ROLES))
         return max(1, math.ceil(math.log(peers) / math.log(self.group_size) - 1e-9))
 
     # ---- incoming all-reduce streams -------------------------------------------------------------
