@@ -7,7 +7,7 @@
 # pyproject.toml.
 #
 #   scripts/mutation.sh                 # fresh run of everything, then the report
-#   scripts/mutation.sh --keep          # reuse ./mutants: rerun only what changed or was not run
+#   scripts/mutation.sh --keep          # reuse ./mutants (and its copy of the tests): finish a stopped run
 #   scripts/mutation.sh --report        # only the report of the last run (add --json for JSON)
 #   scripts/mutation.sh 'swarmgrad.averaging.wire*'   # some mutants only (mutmut's name patterns)
 set -euo pipefail
@@ -27,7 +27,7 @@ for arg in "$@"; do
         --report) report_only=1 ;;
         --json) report_args+=(--json) ;;
         --keep) keep=1 ;;
-        *) run_args+=("$arg"); keep=1 ;;
+        *) run_args+=("$arg") ;;
     esac
 done
 if [ -z "${report_only:-}" ]; then

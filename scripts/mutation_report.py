@@ -88,7 +88,7 @@ def collect(reasons: dict[str, dict]) -> list[ModuleScore]:
                 survivor["reason"] = f"STALE (was: {listed['added']!r})" if stale else listed["reason"]
                 survivor["explained"] = not stale
             module.survivors.append(survivor)
-        if data.exit_code_by_key:
+        if module.counted:  # a run of some mutants only (a name pattern) leaves the other modules out
             scores.append(module)
     return scores
 

@@ -707,3 +707,41 @@ def test_empty_buffers_keep_their_dtype_and_shape_errors_name_the_type():
     assert tensor_from(b"", torch.int32).dtype == torch.int32 and tensor_from(b"", torch.float16).dtype == torch.float16
     with pytest.raises(CodecError, match="^shape must be a list, got str$"):
         Encoded.from_msgpack({**sample("none")[1].to_msgpack(), "shape": "16,32"})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"codec": ""}, "^codec name must be a short string, got ''$"),
+    ({"codec": "c" * 65}, "^codec name must be a short string, got 'c{64}"),
+    ({"shape": (1,) * 33}, "^shape must be a tuple of at most 32 ints$"),
+    ({"parts": {f"p{i}": b"" for i in range(9)}}, "^parts must be a map of at most 8 buffers$"),
+    ({"parts": {1: b""}}, "^parts must map str to bytes, got int -> bytes$"),
+    ({"parts": {"data": "text"}}, "^parts must map str to bytes, got str -> str$"),
+    ({"meta": {f"m{i}": 1 for i in range(9)}}, "^meta must be a map of at most 8 numbers$"),
+    ({"meta": {"k": None}}, "^meta must map str to int/float, got 'k' -> NoneType$"),
+    ({"meta": {"k": True}}, "^meta must map str to int/float, got 'k' -> bool$"),
+])
+def test_structure_limits_name_what_broke_them(change, message):
+    from swarmgrad.averaging.codecs.base import check_structure
+
+    encoded = dataclasses.replace(sample("none")[1], **change)
+    with pytest.raises(CodecError, match=message):
+        check_structure(encoded)
+    with pytest.raises(CodecError, match="^expected Encoded, got dict$"):
+        check_structure(encoded.to_msgpack())  # type: ignore[arg-type]
+
+
+def test_structure_limits_are_inclusive():
+    from swarmgrad.averaging.codecs.base import check_structure
+
+    encoded = sample("none")[1]
+    for change in ({"codec": "c" * 64}, {"codec": "c"}, {"shape": (1,) * 32}, {"parts": {f"p{i}": b"" for i in range(8)}},
+                   {"meta": {f"m{i}": 1.5 for i in range(8)}}):
+        check_structure(dataclasses.replace(encoded, **change))
+    with pytest.raises(CodecError, match="^can only encode torch tensors, got list$"):
+        get_codec("none").encode([1.0])  # type: ignore[arg-type]
+
+
+def test_powersgd_takes_no_warm_start_from_a_raw_encoding_whatever_its_rank_says():
+    codec = PowerSGDCodec(rank=2)
+    raw = dataclasses.replace(codec.encode(torch.ones(4)), meta={"raw": 1, "rank": 2}, parts={"q": bytes(8 * 4)})
+    assert codec.next_warm_start(raw) is None
