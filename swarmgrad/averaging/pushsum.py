@@ -1,5 +1,6 @@
-"""Dense push-sum arithmetic (SGP, arXiv 1811.10792): who to push to, merging what arrived, giving a
-share away and taking it back. No I/O: gossip.py moves these values over the network.
+"""Dense push-sum arithmetic (SGP, arXiv 1811.10792): who to push to, merging what arrived, and
+giving a share away. No I/O: gossip.py moves these values over the network (and adds a refused
+share's weight back).
 
 Each peer holds an estimate x and a weight w; the swarm's weighted mean is sum(w x) / sum(w), and
 every operation here keeps sum(w x) over the peers and the pushes in flight exactly (a merge only
