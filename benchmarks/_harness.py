@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -210,6 +211,63 @@ def verdict(value: bool | None, yes: str, no: str) -> str:
 
 def target_cell(value: float | None, target: float) -> str:
     return "-" if value is None else f"{value:.2f} " + verdict(value >= target, "pass", "FAIL")
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of ``values``, None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+# ---------------------------------------------------------------- process accounting from /proc (no psutil here)
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name (which may hold spaces): field 3 (state) comes first."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
+def child_pids(parent: int, name: str) -> list[int]:
+    """Live children of ``parent`` whose command is ``name`` (e.g. the p2pd daemons a peer started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as comm:
+                if comm.read().strip() != name:
+                    continue
+            if int(_stat_fields(int(entry))[1]) == parent:
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):  # it exited while we looked
+            continue
+    return sorted(found)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` (VmRSS), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        pass
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time ``pid`` has used so far, 0 if it is gone."""
+    try:
+        fields = _stat_fields(pid)
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15 of stat(5)
 
 
 # ---------------------------------------------------------------- starting peers of the systems compared
