@@ -33,8 +33,10 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import math
+import signal
 import sys
 import time
 from collections import Counter
@@ -60,6 +62,8 @@ from rich.table import Table
 
 GROUP_SIZE, MIN_GROUP_SIZE = 4, 2
 WINDOW = 2.0  # matchmaking seconds: the library's default (a full group of 4 ends the wait early)
+# plain means: robust aggregation (centered-clip) moves honest peers too, and mixing is what this measures
+AGGREGATOR = "mean"
 SEEDS = 3  # the first peers started; every later peer bootstraps from all of them
 START_CONCURRENCY = 4  # peers of one process starting at a time: 64 p2pd at once starve 2 cores
 TARGET = 1e-3  # relative error
@@ -134,6 +138,11 @@ class Row:
 
 
 # ---------------------------------------------------------------- in every process
+
+
+def plain_mean(averager: type) -> dict[str, str]:
+    """``aggregator=AGGREGATOR`` for an averager that takes an aggregator (one that does not only averages)."""
+    return {"aggregator": AGGREGATOR} if "aggregator" in inspect.signature(averager).parameters else {}
 
 
 @dataclass
@@ -271,7 +280,8 @@ async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], m
     tensors = [peer_tensor(peer.rank, cfg.numel) for peer in peers]
     matchmaking_ms, errors, trace, reached = [], Counter(), [], None
     async with contextlib.AsyncExitStack() as stack:
-        averagers = [await stack.enter_async_context(Averager(peer.runtime, [tensor], settings=settings, codec="none"))
+        averagers = [await stack.enter_async_context(Averager(peer.runtime, [tensor], settings=settings, codec="none",
+                                                                      **plain_mean(Averager)))
                      for peer, tensor in zip(peers, tensors)]
         await ctx.async_sync()  # every averager serves before anyone's first round
         for round_index in range(cfg.rounds):
@@ -301,7 +311,8 @@ async def gossip_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], me
     tensors = [peer_tensor(peer.rank, cfg.numel) for peer in peers]
     stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
-        gossips = [await stack.enter_async_context(GossipAverager(peer.runtime, [tensor], weight=1.0, codec="none"))
+        gossips = [await stack.enter_async_context(GossipAverager(peer.runtime, [tensor], weight=1.0, codec="none",
+                                                                          **plain_mean(GossipAverager)))
                    for peer, tensor in zip(peers, tensors)]
         await ctx.async_sync()
         started = time.monotonic()
@@ -454,12 +465,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind: run_group removes the peers
     started = time.monotonic()
     rows = [run_configuration(peers, args) for peers in args.peers]
     wall_s = time.monotonic() - started
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"} | {"window_s": WINDOW, "group_size": GROUP_SIZE,
-                                                                         "target": TARGET}
+                                                                         "target": TARGET, "aggregator": AGGREGATOR}
         print(json.dumps({"config": config, "rows": [asdict(r) for r in rows], "wall_s": wall_s}, indent=2))
     else:
         console = Console() if sys.stdout.isatty() else Console(width=220)
