@@ -341,10 +341,10 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     found = [Variant("moshpit", "moshpit", "moshpit", moshpit),
              Variant("moshpit_churn", "moshpit +churn", "moshpit", functools.partial(moshpit, **churned))]
     if args.rerank:
-        found.append(Variant("moshpit_rerank", "moshpit +churn, reranked", "moshpit",
+        found.append(Variant("moshpit_rerank", "moshpit +churn reranked", "moshpit",
                              functools.partial(moshpit, rerank=True, **churned)))
     found += [Variant("gossip", "gossip", "gossip", gossip),
-              Variant("gossip_churn", "gossip +lost pushes", "gossip", functools.partial(gossip, drop=args.churn))]
+              Variant("gossip_churn", "gossip +lost", "gossip", functools.partial(gossip, drop=args.churn))]
     if args.async_activity < 1:
         found.append(Variant("gossip_async", "gossip, own clocks", "gossip",
                              functools.partial(gossip, activity=args.async_activity)))
@@ -477,9 +477,9 @@ def gaps(rows: list[dict], points: list[RealPoint]) -> list[dict]:
 def fmt_rounds(summary: dict) -> str:
     if summary["rounds"] is None:
         return "never"
-    cell = f"{summary['rounds']:g}"
+    cell = f"{summary['rounds']:.3g}"
     if summary["low"] != summary["high"]:
-        cell += f" ({summary['low']:g}-{summary['high']:g})"
+        cell += f" ({summary['low']:.3g}-{summary['high']:.3g})"
     if summary["reached"] < summary["seeds"]:
         cell += f" {summary['reached']}/{summary['seeds']}"
     return cell
@@ -491,10 +491,11 @@ def _num(value: float | None, digits: int) -> str:
 
 def caption(args: argparse.Namespace, found_gaps: list[dict], wall_s: float) -> str:
     text = (f"Simulated, no network: groups of {args.group_size}, gossip fanout {args.fanout}, {args.seeds} seed(s), "
-            f"vectors of {args.dim}; rounds/steps to {args.target:g}: median (range) [reached/seeds]. churn: a peer is "
+            f"vectors of {args.dim}; rounds/steps to {args.target:g}: median (range), k/n when k of n seeds reached it. "
+            f"churn: a peer is "
             f"absent {args.churn:g} of rounds and a group fails {args.group_failure:g} of rounds (moshpit), a push is "
             f"lost with p={args.churn:g} (gossip). Gossip steps are "
-            + f"synchronous steps; 'own clocks': each peer steps in a tick with p={args.async_activity:g}"
+            + f"synchronous; 'own clocks': each peer steps in a tick with p={args.async_activity:g}"
             + f". MB sent/peer (10^6 B) for {args.numel:,} float32, codec none. s = rounds x {args.moshpit_round_s:g} s, "
             f"steps x {args.gossip_step_s:g} s. Wall time {wall_s:.0f} s.")
     for gap in found_gaps:
@@ -506,18 +507,18 @@ def caption(args: argparse.Namespace, found_gaps: list[dict], wall_s: float) -> 
 def render(rows: list[dict], found: list[Variant], args: argparse.Namespace, found_gaps: list[dict],
            wall_s: float) -> Table:
     table = Table(title=f"Rounds, MB and seconds to {args.target:g} consensus against N (simulated)",
-                  caption=caption(args, found_gaps, wall_s))
+                  caption=caption(args, found_gaps, wall_s), caption_justify="left", show_lines=True)
     table.add_column("N", justify="right")
     table.add_column("grid", justify="right")
-    table.add_column(f"ceil(log_{args.group_size} N)", justify="right")
-    for heading in ("rounds/steps", "MB/peer", "s"):
-        for variant in found:
-            table.add_column(f"{variant.label} {heading}", justify="right", overflow="fold")
+    table.add_column("theory\nceil(log_%d N)" % args.group_size, justify="right", no_wrap=True)
+    for variant in found:
+        unit = "rounds" if variant.method == "moshpit" else "steps"
+        table.add_column(f"{variant.label}\n{unit}; MB/peer, s", justify="right", no_wrap=True)
     for row in rows:
         cells = [str(row["peers"]), "x".join(map(str, row["sides"])), str(row["theory"])]
-        cells += [fmt_rounds(row[v.name]) for v in found]
-        cells += [_num(row[v.name]["mb_per_peer"], 0) for v in found]
-        cells += [_num(row[v.name]["seconds"], 1) for v in found]
+        for variant in found:
+            cell = row[variant.name]
+            cells.append(f"{fmt_rounds(cell)}\n{_num(cell['mb_per_peer'], 0)} MB, {_num(cell['seconds'], 1)} s")
         table.add_row(*cells)
     return table
 

@@ -143,6 +143,7 @@ def test_real_points_are_read_from_scale_and_consensus_json(tmp_path):
         {"peers": 8, "moshpit_rounds": 3, "round_bound": 3, "moshpit_ok": True, "gossip_steps": 12.5, "gossip_s": 1.0,
          "moshpit_trace": [0.5, 0.01]},
         {"peers": 16, "moshpit_rounds": None, "gossip_steps": None, "error": None},
+        {"N": 64, "moshpit": {"round_limit": 12, "rounds": 4}, "gossip_steps_s": 2.5},  # nested, a cap, seconds
         {"peers": 32, "error": "peer 3 died"}]}
     consensus = {"rows": [{"method": "gossip", "codec": "none", "peers": 8, "steps": 19.1, "converged": True},
                           {"method": "moshpit", "codec": "int8", "peers": 8, "steps": 9, "converged": True},
@@ -150,7 +151,7 @@ def test_real_points_are_read_from_scale_and_consensus_json(tmp_path):
     (tmp_path / "scale.json").write_text(json.dumps(scale))
     (tmp_path / "consensus.json").write_text(json.dumps(consensus))
     found = {(p.peers, p.method, p.rounds) for p in sim.real_points(tmp_path / "scale.json")}
-    assert found == {(8, "moshpit", 3.0), (8, "gossip", 12.5)}
+    assert found == {(8, "moshpit", 3.0), (8, "gossip", 12.5), (64, "moshpit", 4.0)}
     found = {(p.peers, p.method, p.rounds) for p in sim.real_points(tmp_path / "consensus.json")}
     assert found == {(8, "gossip", 19.1)}  # other codecs and unconverged rows are left out
 
