@@ -124,6 +124,7 @@ class Row:
     moshpit_rounds: int | None = None  # first round after which every peer was within TARGET
     round_bound: int = 0
     moshpit_trace: list[float] = field(default_factory=list)  # max error over peers after each round
+    no_group_per_round: list[int] = field(default_factory=list)
     gossip_steps: float | None = None  # mean step() calls per peer until all were within TARGET
     gossip_s: float | None = None
     gossip_max_error: float | None = None
@@ -131,6 +132,9 @@ class Row:
     mb_daemon_rss_per_peer: float | None = None
     daemon_cpu_pct_per_peer: float | None = None
     python_cpu_pct_per_peer: float | None = None
+    phase_s: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase (process 0)
+    max_fds: int = 0  # open file descriptors of the busiest benchmark process, at the end
+    load_average: float | None = None  # 1-minute load average at the end (2 cores here)
     membership_ok: bool | None = None
     moshpit_ok: bool | None = None
     no_group_ok: bool | None = None
@@ -175,15 +179,21 @@ async def _process_main(ctx: PeerContext, cfg: ScaleConfig) -> dict:
                         "membership_s": max(s[2] for s in starts) - max(s[1] for s in starts)}
         say(f"{cfg.peers} peers up in {result['start_s']:.1f} s; membership converged "
             f"{result['membership_s']:.1f} s after the last start")
+        phases = {"start": max(s[1] for s in starts) - first_start, "membership": time.monotonic() - measured_from}
+        mark = time.monotonic()
         result |= await dht_phase(cfg, peers)
         await ctx.async_sync()
+        phases["dht"], mark = time.monotonic() - mark, time.monotonic()
         say(f"{cfg.peers} peers: DHT store/get done; moshpit")
         result |= await moshpit_phase(ctx, cfg, peers, mean, say)
+        phases["moshpit"], mark = time.monotonic() - mark, time.monotonic()
         say(f"{cfg.peers} peers: gossip")
         result |= await gossip_phase(ctx, cfg, peers, mean)
+        phases["gossip"] = time.monotonic() - mark
         wall = time.monotonic() - measured_from
         result |= {
-            "peers": len(peers), "daemons": len(daemons), "measured_s": wall,
+            "peers": len(peers), "daemons": len(daemons), "measured_s": wall, "phase_s": phases,
+            "fds": len(os.listdir("/proc/self/fd")), "load_average": os.getloadavg()[0],
             "rss_bytes": rss_bytes(os.getpid()) + sum(rss_bytes(pid) for pid in daemons),
             "daemon_rss_bytes": sum(rss_bytes(pid) for pid in daemons),
             "daemon_cpu_s": sum(cpu_seconds(pid) - cpu_before[pid] for pid in daemons),
@@ -278,7 +288,7 @@ async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], m
 
     settings = Moshpit(group_size=GROUP_SIZE, min_group_size=MIN_GROUP_SIZE, matchmaking_seconds=WINDOW)
     tensors = [peer_tensor(peer.rank, cfg.numel) for peer in peers]
-    matchmaking_ms, errors, trace, reached = [], Counter(), [], None
+    matchmaking_ms, errors, trace, failed_per_round, reached = [], Counter(), [], [], None
     async with contextlib.AsyncExitStack() as stack:
         averagers = [await stack.enter_async_context(Averager(peer.runtime, [tensor], settings=settings, codec="none",
                                                                       **plain_mean(Averager)))
@@ -292,14 +302,16 @@ async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], m
             worst = max(rel_error(tensor, mean) for tensor in tensors)
             everyone = await ctx.async_exchange((worst, sum(not report.ok for report in reports)))
             trace.append(max(error for error, _ in everyone))
+            failed_per_round.append(sum(failed for _, failed in everyone))
             say(f"{cfg.peers} peers: moshpit round {round_index + 1}: max error {trace[-1]:.2e}, "
-                f"{sum(failed for _, failed in everyone)} peer-rounds without a group")
+                f"{failed_per_round[-1]} peer-rounds without a group")
             if trace[-1] <= TARGET:
                 reached = round_index + 1
                 break
         await ctx.async_sync()  # keep serving until every group is done
     return {"matchmaking_ms": matchmaking_ms, "peer_rounds": len(trace) * len(peers), "no_group": sum(errors.values()),
-            "round_errors": dict(errors), "moshpit_trace": trace, "moshpit_rounds": reached}
+            "round_errors": dict(errors), "moshpit_trace": trace, "moshpit_rounds": reached,
+            "no_group_per_round": failed_per_round}
 
 
 async def gossip_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], mean: Any) -> dict:
@@ -378,6 +390,8 @@ def run_configuration(peers: int, args: argparse.Namespace) -> Row:
     row.no_group_share = row.no_group / row.peer_rounds if row.peer_rounds else None
     row.round_errors = dict(sum((Counter(r["round_errors"]) for r in results), Counter()))
     row.moshpit_rounds, row.moshpit_trace = first["moshpit_rounds"], first["moshpit_trace"]
+    row.no_group_per_round, row.phase_s, row.load_average = first["no_group_per_round"], first["phase_s"], first["load_average"]
+    row.max_fds = max(r["fds"] for r in results)
     row.gossip_steps, row.gossip_s, row.gossip_max_error = first["gossip_steps"], first["gossip_s"], first["gossip_max_error"]
     row.mb_rss_per_peer = sum(r["rss_bytes"] for r in results) / count / MB
     row.mb_daemon_rss_per_peer = sum(r["daemon_rss_bytes"] for r in results) / count / MB
