@@ -41,7 +41,8 @@ def test_moshpit_on_a_grid_with_empty_cells_is_not_exact_but_converges():
     assert sim.simulate_moshpit(10, 0).rounds is not None
 
 
-@pytest.mark.parametrize("peers, sides", [(8, (4, 2)), (10, (4, 3)), (17, (3, 3, 2)), (50, (4, 4, 4))])
+@pytest.mark.parametrize("peers, sides", [(8, (4, 2)), (10, (4, 3)), (17, (3, 3, 2)), (20, (4, 3, 2)), (50, (4, 4, 4)),
+                                          (100, (4, 3, 3, 3))])
 def test_moshpit_groups_are_the_slices_of_grid_py(peers, sides):
     """On grid.grid_sides' grid, two ranks meet exactly when grid.grid_position puts them in cells
     that agree outside this round's dimension, and each peer's group is that whole slice."""
@@ -72,11 +73,11 @@ def test_an_absent_peer_and_a_failed_group_keep_their_vectors():
 
 @pytest.mark.parametrize("rerank", [False, True])
 def test_churn_and_failed_groups_need_more_rounds(rerank):
-    for seed in range(3):
-        churned = sim.simulate_moshpit(64, seed, churn=0.1, failure=0.05, rerank=rerank)
+    for seed in range(3):  # 64 peers: 3 rounds without either
+        churned = sim.simulate_moshpit(64, seed, churn=0.1, rerank=rerank)
         assert churned.rounds is not None and churned.rounds > 3, churned
-    failing = sim.simulate_moshpit(64, 0, failure=0.2)
-    assert failing.rounds is not None and failing.rounds > 3
+        failing = sim.simulate_moshpit(64, seed, failure=0.1, rerank=rerank)
+        assert failing.rounds is not None and failing.rounds > 3, failing
 
 
 def test_bytes_follow_the_wire_rules():
