@@ -38,13 +38,13 @@ def grid_position(rank: int, sides: Sequence[int]) -> list[int]:
     return position
 
 
-def slice_size(rank: int, members: int, dim: int, sides: Sequence[int]) -> int:
-    """How many of ranks 0..members-1 share every coordinate of ``rank`` except the one along
-    ``dim``: whom it meets in a round along ``dim`` (the side's length inside the grid, fewer next
-    to empty cells, more when the grid has fewer cells than members and ranks wrap around it)."""
+def slice_ranks(rank: int, members: int, dim: int, sides: Sequence[int]) -> list[int]:
+    """The ranks among 0..members-1 that share every coordinate of ``rank`` except the one along
+    ``dim``: whom it meets in a round along ``dim`` (as many as the side is long inside the grid,
+    fewer next to empty cells, more when the grid has fewer cells than members and ranks wrap)."""
     stride, period = math.prod(sides[:dim]), math.prod(sides)
     base = rank % period - ((rank // stride) % sides[dim]) * stride  # the slice's first cell
-    return sum(max(0, -(-(members - base - digit * stride) // period)) for digit in range(sides[dim]))
+    return [other for digit in range(sides[dim]) for other in range(base + digit * stride, members, period)]
 
 
 def grid_order(peer_ids: Sequence[str], salt: str) -> list[str]:
