@@ -532,7 +532,9 @@ def plot(rows: list[dict], found: list[Variant], points: list[RealPoint], args: 
     import matplotlib.ticker
 
     peers = np.array([row["peers"] for row in rows])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    highest = max([c["high"] for row in rows for c in (row[v.name] for v in found) if c["high"] is not None]
+                  + [p.rounds for p in points] + [grid_dims(int(peers.max()), args.group_size)])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 7))
     colors = {"moshpit": "tab:blue", "moshpit_churn": "tab:cyan", "moshpit_rerank": "tab:purple",
               "gossip": "tab:orange", "gossip_churn": "tab:red", "gossip_async": "tab:brown"}
     for variant in found:
@@ -541,10 +543,11 @@ def plot(rows: list[dict], found: list[Variant], points: list[RealPoint], args: 
         low = np.array([np.nan if c["low"] is None else c["low"] for c in cells])
         high = np.array([np.nan if c["high"] is None else c["high"] for c in cells])
         color = colors.get(variant.name)
-        left.plot(peers, median, "o-", ms=3, lw=1, color=color, label=f"{variant.label} (simulated)")
+        # thin lines: N that fill their grid (or are powers of 2 for gossip) sit far below their neighbours
+        left.plot(peers, median, "o-", ms=4, lw=0.7, color=color, label=f"{variant.label} (simulated)")
         left.fill_between(peers, low, high, color=color, alpha=0.2, linewidth=0)
         mb = np.array([np.nan if c["mb_per_peer"] is None else c["mb_per_peer"] for c in cells])
-        right.plot(peers, mb, "o-", ms=3, lw=1, color=color, label=variant.label)
+        right.plot(peers, mb, "o-", ms=4, lw=0.7, color=color, label=variant.label)
     dense = np.unique(np.geomspace(peers.min(), peers.max(), 600).round().astype(int))
     left.plot(dense, [grid_dims(n, args.group_size) for n in dense], "k--", lw=1,
               label=f"theory: ceil(log_{args.group_size} N)")
@@ -559,12 +562,12 @@ def plot(rows: list[dict], found: list[Variant], points: list[RealPoint], args: 
         axis.set_xlabel("peers N")
         axis.set_ylabel(ylabel)
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=2)
     left.set_yscale("log")
     left.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     left.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.set_yticks([t for t in (1, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 70, 100, 150, 200, 300, 500)
-                     if t <= args.max_rounds])
+                     if t <= 1.5 * highest])
     fig.suptitle(f"Consensus against N, simulated: groups of {args.group_size}, fanout {args.fanout}, "
                  f"churn {args.churn:g}, {args.seeds} seed(s): median and range")
     fig.tight_layout()
