@@ -187,6 +187,7 @@ def peer(
     strategy: Optional[str] = typer.Option(None, "--strategy", help=f"{_either(STRATEGIES)} (default {_RUN_DEFAULTS.strategy.name}).", rich_help_panel="Run"),
     averaging: Optional[str] = typer.Option(None, "--averaging", help=f"{_either(AVERAGINGS)} (default: {_natural_averagings()}).", rich_help_panel="Run"),
     compression: Optional[str] = typer.Option(None, "--compression", help=f"none, fp16, bf16, int8, topk:F, powersgd:R (default {_RUN_DEFAULTS.compression}).", rich_help_panel="Run"),
+    aggregator: Optional[str] = typer.Option(None, "--aggregator", help=f"How contributions are combined: mean, centered-clip (bounds what one liar can do; gossip: clipped pushes) or trimmed-mean (default {_RUN_DEFAULTS.aggregator}).", rich_help_panel="Run"),
     inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help=f"diloco: local steps between averaging (default {DiLoCo().inner_steps}).", rich_help_panel="Run"),
     outer_lr: Optional[float] = typer.Option(None, "--outer-lr", help=f"diloco: outer learning rate (default {DiLoCo().outer_lr}).", rich_help_panel="Run"),
     target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", help=f"sync: swarm-wide samples per step (default {SyncSGD().target_batch_size}).", rich_help_panel="Run"),

@@ -1,7 +1,9 @@
 """The averaging engine on a real swarm: p2pd daemons, DHT matchmaking, streamed all-reduce.
 
 Every peer is a ``NetworkRuntime`` around a SwarmNode; exact averages ask for ``codec="none"``
-(the run default is int8).
+(the run default is int8), and exact means of uneven weights, of an outlier or of repeated rounds
+(where members of an earlier group, holding one value, meet again) for ``aggregator="mean"`` (the
+run default, centered-clip, bounds weights and clips outliers: test_robust_averaging.py).
 """
 
 import asyncio
@@ -57,7 +59,7 @@ def test_four_peers_reach_exact_weighted_mean():
             weights = [1.0, 2.0, 3.0, 10.0]
             expected = weighted_mean(tensors, weights)
             averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec="none"))
+                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec="none", aggregator="mean"))
                 for runtime, ts in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(a.step(weight=w) for a, w in zip(averagers, weights)))
             for report in reports:
@@ -150,10 +152,10 @@ def test_two_averagers_of_one_peer_step_at_once_in_the_same_round():
             delta_weights, param_weights = [1.0, 2.0, 3.0], [5.0, 1.0, 1.0]
             settings = moshpit(4)
             delta_averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, name="delta", settings=settings, grid_dims=1, codec="none"))
+                Averager(runtime, ts, name="delta", settings=settings, grid_dims=1, codec="none", aggregator="mean"))
                 for runtime, ts in zip(runtimes, deltas)]
             param_averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, name="params", settings=settings, grid_dims=1, codec="none"))
+                Averager(runtime, ts, name="params", settings=settings, grid_dims=1, codec="none", aggregator="mean"))
                 for runtime, ts in zip(runtimes, params)]
             for averager, flat in zip(delta_averagers, flats):  # the views' own buffer is what is sent
                 assert averager._buffer.data_ptr() == flat.data_ptr()
@@ -297,7 +299,7 @@ def test_sigkill_mid_round_leaves_survivors_correct_or_unchanged():
                 tensors = [[torch.full((numel,), float(i))] for i in range(3)]
                 averagers = [await stack.enter_async_context(
                     Averager(runtime, ts, settings=moshpit(4, window=window, round_timeout=20), grid_dims=1,
-                             codec="none"))
+                             codec="none", aggregator="mean"))
                     for runtime, ts in zip(runtimes, tensors)]
                 child.stdin.write("go\n")
                 child.stdin.flush()
@@ -338,7 +340,7 @@ def _grid_scenario(count: int, rounds: int, fixed: bool = False):
             initial_distance = max(float((ts[0] - mean).norm()) for ts in tensors)
             averagers = [await stack.enter_async_context(
                 Averager(runtime, ts, settings=moshpit(4, window=1.0, min_group_size=2),
-                         coordinates=[i % 4, i // 4] if fixed else None, codec="none"))
+                         coordinates=[i % 4, i // 4] if fixed else None, codec="none", aggregator="mean"))
                 for i, (runtime, ts) in enumerate(zip(runtimes, tensors))]
 
             async def everyone_listed():  # the grid is laid out from each peer's view of the membership

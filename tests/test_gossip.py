@@ -31,7 +31,10 @@ RUN = "gossip-test"
 PRESENCE = Timing(presence_refresh=0.5)  # members reread every 0.5 s; a record lives max(6, 6 x 0.5) = 6 s
 
 
-async def gossip_swarm(stack: AsyncExitStack, count: int, codec: str = "none", numel: int = 5000, **settings):
+async def gossip_swarm(stack: AsyncExitStack, count: int, codec: str = "none", numel: int = 5000,
+                       aggregator: str = "mean", **settings):
+    """``count`` gossiping peers; plain push-sum unless ``aggregator`` says otherwise (these tests check
+    its exact arithmetic and mass; clipped gossip, the run default, is test_robust_averaging.py's)."""
     first = await stack.enter_async_context(SwarmNode())
     nodes = [first] + list(await asyncio.gather(
         *(stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs))) for _ in range(count - 1))))
@@ -42,7 +45,7 @@ async def gossip_swarm(stack: AsyncExitStack, count: int, codec: str = "none", n
     weights = [float(i + 1) for i in range(count)]
     mean = sum(w * t for w, t in zip(weights, tensors)) / sum(weights)
     gossips = [await stack.enter_async_context(
-        GossipAverager(runtime, [t], settings=Gossip(**settings), weight=w, codec=codec))
+        GossipAverager(runtime, [t], settings=Gossip(**settings), weight=w, codec=codec, aggregator=aggregator))
         for runtime, t, w in zip(runtimes, tensors, weights)]
 
     async def everyone_listed():  # by every peer's presence: gossip picks its neighbours from there
@@ -74,7 +77,7 @@ def lone_averager(values: torch.Tensor, weight: float = 1.0) -> GossipAverager:
     members = [SimpleNamespace(peer_id=peer, role="peer") for peer in ("me", "other")]
     runtime = SimpleNamespace(node=SimpleNamespace(peer_id="me"), run_id="arith", timing=Timing(),
                               transport=None, members=lambda: members)
-    averager = GossipAverager(runtime, [values], weight=weight, codec="int8")
+    averager = GossipAverager(runtime, [values], weight=weight, codec="int8", aggregator="mean")
     averager.schema.flatten_into(averager.tensors, averager._values)
     return averager
 

@@ -5,6 +5,13 @@ Each member streams its contribution to every part's owner (reduce-scatter); an 
 weighted contributions chunk by chunk as they arrive and, as soon as a chunk has everyone's
 contribution, streams the average back on the same channel (all-gather). Both phases overlap.
 
+With a robust aggregator (the plan's ``aggregator``: centered-clip or trimmed-mean, robust.py) the
+owner instead keeps each chunk's decoded contributions, one row per member, until every member's
+is in, and sends back their robust aggregate; ``mean`` keeps the streaming sum (no extra memory).
+Claimed weights are bounded (robust.py ``bound_weights``): to ``weight_cap`` always, and to twice
+the group's median claim with a robust aggregator. A weight cut or a clipped contribution is
+logged once per peer and round and listed in the report's ``suspicions``.
+
 A member's tensors are written only once every part has arrived and been checked, so a round
 that fails (deadline, crash, bad frame) changes nothing (DESIGN invariant 2). Peers that missed
 the group's deadline were already left out when the group was agreed (invariant 3); a failure
@@ -27,6 +34,8 @@ from swarmgrad.averaging.codecs import Codec, ErrorFeedback, get_codec
 from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
+from swarmgrad.averaging.robust import bound_weights, robust_aggregate
+from swarmgrad.averaging.settings import AGGREGATORS
 from swarmgrad.averaging.transport import Channel, Transport
 from swarmgrad.averaging.wire import Frame, FrameError, int_field
 from swarmgrad.averaging.wire import field as frame_field
@@ -58,10 +67,11 @@ class GroupPlan:
     shares: tuple[float, ...]  # bandwidth share of each member (0: owns no part)
     codec: str  # codec spec, e.g. "int8"
     schema_digest: str
+    aggregator: str = "mean"  # how owners combine contributions (robust.py); every member uses the same
 
     def to_wire(self) -> dict[str, Any]:
         return {"round": self.round_id, "members": list(self.members), "shares": list(self.shares),
-                "codec": self.codec, "schema": self.schema_digest}
+                "codec": self.codec, "schema": self.schema_digest, "aggregator": self.aggregator}
 
     @classmethod
     def from_wire(cls, data: Any, max_members: int = 256) -> GroupPlan:
@@ -75,8 +85,11 @@ class GroupPlan:
             raise FrameError("group plan members must be peer ids")
         if not all(type(s) in (int, float) and math.isfinite(s) and 0 <= s <= 1e12 for s in shares) or sum(shares) <= 0:
             raise FrameError("group plan shares must be finite, non-negative and not all zero")
+        aggregator = data.get("aggregator", "mean")  # a plan without one comes from a peer that only averages
+        if aggregator not in AGGREGATORS:
+            raise FrameError(f"group plan names an unknown aggregator {aggregator!r}")
         return cls(frame_field(data, "round", str), tuple(members), tuple(float(s) for s in shares),
-                   frame_field(data, "codec", str), frame_field(data, "schema", str))
+                   frame_field(data, "codec", str), frame_field(data, "schema", str), aggregator)
 
 
 @dataclass
@@ -90,6 +103,9 @@ class AllReduceReport:
     seconds: float = 0.0
     transports: dict[str, str] = field(default_factory=dict)
     error: str | None = None
+    # what this peer, as an owner, saw others do wrong this round: peer id -> reasons ("weight cut",
+    # "clipped"), each once; for a later accountability feature to count
+    suspicions: dict[str, list[str]] = field(default_factory=dict)
 
 
 class GroupAllReduce:
@@ -108,10 +124,18 @@ class GroupAllReduce:
         feedback: ErrorFeedback | None = None,
         contribution_checked: bool = False,
         result: torch.Tensor | None = None,
+        aggregator: str = "mean",
+        weight_cap: float | None = None,
     ):
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ValueError(f"weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight}")
+        if aggregator != plan.aggregator:
+            raise ValueError(f"the group agreed on aggregator {plan.aggregator!r}, this peer uses {aggregator!r}")
+        if weight_cap is not None and not (math.isfinite(weight_cap) and weight_cap > 0):
+            raise ValueError(f"weight_cap must be finite and positive, got {weight_cap}")
         self.plan, self.me, self.schema = plan, me, schema
+        self.aggregator, self.weight_cap = aggregator, weight_cap
+        self.robust = aggregator != "mean"
         self.contribution, self.weight, self.codec = contribution, weight, codec
         self.gather_codec = gather_codec_for(codec)
         self.transport, self.protocol, self.feedback = transport, protocol, feedback
@@ -130,9 +154,13 @@ class GroupAllReduce:
         self._failure: asyncio.Future[None] = self._loop.create_future()
         self._tasks: set[asyncio.Task] = set()
         self._channels: list[Channel] = []
-        self._contributors: dict[str, float] = {}
-        # owner state for my part: weighted sums, contributions seen, averages ready to send
+        self._contributors: dict[str, float] = {}  # claimed weights of the peers that contribute to my part
+        self.suspicions: dict[str, list[str]] = {}
+        # owner state for my part: weighted sums (mean) or one row per member (robust), contributions
+        # seen, averages ready to send
         self._sums: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}
+        self._weights: torch.Tensor | None = None  # robust: bounded weights in member order, once all claimed
         self._seen: dict[int, int] = {}
         self._averages: list[tuple[dict, bytes]] = []
         self._averages_changed = asyncio.Condition()
@@ -171,6 +199,7 @@ class GroupAllReduce:
             bytes_received=sum(channel.bytes_received for channel in self._channels),
             seconds=time.monotonic() - started,
             transports={channel.peer_id: channel.transport_name for channel in self._channels},
+            suspicions={peer: list(reasons) for peer, reasons in self.suspicions.items()},
         )
         if not report.ok:
             report.error = str(self._failure.exception())
@@ -277,7 +306,11 @@ class GroupAllReduce:
             if self.feedback is not None:  # my share goes through the codec like everyone's
                 header, payload = self._encode_contribution(chunk)
                 own = self._decode_chunk(header, payload, chunk, self.codec)
-            self._sums[chunk.index] = own * self.weight
+            if self.robust:
+                self._rows[chunk.index] = torch.empty((len(self.plan.members), chunk.length), dtype=torch.float32)
+                self._rows[chunk.index][self.index] = own
+            else:
+                self._sums[chunk.index] = own * self._capped(self.me, self.weight)
             self._seen[chunk.index] = 0
         if not self.my_chunks or not self.others:
             for chunk in self.my_chunks:
@@ -295,19 +328,24 @@ class GroupAllReduce:
             raise FrameError(f"weight {weight} is not finite and positive")
         self._contributors[channel.peer_id] = weight
         self._channels.append(channel)
-        tasks = [self._spawn(self._reduce_from(channel, weight), channel), self._spawn(self._send_averages(channel))]
+        used = weight if self.robust else self._capped(channel.peer_id, weight)  # robust: bounded once all are in
+        tasks = [self._spawn(self._reduce_from(channel, used), channel), self._spawn(self._send_averages(channel))]
         await asyncio.wait(tasks)  # the round cancels them on failure; the handler then closes the stream
 
     async def _reduce_from(self, channel: Channel, weight: float) -> None:
         mine = {chunk.index: chunk for chunk in self.my_chunks}
         done: set[int] = set()
         scratch = memoryview(bytearray(self.max_payload))  # one receive buffer per contributor, reused
+        row = self.plan.members.index(channel.peer_id)
         while len(done) < len(mine):
             header, length = await channel.recv_header(self.max_payload)
             chunk = self._chunk_of(_expect(header, "chunk"), mine, done)
             await channel.recv_payload_into(scratch[:length])
             values = self._decode_chunk(header, scratch[:length], chunk, self.codec)
-            self._sums[chunk.index].add_(values, alpha=weight)
+            if self.robust:
+                self._rows[chunk.index][row] = values
+            else:
+                self._sums[chunk.index].add_(values, alpha=weight)
             done.add(chunk.index)
             self._seen[chunk.index] += 1
             if self._seen[chunk.index] == len(self.others):
@@ -316,14 +354,61 @@ class GroupAllReduce:
                     self._averages_changed.notify_all()
 
     def _finish_chunk(self, chunk: Chunk) -> None:
-        total_weight = self.weight + sum(self._contributors.values())
-        average = self._sums.pop(chunk.index).div_(total_weight)
+        if self.robust:
+            average = self._aggregate(chunk)
+        else:
+            total_weight = self._capped(self.me, self.weight) + sum(
+                self._capped(peer, weight) for peer, weight in self._contributors.items())
+            average = self._sums.pop(chunk.index).div_(total_weight)
         header, payload = encode_chunk(self.gather_codec, average.view(chunk.view))
         # every member, the owner included, keeps exactly what was sent: identical results everywhere
         if self.gather_codec.lossy:
             average = decode_chunk(self.gather_codec, header, payload, chunk.view)
         self.result[chunk.start : chunk.start + chunk.length] = average
         self._averages.append(({"t": "avg", "c": chunk.index, **header}, payload))
+
+    def _aggregate(self, chunk: Chunk) -> torch.Tensor:
+        """The robust result of one chunk of my part, from every member's row (all are in)."""
+        outcome = robust_aggregate(self.aggregator, self._rows.pop(chunk.index), self._bounded_weights())
+        for row in outcome.clipped:
+            self._suspect(self.plan.members[row], "clipped")
+        return outcome.value
+
+    def _bounded_weights(self) -> torch.Tensor:
+        """Every member's claimed weight cut to min(cap, 2 x the group's median claim); computed once,
+        when the first chunk has every member's row (so every claim is in)."""
+        if self._weights is None:
+            members = self.plan.members
+            claims = torch.tensor([self.weight if peer == self.me else self._contributors[peer] for peer in members],
+                                  dtype=torch.float64)
+            self._weights = bound_weights(claims, self.weight_cap)
+            for peer, claim, bounded in zip(members, claims.tolist(), self._weights.tolist()):
+                if bounded < claim:
+                    self._note_cut(peer, claim, bounded)
+        return self._weights
+
+    def _capped(self, peer: str, weight: float) -> float:
+        """The mean path's bound: the run's cap only (it needs no other claim, so streaming stays)."""
+        if self.weight_cap is None or weight <= self.weight_cap:
+            return weight
+        if peer not in self.suspicions or "weight cut" not in self.suspicions[peer]:
+            self._note_cut(peer, weight, self.weight_cap)
+        return self.weight_cap
+
+    def _note_cut(self, peer: str, claim: float, bounded: float) -> None:
+        if peer == self.me:  # our own weight follows the same rule, so every part uses the same weights
+            return
+        logger.info("round %s: %s claimed weight %g; cut to %g", self.plan.round_id, peer, claim, bounded)
+        self._suspect(peer, "weight cut")
+
+    def _suspect(self, peer: str, reason: str) -> None:
+        if peer == self.me:
+            return
+        reasons = self.suspicions.setdefault(peer, [])
+        if reason not in reasons:
+            if reason != "weight cut":
+                logger.info("round %s: %s's contribution was %s", self.plan.round_id, peer, reason)
+            reasons.append(reason)
 
     async def _send_averages(self, channel: Channel) -> None:
         sent = 0

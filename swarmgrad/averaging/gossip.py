@@ -23,6 +23,12 @@ explicitly and the edge starts over from zero.
 
 Sparse codecs (topk) run one push-sum per coordinate instead (``sparse_gossip.py``).
 
+Robustness: with ``aggregator="centered-clip"`` (the run default) a merge is *clipped gossip*
+(pushsum.py ``clip_pushes``): the change a push would make to this peer's estimate is clipped to τ,
+chosen from the distances of recent senders' pushes, so one push moves a peer by at most τ
+whatever it claims; ``mean`` merges plain push-sum. Clipping comes after decoding and after the
+sender's privacy noise, so it composes with every codec and with privacy.
+
 Privacy: with ``privacy`` set, what leaves is the difference to the edge's reference, clipped and
 noised (each push is one release). The sender's own tensors are never noised, so the sum of w x
 is then conserved in expectation rather than exactly. The first push on an edge releases the
@@ -46,9 +52,9 @@ from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
-from swarmgrad.averaging.pushsum import Push, exponential_neighbors, give, merge
+from swarmgrad.averaging.pushsum import ClipScale, Push, clip_pushes, exponential_neighbors, give, merge
 from swarmgrad.averaging.runtime import NetworkRuntime
-from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Gossip
+from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Gossip, check_aggregator
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
 from swarmgrad.averaging.transport import Channel, Transport
 from swarmgrad.averaging.wire import FrameError, RemoteError, int_field
@@ -75,6 +81,7 @@ class GossipReport:
 
     step: int
     merged: int = 0  # pushes merged into the local tensors
+    clipped: int = 0  # of those, pushes whose change was clipped to τ (clipped gossip)
     pushed_to: list[str] = field(default_factory=list)  # peers that accepted our push
     failed: list[str] = field(default_factory=list)  # peers we could not push to (mass lost or returned)
     privacy: dict | None = None  # epsilon spent so far etc., when privacy is on
@@ -83,6 +90,7 @@ class GossipReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    suspicions: dict[str, list[str]] = field(default_factory=dict)  # sender -> ["clipped"], as AllReduceReport's
 
 
 class GossipAverager:
@@ -105,6 +113,7 @@ class GossipAverager:
         codec: str = DEFAULT_COMPRESSION,
         max_pending: int = 16,
         privacy: Privacy | None = None,
+        aggregator: str = DEFAULT_AGGREGATOR,
     ):
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
         if not named or not all(t.is_floating_point() for _, t in named):
@@ -116,6 +125,8 @@ class GossipAverager:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.runtime, self.node, self.run_id = runtime, runtime.node, runtime.run_id
+        self.aggregator = check_aggregator(aggregator, "gossip")
+        self.clip_scale = ClipScale() if aggregator == "centered-clip" else None
         self.releaser = PrivateReleaser(privacy) if privacy is not None else None
         self.tensors = [t for _, t in named]
         self.schema = Schema.of(named)
@@ -158,7 +169,7 @@ class GossipAverager:
         """Merge the pushes that arrived, then push half of our weight to this step's neighbours."""
         started = time.monotonic()
         report = GossipReport(step=self.step_index)
-        report.merged = self._merge()
+        report.merged = self._merge(report)
         neighbors = exponential_neighbors(self._live_members(), self.node.peer_id, self.step_index, self.fanout)
         self.step_index += 1
         self.schema.flatten_into(self.tensors, self._values)
@@ -179,11 +190,19 @@ class GossipAverager:
         report.seconds = time.monotonic() - started
         return report
 
-    def _merge(self) -> int:
+    def _merge(self, report: GossipReport | None = None) -> int:
         pending, self._pending = self._pending, []
         if not pending:
             return 0
         self.schema.flatten_into(self.tensors, self._values)
+        if self.clip_scale is not None:  # clipped gossip: no push moves us by more than τ
+            pending, clipped = clip_pushes(self._values, pending, self.clip_scale)
+            for sender in sorted({pending[index].sender for index in clipped}):
+                logger.info("step %d: the push from %s was clipped", self.step_index, sender)
+                if report is not None:
+                    report.suspicions[sender] = ["clipped"]
+            if report is not None:
+                report.clipped = len(clipped)
         if self.sparse is not None:
             for push in pending:
                 self.sparse.merge(self._values, push.indices, push.values, push.weight)
@@ -313,7 +332,7 @@ class GossipAverager:
         if len(self._pending) >= self.max_pending:
             await channel.send_error("busy: too many pushes waiting to be merged; try another peer")
             return
-        self._pending.append(Push(weights, values, indices))
+        self._pending.append(Push(weights, values, indices, channel.peer_id))
         self._received_bytes += channel.bytes_received
         await channel.send({"t": "ack"})
 
@@ -358,7 +377,7 @@ class GossipAverager:
             if len(self._pending) >= self.max_pending:
                 await channel.send_error("busy: too many pushes waiting to be merged; try another peer")
                 return
-            self._pending.append(Push(weight, values))
+            self._pending.append(Push(weight, values, sender=channel.peer_id))
             self._received_refs.pop(channel.peer_id, None)
             self._received_refs[channel.peer_id] = (version + 1, values)
             while len(self._received_refs) > MAX_RECEIVE_REFERENCES:  # forget the longest-silent sender

@@ -3,7 +3,7 @@
 1. Each peer *declares* itself under the round's key (a signed ``MatchRecord``) and waits one
    matchmaking window, listening for invitations; it stops waiting early once a full group
    (``group_size`` peers) has declared.
-2. Then it reads the key. The live declarations with the same schema and codec
+2. Then it reads the key. The live declarations with the same schema, codec and aggregator
    are ordered by a per-key hash and cut into balanced groups of at most ``group_size``; the first
    peer of each group is its *leader*.
 3. A leader invites its group over the control protocol. A peer accepts the first invitation it
@@ -50,6 +50,7 @@ class MatchRecord(RecordBody):
     schema_digest: Annotated[str, pydantic.Field(max_length=64)]
     codec: Annotated[str, pydantic.Field(max_length=32)]
     done: bool = False
+    aggregator: Annotated[str, pydantic.Field(max_length=32)] = "mean"  # absent: a peer that only averages
 
 
 @dataclass
@@ -83,10 +84,10 @@ class Matchmaker:
     """Finds this peer's group for a key; serves other leaders' invitations."""
 
     def __init__(self, node: SwarmNode, transport: Transport, protocol: str, *, schema_digest: str, codec: str,
-                 reply_timeout: float = DEFAULT_TIMING.reply_timeout):
+                 aggregator: str = "mean", reply_timeout: float = DEFAULT_TIMING.reply_timeout):
         self.node, self.transport, self.protocol = node, transport, protocol
         self.reply_timeout = reply_timeout
-        self.schema_digest, self.codec = schema_digest, codec
+        self.schema_digest, self.codec, self.aggregator = schema_digest, codec, aggregator
         self._looking: dict[str, _Looking] = {}
 
     async def find_group(
@@ -102,7 +103,8 @@ class Matchmaker:
         self._looking[key] = looking
         ready_at = time.time() + window
         try:
-            record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec)
+            record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec,
+                                 aggregator=self.aggregator)
             expires = ready_at + 2 * window + self.reply_timeout
             # read while our own declaration is still being stored: others are declaring at the same moment
             declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
@@ -156,6 +158,7 @@ class Matchmaker:
             if not record.body.done
             and record.body.schema_digest == self.schema_digest
             and record.body.codec == self.codec
+            and record.body.aggregator == self.aggregator
         ]
         if self.node.peer_id not in peers:  # our own declaration may not be readable yet
             peers.append(self.node.peer_id)
@@ -181,7 +184,7 @@ class Matchmaker:
         if len(members) >= min_group_size:
             shares = [share] + [accepted[peer][1] for peer in members[1:]]
             round_id = f"{key}#{me[-8:]}.{secrets.token_hex(4)}"
-            plan = GroupPlan(round_id, tuple(members), tuple(shares), self.codec, self.schema_digest)
+            plan = GroupPlan(round_id, tuple(members), tuple(shares), self.codec, self.schema_digest, self.aggregator)
         message = {"t": "begin", "plan": plan.to_wire()} if plan else {"t": "cancel"}
         await asyncio.gather(*(self._finish_invitation(channel, message) for channel, _ in accepted.values()))
         return plan
@@ -235,8 +238,8 @@ class Matchmaker:
                 plan = GroupPlan.from_wire(decision.header.get("plan"))
                 if self.node.peer_id not in plan.members or plan.members[0] != channel.peer_id:
                     raise FrameError("plan does not list this peer, or is not led by the peer that invited it")
-                if plan.schema_digest != self.schema_digest or plan.codec != self.codec:
-                    raise FrameError("plan's schema or codec differs from this peer's")
+                if (plan.schema_digest, plan.codec, plan.aggregator) != (self.schema_digest, self.codec, self.aggregator):
+                    raise FrameError("plan's schema, codec or aggregator differs from this peer's")
             elif decision.kind != "cancel":
                 raise FrameError(f"expected begin or cancel, got {decision.kind!r}")
         except BaseException:

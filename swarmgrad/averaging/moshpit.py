@@ -34,7 +34,7 @@ from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.runtime import NetworkRuntime
-from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Moshpit
+from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Moshpit, check_aggregator
 from swarmgrad.averaging.transport import Channel
 from swarmgrad.averaging.wire import expect_kind
 from swarmgrad.averaging.wire import field as frame_field
@@ -59,6 +59,7 @@ class AveragingReport:
     allreduce_seconds: float = 0.0
     transports: dict[str, str] = field(default_factory=dict)
     privacy: dict | None = None  # epsilon spent so far etc., when privacy is on
+    suspicions: dict[str, list[str]] = field(default_factory=dict)  # peer -> what it did wrong (AllReduceReport)
     error: str | None = None
 
 
@@ -109,6 +110,8 @@ class Averager:
         privacy: Privacy | None = None,
         swap_storage: bool = False,
         write_back: bool = True,
+        aggregator: str = DEFAULT_AGGREGATOR,
+        weight_cap: float | None = None,
     ):
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
         if not named:
@@ -124,6 +127,8 @@ class Averager:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.feedback = ErrorFeedback(self.codec) if self.codec.lossy else None
+        # how owners combine contributions, and the most weight one may claim (allreduce.py, robust.py)
+        self.aggregator, self.weight_cap = check_aggregator(aggregator), weight_cap
         self.group_size, self.min_group_size = settings.group_size, settings.min_group_size
         self.grid_dims, self.coordinates = grid_dims, list(coordinates) if coordinates is not None else None
         self.matchmaking_seconds, self.share = settings.matchmaking_seconds, share
@@ -156,6 +161,7 @@ class Averager:
             raise RuntimeError("enter the NetworkRuntime before the Averager")
         self.matchmaker = Matchmaker(
             self.node, transport, self._match_protocol, schema_digest=self.schema.digest, codec=self.codec.spec,
+            aggregator=self.aggregator,
             reply_timeout=self.runtime.timing.reply_timeout,
         )
         await transport.serve(self._match_protocol, self.matchmaker.serve)
@@ -238,6 +244,7 @@ class Averager:
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
             self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True, result=self._result,
+            aggregator=self.aggregator, weight_cap=self.weight_cap,
         )
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce
@@ -252,6 +259,7 @@ class Averager:
         report.group, report.contributors, report.error = result.group, result.contributors, result.error
         report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
         report.allreduce_seconds, report.transports = result.seconds, result.transports
+        report.suspicions = result.suspicions
         if not result.ok:
             if self.feedback is not None:
                 self.feedback.discard()

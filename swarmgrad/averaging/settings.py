@@ -6,7 +6,7 @@ and the only place their defaults are written.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union, get_args
 
 import pydantic
 
@@ -14,6 +14,13 @@ from swarmgrad.errors import ConfigError
 from swarmgrad.settings import SettingsModel
 
 DEFAULT_COMPRESSION = "int8"  # ~4x smaller than fp32 at a tiny error, with error feedback where lossy
+# how a part's owner combines the contributions it received (robust.py has the rules). Any peer of a
+# public run may lie, so the default bounds what one contribution can do; gossip's counterpart of
+# centered-clip is clipped gossip (one push moves a peer by at most τ), and it has no trimmed mean.
+Aggregator = Literal["mean", "centered-clip", "trimmed-mean"]
+AGGREGATORS: tuple[str, ...] = get_args(Aggregator)
+DEFAULT_AGGREGATOR: Aggregator = "centered-clip"
+GOSSIP_AGGREGATORS = ("mean", "centered-clip")
 
 
 class Moshpit(SettingsModel):
@@ -43,6 +50,15 @@ class Gossip(SettingsModel):
 
 
 Averaging = Annotated[Union[Moshpit, Gossip], pydantic.Field(discriminator="kind")]
+
+
+def check_aggregator(name: str, averaging: str = "moshpit") -> str:
+    """An aggregator name, validated for ``averaging`` (moshpit or gossip), as one ConfigError."""
+    allowed = GOSSIP_AGGREGATORS if averaging == "gossip" else AGGREGATORS
+    if name not in allowed:
+        why = " (gossip has no group to trim: centered-clip is clipped gossip there)" if name in AGGREGATORS else ""
+        raise ConfigError(f"aggregator must be one of {', '.join(allowed)} for {averaging} averaging, got {name!r}{why}")
+    return name
 
 
 def check_codec(spec: str) -> str:

@@ -98,6 +98,7 @@ class PeerOptions(CommandOptions):
     strategy: Optional[str] = None
     averaging: Optional[str] = None
     compression: Optional[str] = None
+    aggregator: Optional[str] = None
     inner_steps: Optional[int] = None
     outer_lr: Optional[float] = None
     target_batch_size: Optional[int] = None

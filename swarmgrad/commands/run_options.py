@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import pydantic
 
 from swarmgrad.averaging.privacy import Privacy
-from swarmgrad.averaging.settings import Gossip, Moshpit, check_codec
+from swarmgrad.averaging.settings import Gossip, Moshpit, check_aggregator, check_codec
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import STRATEGY_AVERAGINGS, DiLoCo, GossipSGD, RunConfig, SyncSGD, run_config
 
@@ -25,6 +25,7 @@ RUN_OPTIONS: dict[str, str] = {
     "strategy": "strategy.name",
     "averaging": "averaging.kind",
     "compression": "compression",
+    "aggregator": "aggregator",
     "inner_steps": "strategy.inner_steps",
     "outer_lr": "strategy.outer_lr",
     "target_batch_size": "strategy.target_batch_size",
@@ -151,6 +152,12 @@ def _check_value(data: dict[str, Any], name: str, value: Any, where: Callable[[s
     if section == "compression":
         try:
             check_codec(value)
+        except ConfigError as error:
+            raise ConfigError(f"{where(name)}: {error}") from None
+        return
+    if section == "aggregator":  # which ones there are depends on the averaging (gossip has no trimmed mean)
+        try:
+            check_aggregator(value, data.get("averaging", {}).get("kind") or _natural_averaging(data) or "moshpit")
         except ConfigError as error:
             raise ConfigError(f"{where(name)}: {error}") from None
         return

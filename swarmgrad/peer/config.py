@@ -18,7 +18,16 @@ from typing import Annotated, Any, Literal, Optional, Union
 import pydantic
 
 from swarmgrad.averaging.privacy import Privacy
-from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Averaging, Gossip, Moshpit, check_codec
+from swarmgrad.averaging.settings import (
+    DEFAULT_AGGREGATOR,
+    DEFAULT_COMPRESSION,
+    Aggregator,
+    Averaging,
+    Gossip,
+    Moshpit,
+    check_aggregator,
+    check_codec,
+)
 from swarmgrad.errors import ConfigError
 from swarmgrad.settings import SettingsModel, describe_validation_error  # noqa: F401  (re-exported)
 
@@ -55,12 +64,15 @@ Hyperparameter = Union[int, float, str, bool]
 
 class RunConfig(SettingsModel):
     """What every peer of a run shares. ``averaging`` left out means the strategy's natural choice:
-    moshpit for diloco and sync, gossip for the gossip strategy."""
+    moshpit for diloco and sync, gossip for the gossip strategy. ``aggregator``: how contributions
+    are combined (averaging/robust.py); centered-clip by default, since any peer of a public run may
+    lie (with gossip it clips each push; gossip has no trimmed mean)."""
 
     task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
     strategy: Strategy = DiLoCo()
     averaging: Optional[Averaging] = None
     compression: str = DEFAULT_COMPRESSION
+    aggregator: Aggregator = DEFAULT_AGGREGATOR
     privacy: Optional[Privacy] = None
     hparams: dict[str, Hyperparameter] = {}  # the task's hyperparameters (lr, batch_size), for `swarmgrad peer`
     seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = 0  # the model's initial weights, for `swarmgrad peer`
@@ -78,6 +90,7 @@ class RunConfig(SettingsModel):
         if self.averaging.kind not in allowed:
             raise ConfigError(f"strategy {self.strategy.name} does not work with {self.averaging.kind} averaging; "
                               f"use {' or '.join(allowed)}")
+        check_aggregator(self.aggregator, self.averaging.kind)
         return self
 
     @property

@@ -318,12 +318,14 @@ class Peer:
         if config.averaging.kind == "gossip":
             gossip = GossipAverager(self.runtime, [self.policy.contribution], name=self.policy.averages,
                                     settings=config.averaging, weight=1.0, codec=config.compression,
-                                    privacy=update_privacy)
+                                    privacy=update_privacy, aggregator=config.aggregator)
             self._averager, backend = gossip, GossipBackend(gossip, self.policy.contribution)
         else:
+            batch = config.hparams.get("batch_size", self.batch_size)  # the run's, else the one given here
             averager = Averager(self.runtime, self.policy.contribution_views(), name=self.policy.averages,
                                 settings=config.averaging, codec=config.compression, privacy=update_privacy,
-                                write_back=False)
+                                write_back=False, aggregator=config.aggregator,
+                                weight_cap=self.policy.weight_cap(batch if type(batch) is int and batch > 0 else None))
             self._averager, backend = averager, MoshpitBackend(averager)
         await self._averager.__aenter__()
         # peers whose settings or model differ never share a round key: the presence record says which we have

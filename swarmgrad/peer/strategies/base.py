@@ -14,6 +14,10 @@ import torch
 
 from swarmgrad.peer.progress import SwarmProgress
 
+# the most samples one contribution may claim, as a multiple of what the run's settings say a peer
+# trains on between two rounds: a peer faster than the others does more steps, up to this many times
+WEIGHT_SLACK = 4.0
+
 
 class ProgressCounter(Protocol):
     """What a policy reads and counts of the swarm's progress (a ProgressTracker)."""
@@ -68,6 +72,12 @@ class Policy(ABC):
     def weight(self) -> float:
         """The samples behind this peer's contribution (DESIGN invariant 5)."""
         return float(self.progress.local.samples)  # type: ignore[attr-defined]
+
+    def weight_cap(self, batch_size: int | None) -> float | None:
+        """The most weight a contribution to this strategy's rounds may claim: ``WEIGHT_SLACK`` x the
+        samples a peer trains on between rounds by the run's settings (``batch_size``: the run's;
+        None where that number needs one and there is none). Owners cut larger claims to it."""
+        return None
 
     @abstractmethod
     def prepare(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from swarmgrad.peer.config import DiLoCo
-from swarmgrad.peer.strategies.base import Policy
+from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy
 
 
 class DiLoCoPolicy(Policy):
@@ -22,6 +22,9 @@ class DiLoCoPolicy(Policy):
         self.start = self.layout.zeros()
         self.copy_params_into(self.start)
         self.momentum = self.layout.zeros()
+
+    def weight_cap(self, batch_size: int | None) -> float | None:
+        return None if batch_size is None else WEIGHT_SLACK * self.settings.inner_steps * batch_size
 
     def after_backward(self, batch_size: int) -> bool:
         self.optimizer.step()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from swarmgrad.peer.config import GossipSGD
-from swarmgrad.peer.strategies.base import Policy
+from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy
 
 
 class GossipPolicy(Policy):
@@ -20,6 +20,10 @@ class GossipPolicy(Policy):
         super().__init__(*args, **kwargs)
         self.settings = settings
         self._since = 0
+
+    def weight_cap(self, batch_size: int | None) -> float | None:
+        # moshpit rounds of parameters, every `every` steps (gossip weighs pushes by push-sum mass instead)
+        return None if batch_size is None else WEIGHT_SLACK * self.settings.every * batch_size
 
     def after_backward(self, batch_size: int) -> bool:
         self.optimizer.step()

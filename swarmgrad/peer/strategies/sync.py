@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from swarmgrad.peer.config import SyncSGD
-from swarmgrad.peer.strategies.base import Policy
+from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy
 
 
 class SyncPolicy(Policy):
@@ -21,6 +21,10 @@ class SyncPolicy(Policy):
         super().__init__(*args, **kwargs)
         self.settings = settings
         self._is_mean = False  # the contribution holds a sum until the epoch's round divides it
+
+    def weight_cap(self, batch_size: int | None) -> float | None:
+        # one peer's epoch holds at most the swarm's target (plus its last batch): no batch size needed
+        return WEIGHT_SLACK * self.settings.target_batch_size
 
     @torch.no_grad()
     def after_backward(self, batch_size: int) -> bool:
