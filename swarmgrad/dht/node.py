@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError
 
 from swarmgrad.dht.addresses import listen_address
@@ -26,6 +29,45 @@ from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_SECONDS = 10.0  # p2pd exits in well under a second; one that takes longer has hung or died
+VERIFIED_RECORDS = 8192  # distinct record copies a node remembers as checked (digests: under 2 MB)
+# hivemind's caching is for reads that stop at the first copy found; every swarmgrad read is
+# latest=True (a whole beam search, which ignores the local cache), so caching only adds work: a
+# background re-read of a key after each of our stores under it and before its cached copy expires,
+# a push of every fresh result to one more node, and more copies for each search to merge. Measured
+# with 16 presence-only peers on 2 cores: 40 -> 28 DHT finds and 5.9% -> 3.7% of a core per peer.
+DHT_CACHING = {"cache_locally": False, "cache_nearest": 0}
+
+
+class _RememberingValidator(RecordValidatorBase):
+    """SignedRecordValidator that fully checks each distinct copy of a record once.
+
+    A search hears the same record from every node of its beam that holds a copy (up to a bucket of
+    20), so a presence read of N members checked up to 20 x N signatures at 0.15 ms each (Ed25519
+    and a base58 peer id): with 16 presence-only peers on 2 cores, 413 checks per peer per second and
+    58% of a peer process's CPU (15 checks remembering them); at 32 peers membership no longer
+    converged. Identical bytes check identically, except for the time: a copy
+    that passed before and still has DHT time left (its DHT expiry is at most its signed one) is
+    valid again; any other goes through the full check, which decides as before.
+    """
+
+    def __init__(self, size: int = VERIFIED_RECORDS):
+        self.validator, self.size = SignedRecordValidator(), size
+        self._passed: OrderedDict[bytes, None] = OrderedDict()  # digests of copies that passed, oldest first
+
+    def validate(self, record: DHTRecord) -> bool:
+        digest = hashlib.blake2b(digest_size=20)
+        for part in (record.key, record.subkey, record.value, repr(record.expiration_time).encode()):
+            digest.update(len(part).to_bytes(4, "big") + part)  # length-prefixed: no two splits hash alike
+        seen = digest.digest()
+        if seen in self._passed and record.expiration_time > time.time():
+            self._passed.move_to_end(seen)
+            return True
+        if not self.validator.validate(record):
+            return False
+        self._passed[seen] = None
+        if len(self._passed) > self.size:
+            self._passed.popitem(last=False)
+        return True
 
 
 class SwarmNode:
@@ -63,9 +105,10 @@ class SwarmNode:
                 p2p=self.p2p,
                 initial_peers=self.config.initial_peers or None,
                 client_mode=self.config.client_mode,
-                record_validator=SignedRecordValidator(),
+                record_validator=_RememberingValidator(),
                 wait_timeout=self.config.request_timeout,
                 ensure_bootstrap_success=bool(self.config.initial_peers),
+                **DHT_CACHING,
             )
         except BaseException as error:
             await self.p2p.shutdown()
