@@ -391,7 +391,8 @@ def test_the_grid_is_sized_by_the_members_that_average():
     runtime = SimpleNamespace(run_id="grid", node=SimpleNamespace(peer_id="p0"), timing=Timing(), members=lambda: members)
     averager = Averager(runtime, [torch.zeros(4)], settings=moshpit(4), codec="none")
     coordinates, slice_peers = averager._position(0)
-    assert len(coordinates) == 2 and slice_peers == 4
+    assert len(coordinates) == 2 and len(slice_peers) == 4 and "p0" in slice_peers
+    assert {member.role for member in members if member.peer_id in slice_peers} <= {"peer", "client"}
     members[:] = members[:4]
     coordinates, slice_peers = averager._position(0)
-    assert len(coordinates) == 1 and slice_peers == 4
+    assert len(coordinates) == 1 and slice_peers == {"p0", "p1", "p2", "p3"}

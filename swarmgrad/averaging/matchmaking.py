@@ -37,6 +37,10 @@ from swarmgrad.runtime import timeout
 from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)
+# Reading a round's declarations: soon after declaring (a full group is often there at once), then
+# at doubling intervals up to window / 8, so a peer reads about a dozen times per round whatever
+# the swarm's size (a fixed 10 ms poll was 200 DHT reads per peer in a 2 s window).
+FIRST_POLL, POLLS_PER_WINDOW = 0.01, 8
 
 
 
@@ -92,12 +96,14 @@ class Matchmaker:
 
     async def find_group(
         self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
-        expected: int | None = None,
+        expected: int | None = None, expected_members: frozenset[str] | None = None,
     ) -> GroupPlan | None:
         """The agreed plan for this round, or None when no group of at least min_group_size formed.
 
         ``expected``: how many peers the caller knows will look under this key (e.g. from swarm
-        progress); once that many have declared there is no need to wait out the window."""
+        progress); ``expected_members``: which ones (e.g. from the moshpit grid). Once that many, or
+        all of those, have declared there is no need to wait out the window. A view that misses a
+        peer never ends the wait early: the declared set must contain the expected one."""
         me = self.node.peer_id
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
@@ -111,7 +117,8 @@ class Matchmaker:
             try:
                 enough = group_size if expected is None else max(min_group_size, min(group_size, expected))
                 peers = await self._wait_for_peers(
-                    key, looking, ready_at, enough, min_group_size, grace=window, poll=min(0.01, window / 4)
+                    key, looking, ready_at, enough, expected_members, min_group_size, grace=window,
+                    poll=min(FIRST_POLL, window / 4),
                 )
             finally:
                 await declared
@@ -131,17 +138,17 @@ class Matchmaker:
                 looking.plan.cancel()
 
     async def _wait_for_peers(
-        self, key: str, looking: _Looking, ready_at: float, enough: int, min_group_size: int,
-        grace: float, poll: float,
+        self, key: str, looking: _Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
+        min_group_size: int, grace: float, poll: float,
     ) -> list[str]:
-        """Peers declared under ``key``, read until the window ends or ``enough`` of them are there
-        (no need to wait out the window then), or until an invitation commits us. If too few
-        for a group have shown up when the window ends, read on for up to ``grace`` more: on a
-        loaded machine a declaration can take longer than the window to become readable."""
+        """Peers declared under ``key``, read until the window ends or ``enough`` of them, or all the
+        ``expected`` ones, are there (no need to wait out the window then), or until an invitation
+        commits us. If too few for a group have shown up when the window ends, read on for up to
+        ``grace`` more: on a loaded machine a declaration can take longer than the window to become readable."""
         while True:
             peers = await self._declared(key)
             now = time.time()
-            if looking.committed or len(peers) >= enough:
+            if looking.committed or len(peers) >= enough or (expected is not None and expected <= set(peers)):
                 return peers
             if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):
                 return peers
@@ -149,6 +156,7 @@ class Matchmaker:
                 await asyncio.wait_for(asyncio.shield(looking.plan), timeout=poll)
             except asyncio.TimeoutError:
                 pass
+            poll = min(2 * poll, max(FIRST_POLL, grace / POLLS_PER_WINDOW))
 
     async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)

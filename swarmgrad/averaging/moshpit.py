@@ -29,7 +29,7 @@ import torch
 from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.codecs.base import all_finite
-from swarmgrad.averaging.grid import grid_order, grid_position, grid_sides, slice_size
+from swarmgrad.averaging.grid import grid_order, grid_position, grid_sides, slice_ranks
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
@@ -200,15 +200,11 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             report.error = f"weight must be finite and positive, got {weight}"
             return report
-        if slice_peers < self.min_group_size:  # at the grid's ragged end, alone along this dimension
-            report.group, report.error = [self.node.peer_id], "alone in this round's slice of the grid; tensors unchanged"
-            return report
         if not self._prepare_contribution(report):
             return report
         plan = await self.matchmaker.find_group(
             key, group_size=self.group_size, min_group_size=self.min_group_size,
-            window=self.matchmaking_seconds, share=self.share,
-            expected=slice_peers if expected_peers is None else min(slice_peers, expected_peers),
+            window=self.matchmaking_seconds, share=self.share, expected=expected_peers, expected_members=slice_peers,
         )
         if plan is None:
             report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
@@ -285,11 +281,12 @@ class Averager:
         tensor.set_(result.view(tensor.shape))
         self._buffer, self._result = result, self._buffer
 
-    def _round_key(self, index: int, attempt: int = 0) -> tuple[str, int]:
+    def _round_key(self, index: int, attempt: int = 0) -> tuple[str, frozenset[str] | None]:
         """This round's DHT key (the slice of the grid this peer is in, along dimension index mod d)
-        and how many members that slice holds."""
-        if self.coordinates is not None:  # fixed by the caller: the slice's size is not known
-            coordinates, slice_peers = self.coordinates, self.group_size
+        and the peers this peer's view of the membership puts in that slice (None when the caller
+        fixed the coordinates)."""
+        if self.coordinates is not None:
+            coordinates, slice_peers = self.coordinates, None
         else:
             coordinates, slice_peers = self._position(index)
         dim = index % len(coordinates)
@@ -299,15 +296,17 @@ class Averager:
                f"{round_name}/{others}")
         return key, slice_peers
 
-    def _position(self, index: int) -> tuple[list[int], int]:
+    def _position(self, index: int) -> tuple[list[int], frozenset[str]]:
         """This peer's cell for round ``index``, from its rank among the members that average (as
-        of the last presence refresh; bootstrap nodes and monitors never join a group), and the size
-        of its slice along this round's dimension. Every d rounds the order is drawn afresh."""
+        of the last presence refresh; bootstrap nodes and monitors never join a group), and whom
+        that puts in its slice along this round's dimension. Every d rounds the order is drawn
+        afresh."""
         me = self.node.peer_id
         peers = {member.peer_id for member in self.runtime.members() if member.role in AVERAGING_ROLES} | {me}
         sides = (self.group_size,) * self.grid_dims if self.grid_dims else grid_sides(len(peers), self.group_size)
-        rank = grid_order(list(peers), f"{self.run_id}/{self.name}/{index // len(sides)}").index(me)
-        return grid_position(rank, sides), slice_size(rank, len(peers), index % len(sides), sides)
+        order = grid_order(list(peers), f"{self.run_id}/{self.name}/{index // len(sides)}")
+        rank = order.index(me)
+        return grid_position(rank, sides), frozenset(order[r] for r in slice_ranks(rank, len(order), index % len(sides), sides))
 
     # ---- incoming all-reduce streams -------------------------------------------------------------
 
