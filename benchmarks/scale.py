@@ -130,6 +130,7 @@ class Row:
     gossip_steps: float | None = None  # mean step() calls per peer until all were within TARGET
     gossip_s: float | None = None
     gossip_max_error: float | None = None
+    gossip_pushes: dict[str, int] = field(default_factory=dict)  # accepted / failed (refused or lost), whole phase
     mb_rss_per_peer: float | None = None  # processes + daemons
     mb_daemon_rss_per_peer: float | None = None
     daemon_cpu_pct_per_peer: float | None = None
@@ -332,10 +333,13 @@ async def gossip_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], me
         started = time.monotonic()
         histories = [[(started, rel_error(tensor, mean))] for tensor in tensors]  # (time, error) after each step
 
+        pushes = Counter()
+
         async def keep_stepping(index: int) -> None:
             while not stop.is_set():
-                await asyncio.wait_for(gossips[index].step(), STEP_TIMEOUT_S)
+                report = await asyncio.wait_for(gossips[index].step(), STEP_TIMEOUT_S)
                 histories[index].append((time.monotonic(), rel_error(tensors[index], mean)))
+                pushes.update(accepted=len(report.pushed_to), failed=len(report.failed))
 
         loops = [asyncio.create_task(keep_stepping(index)) for index in range(len(gossips))]
         try:
@@ -353,7 +357,7 @@ async def gossip_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], me
             await asyncio.gather(*loops, return_exceptions=True)
         everyone = [h for histories_of in await ctx.async_exchange(histories) for h in histories_of]
         await ctx.async_sync()  # keep serving pushes until every peer has stopped pushing
-    return gossip_convergence(everyone, started)
+    return gossip_convergence(everyone, started) | {"gossip_pushes": dict(pushes)}
 
 
 def gossip_convergence(histories: list[list[tuple[float, float]]], started: float) -> dict:
@@ -394,6 +398,7 @@ def run_configuration(peers: int, args: argparse.Namespace) -> Row:
     row.moshpit_rounds, row.moshpit_trace = first["moshpit_rounds"], first["moshpit_trace"]
     row.no_group_per_round, row.phase_s, row.load_average = first["no_group_per_round"], first["phase_s"], first["load_average"]
     row.max_fds = max(r["fds"] for r in results)
+    row.gossip_pushes = {kind: sum(r["gossip_pushes"].get(kind, 0) for r in results) for kind in ("accepted", "failed")}
     row.gossip_steps, row.gossip_s, row.gossip_max_error = first["gossip_steps"], first["gossip_s"], first["gossip_max_error"]
     row.mb_rss_per_peer = sum(r["rss_bytes"] for r in results) / count / MB
     row.mb_daemon_rss_per_peer = sum(r["daemon_rss_bytes"] for r in results) / count / MB
