@@ -45,7 +45,7 @@ def test_quick_scale_benchmark_meets_the_bounds_at_8_peers_and_cleans_up(tmp_pat
     assert row["no_group_share"] < 0.01 and row["no_group_ok"], row["round_errors"]
     assert row["gossip_s"] is not None and row["gossip_s"] > 0 and row["gossip_steps"] >= 1
     assert row["gossip_max_error"] <= 1e-3
-    assert row["gossip_pushes"]["accepted"] >= 8  # every peer pushed at least once
+    assert row["gossip_pushes"]["accepted"] >= 8  # pushes went through (a step pushes to one peer)
 
     assert row["dht_failures"] == 0
     for name in ("store_ms", "get_ms", "matchmaking_ms"):
