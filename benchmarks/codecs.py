@@ -8,6 +8,12 @@ encode / decode / encode+decode throughput in GB/s of fp32 input (median of --re
 a warm-up run that also first-touches every buffer). torch runs on one thread so numbers compare
 per core. hivemind's codecs are timed through compress(tensor, info) + extract(serialized); ours
 through encode + decode (neither includes msgpack/protobuf serialisation of the result).
+
+"bytes/round": one all-reduce round of a 4-member group on the run's chunk grid, as the wire does
+it (codec_diloco.WireGroup: contributions through error feedback to each chunk's owner, averages
+back with the return codec): the codec payload bytes each member sends, both directions, and
+fp32's (`none`) over it. The members hold the test tensor and three independent random tensors
+like it: for top-k codecs that is the worst case, the union of the supports is 4 times one.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from codec_diloco import WireGroup  # benchmarks/ is the script's directory
 
 from swarmgrad.averaging.codecs import get_codec
+from swarmgrad.averaging.layout import Schema
 
-OUR_SPECS = ["none", "fp16", "bf16", "int8", "topk:0.01", "powersgd:4"]
+OUR_SPECS = ["none", "fp16", "bf16", "int8", "q4", "q2", "topk:0.01", "sparse:0.01", "sparse", "powersgd:4"]
+GROUP = 4  # members of the simulated all-reduce round
 # our codec -> the hivemind codec it is compared with in the "speed vs hivemind" column
 BASELINES = {"none": "NoCompression", "fp16": "Float16Compression", "int8": "Uniform8BitQuantization"}
 HIVEMIND_CODECS = [
@@ -50,6 +59,8 @@ class Row:
     decode_gbps: float | None = None
     gbps: float | None = None  # encode + decode
     vs_hivemind: float | None = None  # our encode+decode speed / the baseline's
+    round_bytes: float | None = None  # payload a member of a GROUP-member round sends, both directions
+    round_ratio: float | None = None  # fp32's round_bytes / this codec's
     note: str = ""
 
 
@@ -92,6 +103,13 @@ def bench_ours(spec: str, tensor: torch.Tensor, repeats: int) -> Row:
     codec = get_codec(spec)
     enc, dec, total, payload, decoded = measure(tensor, lambda: codec.encode(tensor), codec.decode, repeats)
     return fill(Row(spec, "swarmgrad"), tensor, (enc, dec, total), payload.nbytes(), decoded)
+
+
+def round_bytes(spec: str, members: list[torch.Tensor]) -> float:
+    """Payload bytes per member of one all-reduce round among `members` (codec_diloco.WireGroup)."""
+    group = WireGroup(spec, Schema.of([("x", members[0])]), len(members))
+    _, sent, _ = group.round([member.reshape(-1) for member in members], [1.0] * len(members))
+    return sent / len(members)
 
 
 def extract_quantized(serialized: object, codebook_dtype: type, indices_dtype: type) -> torch.Tensor:
@@ -162,6 +180,13 @@ def run(size_mb: float, repeats: int) -> dict[str, object]:
     rows = max(1, int(size_mb * 2**20) // 4 // cols)
     tensor = torch.randn(rows, cols)
     ours = [bench_ours(spec, tensor, repeats) for spec in OUR_SPECS]
+    members = [tensor, *(torch.randn(rows, cols) for _ in range(GROUP - 1))]
+    for row in ours:
+        row.round_bytes = round_bytes(row.codec, members)
+    fp32 = next(row.round_bytes for row in ours if row.codec == "none")
+    for row in ours:
+        row.round_ratio = fp32 / row.round_bytes
+    del members
     theirs = [bench_hivemind(name, tensor, repeats) for name in HIVEMIND_CODECS]
     by_name = {row.codec: row for row in theirs}
     for row in ours:
@@ -178,6 +203,7 @@ def run(size_mb: float, repeats: int) -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "allocator": allocator,
+        "round_group": GROUP,
     }
 
 
@@ -193,7 +219,8 @@ def print_table(result: dict[str, object]) -> None:
         f"{result['threads']} torch thread, median of {result['repeats']} runs, allocator: {result['allocator']}"
     )
     table.add_column("codec", no_wrap=True)
-    for column in ("ratio", "rel error", "enc GB/s", "dec GB/s", "enc+dec GB/s", "speed vs hivemind"):
+    for column in ("ratio", "rel error", "enc GB/s", "dec GB/s", "enc+dec GB/s", "speed vs hivemind",
+                   f"bytes/round ({GROUP})", "vs fp32"):
         table.add_column(column, justify="right")
     notes: list[str] = []
     for index, row in enumerate(result["rows"]):
@@ -211,8 +238,10 @@ def print_table(result: dict[str, object]) -> None:
             num(row["decode_gbps"], ".2f"),
             num(row["gbps"], ".2f"),
             "-" if row["vs_hivemind"] is None else f"{row['vs_hivemind']:.1f}x",
+            "-" if row["round_bytes"] is None else f"{row['round_bytes'] / 2**20:.2f} MiB",
+            "-" if row["round_ratio"] is None else f"{row['round_ratio']:.1f}x",
         )
-    console = Console(width=max(Console().width, 110))
+    console = Console(width=max(Console().width, 140))
     console.print(table)
     for number, note in enumerate(notes, 1):
         console.print(f"[{number}] {note}", markup=False, highlight=False)

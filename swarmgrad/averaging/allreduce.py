@@ -30,7 +30,7 @@ from typing import Any, Awaitable
 
 import torch
 
-from swarmgrad.averaging.codecs import Codec, ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs import Codec, ErrorFeedback
 from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
@@ -44,14 +44,13 @@ from swarmgrad.runtime import timeout
 logger = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e15
-_ELEMENTWISE_CODECS = {"none", "fp16", "bf16", "int8"}
 
 
 def gather_codec_for(codec: Codec) -> Codec:
-    """Codec for the averages an owner sends back. An average of sparse or low-rank contributions
-    is dense and of higher rank, and no peer's error feedback would own what re-encoding it with
-    topk or powersgd dropped, so those send averages as fp16."""
-    return codec if codec.name in _ELEMENTWISE_CODECS else get_codec("fp16")
+    """Codec for the averages an owner sends back, named by the codec (`Codec.average_codec`): the
+    codec itself for element-wise ones, fp16 for topk and powersgd, `nonzero` (the union of the
+    supports, low-bit values) for sparse. No peer's error feedback owns what re-encoding loses."""
+    return codec.average_codec()
 
 
 class AllReduceFailed(RuntimeError):

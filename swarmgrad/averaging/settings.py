@@ -62,7 +62,8 @@ def check_aggregator(name: str, averaging: str = "moshpit") -> str:
 
 
 def check_codec(spec: str) -> str:
-    """A codec spec (none, fp16, bf16, int8[:block], topk[:fraction], powersgd[:rank]), validated."""
+    """A codec spec (none, fp16, bf16, int8[:block], q4[:block], q2[:block], topk[:fraction],
+    sparse[:fraction[:bits]], powersgd[:rank]), validated."""
     from swarmgrad.averaging.codecs import get_codec  # torch: only when a spec is checked
 
     try:

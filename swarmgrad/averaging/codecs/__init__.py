@@ -8,7 +8,8 @@
     tensor = codec.decode(Encoded.from_msgpack(msgpack.unpackb(data)), max_elements=limit)
     feedback.commit()  # or feedback.discard() when the round failed
 
-Specs: none | fp16 | bf16 | int8[:block] | topk[:fraction] | powersgd[:rank].
+Specs: none | fp16 | bf16 | int8[:block] | q4[:block] | q2[:block] | topk[:fraction] |
+sparse[:fraction[:bits]] | powersgd[:rank]. `nonzero` only carries `sparse` averages back.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from .base import DEFAULT_MAX_ELEMENTS, FLOAT_DTYPES, Codec, CodecError, Encoded
 from .cast import BFloat16Codec, Float16Codec, RawCodec
 from .feedback import ErrorFeedback
 from .int8 import Int8Codec
+from .lowbit import Q2Codec, Q4Codec
+from .nonzero import NonzeroCodec
 from .powersgd import PowerSGDCodec
+from .sparse import SparseCodec
 from .topk import TopKCodec
 
 __all__ = [
@@ -33,8 +37,12 @@ __all__ = [
     "ErrorFeedback",
     "Float16Codec",
     "Int8Codec",
+    "NonzeroCodec",
     "PowerSGDCodec",
+    "Q2Codec",
+    "Q4Codec",
     "RawCodec",
+    "SparseCodec",
     "TopKCodec",
     "get_codec",
 ]
@@ -53,20 +61,33 @@ def _float_param(text: str) -> float:
     return value
 
 
+def _sparse_params(text: str) -> tuple[float, int] | tuple[float]:
+    """A sparse spec's parameters: "fraction" or "fraction:bits"."""
+    fraction, sep, bits = text.partition(":")
+    return (_float_param(fraction), _int_param(bits)) if sep else (_float_param(fraction),)
+
+
+def _sparse(params: tuple[float, int] | tuple[float] = ()) -> SparseCodec:
+    return SparseCodec(*params)
+
+
 # name -> (factory, parser of the optional ":param"; None when the codec takes no parameter)
 _REGISTRY: dict[str, tuple[Callable[..., Codec], Callable[[str], object] | None]] = {
     RawCodec.name: (RawCodec, None),
     Float16Codec.name: (Float16Codec, None),
     BFloat16Codec.name: (BFloat16Codec, None),
     Int8Codec.name: (Int8Codec, _int_param),
+    Q4Codec.name: (Q4Codec, _int_param),
+    Q2Codec.name: (Q2Codec, _int_param),
     TopKCodec.name: (TopKCodec, _float_param),
+    SparseCodec.name: (_sparse, _sparse_params),
     PowerSGDCodec.name: (PowerSGDCodec, _int_param),
 }
 CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def get_codec(spec: str) -> Codec:
-    """Parse "name" or "name:param" (see the module docstring); CodecError says what is accepted."""
+    """Parse "name", "name:param" or (sparse) "name:param:param" (see the module docstring); CodecError says what is accepted."""
     if not isinstance(spec, str):
         raise CodecError(f"codec spec must be a string, got {type(spec).__name__}")
     name, sep, param = spec.strip().partition(":")

@@ -184,6 +184,13 @@ class Codec(ABC):
         parts, meta = self._encode(flat, shape, warm_start)
         return Encoded(self.name, shape, dtype, parts, meta)
 
+    def average_codec(self) -> Codec:
+        """The codec an all-reduce owner sends averages back with. An element-wise codec's average
+        looks like its inputs, so by default the codec itself. Re-encoding is not fed back (the
+        average is no single peer's), so a codec whose average is denser or of higher rank than
+        what it encodes names another."""
+        return self
+
     def next_warm_start(self, encoded: Encoded) -> torch.Tensor | None:
         """State to pass as `warm_start` when encoding the same tensor next round (None: stateless)."""
         return None

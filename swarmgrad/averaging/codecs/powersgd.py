@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, CodecError, Encoded, check_finite, meta_int, tensor_from
+from .cast import Float16Codec
 
 __all__ = ["PowerSGDCodec"]
 
@@ -51,6 +52,10 @@ class PowerSGDCodec(Codec):
     @property
     def spec(self) -> str:
         return self.name if self.rank == 4 else f"{self.name}:{self.rank}"
+
+    def average_codec(self) -> Codec:
+        # A sum of rank-r matrices has rank up to r per member; fp16 keeps it close to exact.
+        return Float16Codec()
 
     def matrix_dims(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """(n, m) when this shape is sent low-rank, None when it falls back to raw float32."""

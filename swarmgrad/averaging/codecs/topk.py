@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, CodecError, check_finite, meta_int, tensor_from
+from .cast import Float16Codec
 
 __all__ = ["TopKCodec", "top_k_indices"]
 
@@ -62,6 +63,11 @@ class TopKCodec(Codec):
     @property
     def spec(self) -> str:
         return self.name if self.fraction == 0.01 else f"{self.name}:{self.fraction!r}"
+
+    def average_codec(self) -> Codec:
+        # Dense fp16 keeps the average of exact float32 values close to exact; `sparse` is the codec
+        # whose average travels sparse (nonzero.py).
+        return Float16Codec()
 
     def _meta_for(self, shape: tuple[int, ...], numel: int) -> dict[str, int | float]:
         return {"k": min(numel, max(1, math.ceil(self.fraction * numel)))}
