@@ -48,7 +48,8 @@ class NetworkRuntime:
         self.state_protocol = f"swarmgrad/{self.run_id}/state"
         self.state_server: StateServer | None = None
         self.presence = Membership(self.node, self.run_id, role=self.role, ttl=timing.presence_ttl,
-                                   refresh=timing.presence_refresh, watch=True, before_publish=before_publish)
+                                   refresh=timing.presence_refresh, watch=True,
+                                   members_per_read=timing.members_per_read, before_publish=before_publish)
         self._entered: list[tuple[str, Callable]] = []
 
     @property

@@ -154,12 +154,14 @@ class Membership:
     ``async with Membership(node, "my-run") as membership: membership.update(step=10)``
 
     ``refresh``: seconds between heartbeats (default ttl/3, so two may be lost before the record
-    expires). ``watch=True`` also rereads the run's members on every beat into ``members``.
+    expires). ``watch=True`` also rereads the run's members into ``members``: on every beat, or,
+    with ``members_per_read``, every refresh x members / members_per_read once the run has more
+    members than that (a listing costs O(members) to read and to serve).
     ``before_publish``: called before each heartbeat, to fill in what it announces.
     """
 
     def __init__(self, node: SwarmNode, run_id: str, role: Role = "peer", ttl: float = DEFAULT_TTL, *,
-                 refresh: float | None = None, watch: bool = False,
+                 refresh: float | None = None, watch: bool = False, members_per_read: int | None = None,
                  before_publish: Callable[[Membership], None] | None = None):
         if not 1.0 <= ttl <= MemberRecord.max_ttl:
             raise ConfigError(f"membership ttl must be within 1..{MemberRecord.max_ttl:.0f} s, got {ttl}")
@@ -168,7 +170,7 @@ class Membership:
         if not 0 < self.refresh < ttl:
             raise ConfigError(f"membership refresh must be within (0, ttl={ttl}) s, got {self.refresh}")
         self.key = members_key(run_id)
-        self.watch, self.before_publish = watch, before_publish
+        self.watch, self.before_publish, self.members_per_read = watch, before_publish, members_per_read
         self.step = 0
         self.samples_per_second = 0.0
         self.epsilon: float | None = None
@@ -250,6 +252,13 @@ class Membership:
         self.members_read_at = time.monotonic()
         return self.members
 
+    @property
+    def read_interval(self) -> float:
+        """Seconds between rereads of the listing, for the run's size at the last one."""
+        if self.members_per_read is None:
+            return self.refresh
+        return self.refresh * max(1.0, len(self.members) / self.members_per_read)
+
     async def leave(self) -> None:
         if self.node.dht is not None and self._last_expires > 0:
             await self.announce(state="left")
@@ -264,7 +273,8 @@ class Membership:
             self._publish_now.clear()
             try:
                 await self.announce()
-                if self.watch:
+                # a beat that comes early (an epoch changed) is not a reason to read sooner
+                if self.watch and time.monotonic() - self.members_read_at >= self.read_interval - 0.01:
                     await self.read()
             except asyncio.CancelledError:
                 raise

@@ -146,7 +146,7 @@ class RoundDriver:
 
     async def _wait_for_ahead(self, epoch: int) -> list[str]:
         """Peers that finished ``epoch`` (a round we missed), waiting long enough for them to say so."""
-        deadline = time.monotonic() + self.timing.ahead_wait
+        deadline = time.monotonic() + self.timing.ahead_wait(len(self.tracker.fresh().peers))
         while True:
             ahead = self.tracker.ahead_of(epoch)
             if ahead or time.monotonic() > deadline:
