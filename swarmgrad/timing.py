@@ -1,7 +1,7 @@
 """Every deadline a peer keeps, derived from one ``Timing`` object instead of literals spread around.
 
-What sets the pace is the presence refresh (how often a peer republishes its presence record and,
-in a swarm of up to ``members_per_read`` members, rereads everyone's) and the measured round times (``RoundTimer``); the rest are small fixed budgets
+What sets the pace is the presence refresh (how often a peer republishes its presence record and
+rereads everyone's, in a swarm of up to ``members_per_read`` members) and the measured round times (``RoundTimer``); the rest are small fixed budgets
 for exchanges that take milliseconds on a live peer, collected here so they are tuned in one place.
 """
 
@@ -20,9 +20,10 @@ class Timing(SettingsModel):
     """A peer's local timing: not a run-level setting (peers of one run may differ)."""
 
     presence_refresh: Annotated[float, pydantic.Field(ge=0.1, le=60)] = 1.0  # republish and reread presence
-    # A listing of the run costs its reader and the record's holders O(members): beyond this many
-    # members a peer rereads it less often (``read_interval``), so the swarm's reads cost O(N), not
-    # O(N^2). Measured: 64 peers rereading every second saturated 2 cores (benchmarks/scale.py).
+    # A listing of the run costs its reader and the record's holders O(members), and every heartbeat
+    # is a DHT store: beyond this many members a peer beats less often (``beat_interval``), so the
+    # swarm's presence traffic grows as O(N), not O(N^2). Measured: 64 peers beating every second
+    # saturated 2 cores and moshpit rounds took 16 s (benchmarks/scale.py).
     members_per_read: Annotated[int, pydantic.Field(ge=1, le=100_000)] = 16
     control_timeout: Seconds = 5.0  # one small control exchange (a direct-connection setup, a state description)
     reply_timeout: Seconds = 2.0  # a live peer answers an invitation in milliseconds: this is generous
@@ -40,15 +41,15 @@ class Timing(SettingsModel):
         """A presence record outlives five missed refreshes, and never less than 6 s (DHT latency)."""
         return max(6.0, 6 * self.presence_refresh)
 
-    def read_interval(self, members: int) -> float:
-        """Seconds between rereads of the run's presence records in a swarm of ``members``:
+    def beat_interval(self, members: int) -> float:
+        """Seconds between presence heartbeats (a store and a reread) in a swarm of ``members``:
         the refresh, stretched by members / ``members_per_read`` beyond that many."""
         return self.presence_refresh * max(1.0, members / self.members_per_read)
 
     def ahead_wait(self, members: int = 1) -> float:
         """How long a peer whose round failed waits to see whether the others finished it: a
         refresh to publish, a reread to see it, and a little slack."""
-        return self.presence_refresh + self.read_interval(members) + 0.5
+        return self.presence_refresh + self.beat_interval(members) + 0.5
 
     def round_timer(self, override: float | None = None) -> RoundTimer:
         if override is not None:

@@ -237,18 +237,19 @@ def test_sync_facade_and_clean_shutdown():
     assert p2pd_pids() == before  # no daemon left behind
 
 
-def test_a_large_run_is_reread_less_often_so_reads_cost_the_swarm_linear_time():
-    """A listing costs O(members): past ``members_per_read`` members the reread interval grows with
-    the run (64 members, 16 per read: every 4 refreshes), and the heartbeat itself does not slow."""
+def test_a_large_run_beats_less_often_so_presence_costs_the_swarm_linear_time():
+    """A listing costs O(members) and a beat is a store: past ``members_per_read`` members the beat
+    interval grows with the run (64 members, 16 per read: every 4 refreshes), and so does the life
+    of each record."""
     from types import SimpleNamespace
 
     from swarmgrad.dht.membership import Membership
     from swarmgrad.timing import Timing
 
     timing = Timing(presence_refresh=0.5)
-    assert [timing.read_interval(n) for n in (1, 16, 32, 64)] == [0.5, 0.5, 1.0, 2.0]
+    assert [timing.beat_interval(n) for n in (1, 16, 32, 64)] == [0.5, 0.5, 1.0, 2.0]
     assert timing.ahead_wait(8) == 1.5 and timing.ahead_wait(64) == 3.0
     presence = Membership(SimpleNamespace(), "big-run", ttl=6.0, refresh=0.5, watch=True, members_per_read=16)
     presence.members = [object()] * 64
-    assert presence.read_interval == 2.0 and presence.refresh == 0.5
-    assert Membership(SimpleNamespace(), "big-run", ttl=6.0, refresh=0.5, watch=True).read_interval == 0.5
+    assert presence.beat_interval == 2.0 and presence.stretch == 4.0
+    assert Membership(SimpleNamespace(), "big-run", ttl=6.0, refresh=0.5, watch=True).beat_interval == 0.5

@@ -154,9 +154,10 @@ class Membership:
     ``async with Membership(node, "my-run") as membership: membership.update(step=10)``
 
     ``refresh``: seconds between heartbeats (default ttl/3, so two may be lost before the record
-    expires). ``watch=True`` also rereads the run's members into ``members``: on every beat, or,
-    with ``members_per_read``, every refresh x members / members_per_read once the run has more
-    members than that (a listing costs O(members) to read and to serve).
+    expires). ``watch=True`` also rereads the run's members on every beat into ``members``. With
+    ``members_per_read``, a run of more members than that beats every refresh x members /
+    members_per_read, its record living as much longer (a listing costs O(members) to read and to
+    serve, and every beat is a store); an epoch change still publishes at once.
     ``before_publish``: called before each heartbeat, to fill in what it announces.
     """
 
@@ -223,7 +224,7 @@ class Membership:
             self.before_publish(self)
         now = time.time()
         # A record replaces the stored one only if it expires later, so a leave outlives the last beat.
-        expires = max(now + self.ttl, self._last_expires + 1e-3)
+        expires = max(now + min(self.ttl * self.stretch, MemberRecord.max_ttl), self._last_expires + 1e-3)
         body = MemberRecord(
             maddrs=self.node.maddrs,
             role=self.role,
@@ -253,11 +254,13 @@ class Membership:
         return self.members
 
     @property
-    def read_interval(self) -> float:
-        """Seconds between rereads of the listing, for the run's size at the last one."""
-        if self.members_per_read is None:
-            return self.refresh
-        return self.refresh * max(1.0, len(self.members) / self.members_per_read)
+    def stretch(self) -> float:
+        """How much longer than ``refresh`` a beat takes, for the run's size at the last reread."""
+        return 1.0 if self.members_per_read is None else max(1.0, len(self.members) / self.members_per_read)
+
+    @property
+    def beat_interval(self) -> float:
+        return self.refresh * self.stretch
 
     async def leave(self) -> None:
         if self.node.dht is not None and self._last_expires > 0:
@@ -267,14 +270,14 @@ class Membership:
         assert self._publish_now is not None
         while True:
             try:
-                await asyncio.wait_for(self._publish_now.wait(), timeout=self.refresh)
+                await asyncio.wait_for(self._publish_now.wait(), timeout=self.beat_interval)
             except asyncio.TimeoutError:
                 pass
             self._publish_now.clear()
             try:
                 await self.announce()
                 # a beat that comes early (an epoch changed) is not a reason to read sooner
-                if self.watch and time.monotonic() - self.members_read_at >= self.read_interval - 0.01:
+                if self.watch and time.monotonic() - self.members_read_at >= self.beat_interval - 0.01:
                     await self.read()
             except asyncio.CancelledError:
                 raise

@@ -113,7 +113,6 @@ class ProgressTracker:
                  epsilon: Callable[[], float | None] = lambda: None,
                  stats: Callable[[], TrainingStats | None] = lambda: None):
         self.presence, self.settings, self.epsilon, self.stats = presence, settings, epsilon, stats
-        self.refresh = presence.refresh
         self.local = LocalProgress()
         self.swarm = SwarmProgress()
         self._lock = threading.Lock()  # the training thread changes epochs while the loop reads counters
@@ -181,8 +180,8 @@ class ProgressTracker:
             if record.settings != self.settings:
                 other_settings.append(member.peer_id)
                 continue
-            # extrapolate by the peer's rate, at most two refresh intervals (it may have stopped)
-            elapsed = min(max(0.0, wall - member.last_seen), 2 * self.refresh) if not record.averaging else 0.0
+            # extrapolate by the peer's rate, at most two heartbeats (it may have stopped)
+            elapsed = min(max(0.0, wall - member.last_seen), 2 * self.presence.beat_interval) if not record.averaging else 0.0
             samples = record.samples + member.samples_per_second * elapsed
             steps = record.steps + record.steps_per_second * elapsed
             peers.append(PeerProgress(member.peer_id, record.epoch, samples, steps, member.samples_per_second,
