@@ -253,3 +253,34 @@ def test_a_large_run_beats_less_often_so_presence_costs_the_swarm_linear_time():
     presence.members = [object()] * 64
     assert presence.beat_interval == 2.0 and presence.stretch == 4.0
     assert Membership(SimpleNamespace(), "big-run", ttl=6.0, refresh=0.5, watch=True).beat_interval == 0.5
+
+
+def test_a_member_one_read_misses_stays_listed_until_its_record_expires_or_it_leaves():
+    """On a loaded swarm a read can miss a record holder; the listing keeps that member (the
+    moshpit grid is laid out from it) until its last record expires or it says it left."""
+    import time as clock
+    from types import SimpleNamespace
+
+    from swarmgrad.dht.membership import Membership
+
+    def record(state: str = "alive", expires_in: float = 30.0):
+        body = SimpleNamespace(state=state, maddrs=[], role="peer", version="0", step=0, samples_per_second=0.0,
+                               updated_at=clock.time(), epsilon=None, progress=None, stats=None)
+        return SimpleNamespace(body=body, expires=clock.time() + expires_in)
+
+    reads: list[dict] = []
+
+    async def get_records(key, body_type):
+        return reads.pop(0)
+
+    presence = Membership(SimpleNamespace(get_records=get_records), "flaky-run", ttl=6.0, watch=True)
+
+    def listed(*records: dict) -> list[str]:
+        reads.append(dict(*records))
+        return [member.peer_id for member in run_async(presence.read())]
+
+    assert listed({"a": record(), "b": record(), "c": record(expires_in=0.2)}) == ["a", "b", "c"]
+    assert listed({"a": record()}) == ["a", "b", "c"]  # b and c missed by this read: kept
+    clock.sleep(0.25)
+    assert listed({}) == ["a", "b"]  # a failed read changes nothing; c's last record has expired
+    assert listed({"b": record("left")}) == ["a"]  # b said it left: gone at once

@@ -126,6 +126,12 @@ class Member:
 
 async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
     """Live members of ``run_id`` (left and expired ones excluded), sorted by peer id."""
+    alive, _ = await _read_listing(node, run_id)
+    return alive
+
+
+async def _read_listing(node: SwarmNode, run_id: str) -> tuple[list[Member], set[str]]:
+    """The live members of ``run_id``, sorted by peer id, and the ids of those that said they left."""
     records = await node.get_records(members_key(run_id), MemberRecord)
     now = time.time()
     members = [
@@ -145,7 +151,8 @@ async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
         for owner, record in records.items()
         if record.body.state == "alive" and record.expires > now
     ]
-    return sorted(members, key=lambda member: member.peer_id)
+    left = {owner for owner, record in records.items() if record.body.state == "left"}
+    return sorted(members, key=lambda member: member.peer_id), left
 
 
 class Membership:
@@ -249,7 +256,15 @@ class Membership:
         return stored
 
     async def read(self) -> list[Member]:
-        self.members = await list_members(self.node, self.run_id)
+        """Reread the listing. A member that one read misses (a record holder that did not answer in
+        time, on a loaded swarm) stays listed until its last record expires or it says it left: every
+        peer lays out the moshpit grid from this list, and a member dropping out of one peer's view
+        for a beat would shift that peer's rank and send it to the wrong group."""
+        alive, left = await _read_listing(self.node, self.run_id)
+        now = time.time()
+        merged = {member.peer_id: member for member in self.members if member.expires > now and member.peer_id not in left}
+        merged.update((member.peer_id, member) for member in alive)
+        self.members = sorted(merged.values(), key=lambda member: member.peer_id)
         self.members_read_at = time.monotonic()
         return self.members
 
