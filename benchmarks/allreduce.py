@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py [--json] [--peers 4] [--size-mb 100] [--rounds 5]
                                    [--codecs none,fp16,int8] [--systems hivemind,raw-p2pd,raw-tcp,swarmgrad]
+                                   [--aggregator mean|centered-clip|trimmed-mean]
 
 Every system runs in --peers fresh processes (one per peer, spawn), each holding one float32 tensor
 of --size-mb. A round starts on a barrier; its time is the slowest peer's; we report the median of
@@ -14,7 +15,8 @@ round, so every round is a real average, checked against the mean of the initial
   at once (what a butterfly all-reduce sends: reduce-scatter + all-gather), over hivemind P2P binary
   streams through p2pd, or over plain asyncio TCP; the upper bounds for the two data planes.
 - swarmgrad: swarmgrad.averaging.Averager on a NetworkRuntime (around a SwarmNode) per peer, one group of
-  all peers; skipped if it cannot be imported.
+  all peers; skipped if it cannot be imported. ``--aggregator`` (default mean, hivemind's) picks how
+  its owners combine contributions: a robust one holds every member's chunk and aggregates it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class BenchConfig:
     round_timeout: float
     chunk_bytes: int
     transport: str = "libp2p"  # swarmgrad only: libp2p | direct | direct-plain
+    aggregator: str = "mean"  # swarmgrad only
 
     @property
     def numel(self) -> int:
@@ -119,6 +122,17 @@ class Row:
 def peer_tensor(rank: int, numel: int) -> torch.Tensor:
     """The initial tensor of ``rank``; deterministic, so every peer can rebuild everyone's."""
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def expected_result(peers: int, numel: int, aggregator: str) -> torch.Tensor:
+    """What a correct swarmgrad round holds: the mean, which centered-clip is on these honest tensors
+    (none is farther than τ); the trimmed mean is per coordinate, so the whole tensor's is each chunk's."""
+    if aggregator != "trimmed-mean":
+        return expected_mean(peers, numel)
+    from swarmgrad.averaging.robust import trim_for, trimmed_mean
+
+    stack = torch.stack([peer_tensor(rank, numel) for rank in range(peers)])
+    return trimmed_mean(stack, torch.ones(peers, dtype=torch.float64), trim_for(peers))
 
 
 def expected_mean(peers: int, numel: int) -> torch.Tensor:
@@ -201,7 +215,7 @@ def swarmgrad_peer(ctx: PeerContext, cfg: BenchConfig) -> dict:
 async def _swarmgrad_rounds(ctx: PeerContext, cfg: BenchConfig) -> dict:
     from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 
-    initial, expected = peer_tensor(ctx.rank, cfg.numel), expected_mean(cfg.peers, cfg.numel)
+    initial, expected = peer_tensor(ctx.rank, cfg.numel), expected_result(cfg.peers, cfg.numel, cfg.aggregator)
     tensor = initial.clone()
     async with contextlib.AsyncExitStack() as stack:
         node = await start_swarm_node(ctx, stack)
@@ -211,8 +225,11 @@ async def _swarmgrad_rounds(ctx: PeerContext, cfg: BenchConfig) -> dict:
         # before the runtime refactor, is only waited out when some are missing)
         settings = Moshpit(group_size=cfg.peers, min_group_size=cfg.peers, matchmaking_seconds=1.0)
         averager = await stack.enter_async_context(
-            Averager(runtime, [tensor], settings=settings, codec=cfg.codec, swap_storage=True)
+            Averager(runtime, [tensor], settings=settings, codec=cfg.codec, swap_storage=True, aggregator=cfg.aggregator)
         )  # fmt: skip  (swap_storage: the average becomes the tensor's storage, no 100 MB copy per round)
+        deadline = time.monotonic() + 30  # groups are laid out from the membership: wait until it lists everyone
+        while len(runtime.members()) < cfg.peers and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         await ctx.async_sync()
         seconds, oks, errors, sent, received, transports, transfer = [], [], [], [], [], set(), []
         for index in range(cfg.rounds + 1):
@@ -352,7 +369,8 @@ CAPTION = (
 
 def render(rows: list[Row], cfg: BenchConfig, wall_s: float) -> Table:
     table = Table(
-        title=f"All-reduce on loopback: {cfg.peers} peers x {cfg.size_bytes / MB:g} MB fp32, {cfg.rounds} rounds",
+        title=f"All-reduce on loopback: {cfg.peers} peers x {cfg.size_bytes / MB:g} MB fp32, {cfg.rounds} rounds, "
+              f"swarmgrad aggregator {cfg.aggregator}",
         caption=f"{CAPTION} Wall time {wall_s:.0f} s.",
     )
     for header in ("system", "codec", "median s", "min s", "max s", "MB/peer", "agg MB/s", "effective MB/s", "correct"):
@@ -393,6 +411,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="swarmgrad data planes to measure, comma-separated: " + ", ".join(TRANSPORTS))
     parser.add_argument("--chunk-mib", type=float, default=2.0, help="write size of the raw references")
     parser.add_argument("--round-timeout", type=float, default=None, help="seconds; default 30 + 0.6 s per MB")
+    parser.add_argument("--aggregator", default="mean", choices=["mean", "centered-clip", "trimmed-mean"],
+                        help="how swarmgrad's owners combine contributions")
     args = parser.parse_args(argv)
     args.codecs = [codec for codec in args.codecs.split(",") if codec]
     args.systems = [system for system in args.systems.split(",") if system]
@@ -416,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     base = BenchConfig(
         peers=args.peers, size_bytes=int(args.size_mb * MB) // 4 * 4, rounds=args.rounds, codec="-",
         round_timeout=args.round_timeout or 30 + 0.6 * args.size_mb, chunk_bytes=int(args.chunk_mib * 2**20),
+        aggregator=args.aggregator,
     )  # fmt: skip
     started = time.monotonic()
     rows = []

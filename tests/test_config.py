@@ -128,6 +128,8 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path):
     ("max-seconds = [1]", "Input should be a valid number"),
     ("inner-steps = 0", "Input should be greater than or equal to 1 (got 0)"),  # RunConfig's bound
     ('compression = "zip"', "unknown codec 'zip'"),
+    ('aggregator = "median"', "aggregator must be one of mean, centered-clip, trimmed-mean for moshpit averaging, "
+                              "got 'median'"),
     ('run-id = "no spaces"', "run id 'no spaces' is invalid"),
     ("port = 70000", "Input should be less than or equal to 65535 (got 70000)"),  # NodeConfig's bound
 ])
@@ -158,6 +160,9 @@ def test_flags_and_settings_that_do_not_fit_together_are_one_line():
         "error: --averaging: strategy sync does not work with gossip averaging; use moshpit"
     assert one_error(cli("peer", "digits", "-r", "r", "--privacy-clip", "1")) == \
         "error: --privacy-clip: differential privacy needs both --privacy-clip and --privacy-noise"
+    assert one_error(cli("peer", "digits", "-r", "r", "--strategy", "gossip", "--aggregator", "trimmed-mean")) == \
+        "error: --aggregator: aggregator must be one of mean, centered-clip for gossip averaging, got 'trimmed-mean' " \
+        "(gossip has no group to trim: centered-clip is clipped gossip there)"
     assert one_error(cli("peer", "digits", "-r", "r", "--target-accuracy", "0.9", "--eval-every", "0")) == \
         "error: --target-accuracy needs evaluations: set --eval-every > 0"
 
@@ -221,6 +226,7 @@ def test_run_defaults_are_run_configs():
     helps = {param.name: param.help for param in command.params}
     assert f"default {defaults.strategy.inner_steps}" in helps["inner_steps"]
     assert f"default {defaults.compression}" in helps["compression"]
+    assert f"default {defaults.aggregator}" in helps["aggregator"]
     assert f"default {defaults.averaging.group_size}" in helps["group_size"]
     assert f"default {SyncSGD().target_batch_size}" in helps["target_batch_size"]
     assert f"default {Privacy.model_fields['level'].default}" in helps["privacy_level"]
@@ -253,9 +259,10 @@ def test_demo_passes_only_what_it_chooses():
 
 
 def test_manifest_round_trip():
-    config = run_config_from({"inner_steps": 20, "compression": "fp16", "privacy_clip": 1.0, "privacy_noise": 0.5},
-                             task="digits")
+    config = run_config_from({"inner_steps": 20, "compression": "fp16", "aggregator": "trimmed-mean",
+                              "privacy_clip": 1.0, "privacy_noise": 0.5}, task="digits")
     manifest = RunManifest.create(config, "fingerprint")
+    assert manifest.run_config().aggregator == "trimmed-mean"
     assert (manifest.task, manifest.settings, manifest.data_fingerprint) == \
         ("digits", config.settings_json(), "fingerprint")
     assert manifest.run_config() == config
@@ -265,7 +272,7 @@ def test_manifest_round_trip():
 
 
 @pytest.mark.parametrize("settings", ['{"strategy": {"name": "adam"}}', '{"compression": "zip"}',
-                                      '{"surprise": 1}', "not json", "[1]"])
+                                      '{"aggregator": "median"}', '{"surprise": 1}', "not json", "[1]"])
 def test_bad_manifest_settings_are_config_errors(settings):
     manifest = RunManifest.create(RunConfig(task="digits"), None).model_copy(update={"settings": settings})
     with pytest.raises(ConfigError):

@@ -205,6 +205,7 @@ def test_sync_keeps_no_state():
     RunConfig(), RunConfig(strategy=SyncSGD(target_batch_size=128)),
     RunConfig(strategy=DiLoCo(inner_steps=10, outer_lr=0.5, outer_momentum=0.8), compression="none"),
     RunConfig(strategy=GossipSGD(every=7)), RunConfig(strategy=GossipSGD(), averaging=Moshpit(group_size=4)),
+    RunConfig(aggregator="trimmed-mean"), RunConfig(strategy=GossipSGD(), aggregator="mean"),
 ])
 def test_run_config_round_trips_through_json(config):
     data = json.loads(config.settings_json())  # as a manifest carries it
@@ -215,7 +216,8 @@ def test_run_config_round_trips_through_json(config):
 @pytest.mark.parametrize("data", [{"strategy": {"name": "adam"}}, {"strategy": {"name": "sync", "lr": 1.0}},
                                   {"strategy": {"name": "diloco", "steps": 3}}, {"compression": "zip"},
                                   {"strategy": {"name": "sync", "target_batch_size": 0}}, {"colour": "red"},
-                                  {"averaging": {"kind": "allreduce"}}, {"averaging": {"kind": "gossip", "group_size": 4}}])
+                                  {"averaging": {"kind": "allreduce"}}, {"averaging": {"kind": "gossip", "group_size": 4}},
+                                  {"aggregator": "median"}, {"strategy": {"name": "gossip"}, "aggregator": "trimmed-mean"}])
 def test_run_config_refuses_bad_settings(data):
     with pytest.raises(ConfigError):
         run_config(**data)
@@ -273,6 +275,24 @@ def test_the_digest_covers_the_settings_not_the_task():
     assert RunConfig(task="digits").digest == RunConfig().digest
     assert RunConfig(compression="none").digest != RunConfig().digest
     assert RunConfig(strategy=DiLoCo(inner_steps=51)).digest != RunConfig().digest
+    assert RunConfig(aggregator="mean").digest != RunConfig().digest  # peers that aggregate differently
+
+
+def test_the_aggregator_defaults_to_centered_clip_and_is_a_peer_keyword():
+    assert RunConfig().aggregator == "centered-clip"
+    model, optimizer = model_and_optimizer(0)
+    peer = Peer(model, optimizer, run_id="robust", aggregator="trimmed-mean")
+    assert peer.requested.aggregator == "trimmed-mean" and peer.requested.explicit() == {"aggregator": "trimmed-mean"}
+    with pytest.raises(ConfigError, match="gossip has no group to trim"):
+        Peer(model, optimizer, run_id="robust", strategy=GossipSGD(), aggregator="trimmed-mean")
+
+
+def test_the_weight_cap_is_four_epochs_of_samples_by_the_run_settings():
+    model, optimizer = model_and_optimizer(0)
+    assert attach(DiLoCo(inner_steps=10), model, optimizer).weight_cap(32) == 4 * 10 * 32
+    assert attach(DiLoCo(inner_steps=10), model, optimizer).weight_cap(None) is None  # no batch size: no cap
+    assert attach(SyncSGD(target_batch_size=512), model, optimizer).weight_cap(None) == 4 * 512
+    assert attach(GossipSGD(every=3), model, optimizer, averaging=Moshpit()).weight_cap(16) == 4 * 3 * 16
 
 
 # ---- progress -------------------------------------------------------------------------------------

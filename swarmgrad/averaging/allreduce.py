@@ -34,7 +34,7 @@ from swarmgrad.averaging.codecs import Codec, ErrorFeedback
 from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
-from swarmgrad.averaging.robust import bound_weights, robust_aggregate
+from swarmgrad.averaging.robust import Aggregate, bound_weights, robust_aggregate
 from swarmgrad.averaging.settings import AGGREGATORS
 from swarmgrad.averaging.transport import Channel, Transport
 from swarmgrad.averaging.wire import Frame, FrameError, int_field
@@ -348,14 +348,21 @@ class GroupAllReduce:
             done.add(chunk.index)
             self._seen[chunk.index] += 1
             if self._seen[chunk.index] == len(self.others):
-                self._finish_chunk(chunk)
+                if self.robust:  # CPU work (several passes over the rows): off the event loop
+                    weights = self._bounded_weights()
+                    rows = self._rows.pop(chunk.index)
+                    outcome = await asyncio.to_thread(robust_aggregate, self.aggregator, rows, weights)
+                    self._finish_chunk(chunk, self._robust_result(outcome))
+                else:
+                    self._finish_chunk(chunk)
                 async with self._averages_changed:
                     self._averages_changed.notify_all()
 
-    def _finish_chunk(self, chunk: Chunk) -> None:
-        if self.robust:
-            average = self._aggregate(chunk)
-        else:
+    def _finish_chunk(self, chunk: Chunk, average: torch.Tensor | None = None) -> None:
+        if self.robust and average is None:  # a group of one
+            average = self._robust_result(robust_aggregate(self.aggregator, self._rows.pop(chunk.index),
+                                                           self._bounded_weights()))
+        elif average is None:
             total_weight = self._capped(self.me, self.weight) + sum(
                 self._capped(peer, weight) for peer, weight in self._contributors.items())
             average = self._sums.pop(chunk.index).div_(total_weight)
@@ -366,9 +373,8 @@ class GroupAllReduce:
         self.result[chunk.start : chunk.start + chunk.length] = average
         self._averages.append(({"t": "avg", "c": chunk.index, **header}, payload))
 
-    def _aggregate(self, chunk: Chunk) -> torch.Tensor:
-        """The robust result of one chunk of my part, from every member's row (all are in)."""
-        outcome = robust_aggregate(self.aggregator, self._rows.pop(chunk.index), self._bounded_weights())
+    def _robust_result(self, outcome: Aggregate) -> torch.Tensor:
+        """A chunk's robust result; the members whose pull it clipped are suspected."""
         for row in outcome.clipped:
             self._suspect(self.plan.members[row], "clipped")
         return outcome.value

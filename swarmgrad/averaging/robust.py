@@ -6,9 +6,10 @@ out; no I/O, no state. allreduce.py applies them per chunk, gossip.py clips push
 
 The rules (README "Robust aggregation" says the same):
 
-- **centered-clip** starts at the coordinate-wise weighted median s of the rows and takes
-  τ = ``TAU_FACTOR`` x the median of the rows' distances ||x_i - s|| (at least half the rows must be
-  far for τ to be large). It then iterates v <- v + Σ w_i (x_i - v) min(1, τ / ||x_i - v||) / Σ w_i
+- **centered-clip** starts at the weighted medoid s (the row with the least weighted sum of
+  distances to the others: never a row whose weight share is below half and that is far from the
+  rest) and takes τ = ``TAU_FACTOR`` x the median of the rows' distances ||x_i - s|| (at least half
+  the rows must be far for τ to be large). It then iterates v <- v + Σ w_i (x_i - v) min(1, τ / ||x_i - v||) / Σ w_i
   until a step is shorter than ``TOLERANCE`` x τ, or for ``MAX_ITERATIONS`` steps. A row pulls the
   result by at most its weight share x τ, whatever it sent; when no row is farther than τ from the
   weighted mean, the result is the weighted mean. When half the rows coincide (members of an
@@ -58,12 +59,18 @@ def median(values: torch.Tensor) -> float:
     return float(ordered[n // 2]) if n % 2 else float((ordered[n // 2 - 1] + ordered[n // 2]) / 2)
 
 
-def weighted_median(stack: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per coordinate, the lowest value at which the rows' cumulative weight reaches half the total."""
-    values, order = stack.sort(dim=0)
-    cumulative = weights.double()[order].cumsum(dim=0)
-    first = (cumulative < float(weights.sum()) / 2).sum(dim=0, keepdim=True).clamp(max=len(stack) - 1)
-    return values.gather(0, first).squeeze(0)
+def weighted_medoid(stack: torch.Tensor, weights: torch.Tensor) -> int:
+    """The row whose weighted sum of distances to the rows is least (the first, on a tie)."""
+    return int((pairwise_distances(stack) * weights.double()).sum(dim=1).argmin())
+
+
+def pairwise_distances(stack: torch.Tensor) -> torch.Tensor:
+    """||x_i - x_j|| for every pair of rows (float64 n x n; n^2 / 2 passes over a row, summed in float32)."""
+    scale = float(stack.abs().max()) if stack.numel() else 0.0
+    huge = scale > 1e18  # a distance between values near float32's range would overflow: measure scaled
+    scaled = stack / scale if huge else stack
+    pairwise = torch.cdist(scaled, scaled, compute_mode="donot_use_mm_for_euclid_dist").double()
+    return pairwise * scale if huge else pairwise
 
 
 def distances(stack: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
@@ -88,17 +95,29 @@ def _differences(stack: torch.Tensor, center: torch.Tensor,
 
 def choose_tau(stack: torch.Tensor, center: torch.Tensor, factor: float = TAU_FACTOR) -> float:
     """τ = ``factor`` x the median distance of the rows from ``center`` (a robust start)."""
-    return factor * median(distances(stack, center))
+    return tau_from(distances(stack, center), factor)
+
+
+def tau_from(distances_from_start: torch.Tensor, factor: float = TAU_FACTOR) -> float:
+    return factor * median(distances_from_start)
 
 
 def centered_clip(stack: torch.Tensor, weights: torch.Tensor, tau: float, tol: float = TOLERANCE,
                   max_iters: int = MAX_ITERATIONS, start: torch.Tensor | None = None) -> torch.Tensor:
     """CenteredClip: v <- v + Σ w_i (x_i - v) min(1, τ / ||x_i - v||) / Σ w_i from ``start`` (the
-    weighted median by default), until a step is shorter than ``tol`` x τ or ``max_iters`` steps."""
+    weighted medoid by default), until a step is shorter than ``tol`` x τ or ``max_iters`` steps."""
+    return _centered_clip(stack, weights, tau, tol, max_iters, start)[0]
+
+
+def _centered_clip(stack: torch.Tensor, weights: torch.Tensor, tau: float, tol: float, max_iters: int,
+                   start: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result, and the rows' distances from the center of the last step (for who was clipped)."""
+    if max_iters < 1:
+        raise ValueError(f"max_iters must be at least 1, got {max_iters}")
     share = weights.double() / weights.sum()
-    center = (weighted_median(stack, weights) if start is None else start).clone()
+    center = (stack[weighted_medoid(stack, weights)] if start is None else start).clone()
     if tau <= 0:
-        return center
+        return center, distances(stack, center)
     difference = torch.empty_like(stack)
     for _ in range(max_iters):
         _, norms, scales = _differences(stack, center, difference)
@@ -107,12 +126,7 @@ def centered_clip(stack: torch.Tensor, weights: torch.Tensor, tau: float, tol: f
         center.add_(step)
         if float(torch.linalg.vector_norm(step, dtype=torch.float64)) <= tol * tau:
             break
-    return center
-
-
-def clip_factors(stack: torch.Tensor, center: torch.Tensor, tau: float) -> torch.Tensor:
-    """min(1, τ / ||x_i - center||) per row: below 1 where a row's pull was cut."""
-    return (tau / distances(stack, center)).clamp(max=1.0)
+    return center, norms
 
 
 def trim_for(rows: int) -> int:
@@ -152,12 +166,13 @@ def robust_aggregate(aggregator: str, stack: torch.Tensor, weights: torch.Tensor
         raise ValueError(f"unknown aggregator {aggregator!r}; use one of {', '.join(AGGREGATORS)}")
     if aggregator == "mean" or len(stack) <= 2:
         return Aggregate(weighted_mean(stack, weights), [])
-    if aggregator == "centered-clip":
-        start = weighted_median(stack, weights)
-        tau = choose_tau(stack, start, TAU_FACTOR)
-        value = centered_clip(stack, weights, tau, start=start)
-        factors = clip_factors(stack, value, tau)
-        return Aggregate(value, [int(i) for i in torch.nonzero(factors < 1.0).flatten()])
+    if aggregator == "centered-clip":  # from the medoid: the pairwise distances give it and τ in one go
+        pairwise = pairwise_distances(stack)
+        medoid = int((pairwise * weights.double()).sum(dim=1).argmin())
+        tau = tau_from(pairwise[medoid], TAU_FACTOR)
+        value, last = _centered_clip(stack, weights, tau, TOLERANCE, MAX_ITERATIONS, stack[medoid])
+        # the rows beyond τ in the last step (it moved the result by less than TOLERANCE x τ)
+        return Aggregate(value, [int(i) for i in torch.nonzero(last > tau).flatten()])
     return Aggregate(trimmed_mean(stack, weights, trim_for(len(stack))), [])
 
 

@@ -31,7 +31,7 @@ import torch
 
 from swarmgrad.averaging import Averager, GossipAverager, NetworkRuntime
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
-from swarmgrad.averaging.settings import Averaging
+from swarmgrad.averaging.settings import Aggregator, Averaging
 from swarmgrad.averaging.state_transfer import StateTransferError, download_state
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
 from swarmgrad.dht.membership import TrainingStats, check_run_id
@@ -100,9 +100,10 @@ class Peer:
     Run settings (what every peer of a run shares): ``config=RunConfig(...)``, or any of its fields
     as keywords: ``strategy`` (DiLoCo (default), SyncSGD or GossipSGD), ``averaging`` (Moshpit() for
     diloco and sync, Gossip() for gossip), ``compression`` (none, fp16, bf16, int8 (default),
-    topk:0.01, powersgd:4) and ``privacy`` (level="update" makes every released update private in
-    the averaging layer; level="sample" runs per-sample DP-SGD in ``step`` and then needs
-    ``batch_size`` and ``dataset_size``). When the run has a manifest, the settings not given come
+    topk:0.01, powersgd:4), ``aggregator`` (centered-clip (default), trimmed-mean, mean) and
+    ``privacy`` (level="update" makes every released update private in the averaging layer;
+    level="sample" runs per-sample DP-SGD in ``step`` and then needs ``batch_size`` and
+    ``dataset_size``). When the run has a manifest, the settings not given come
     from it, and a given one that differs makes ``__enter__`` raise ``RunConfigMismatch``.
 
     Local settings: ``checkpoint_dir`` (resume from and save to it), ``network`` (a NodeConfig for
@@ -121,6 +122,7 @@ class Peer:
         strategy: Strategy | None = None,
         averaging: Averaging | None = None,
         compression: str | None = None,
+        aggregator: Aggregator | None = None,
         privacy: Privacy | None = None,
         batch_size: int | None = None,
         dataset_size: int | None = None,
@@ -135,7 +137,7 @@ class Peer:
         self.run_id = check_run_id(run_id)
         self.model, self.optimizer = model, optimizer
         self.requested = _requested_config(config, strategy=strategy, averaging=averaging, compression=compression,
-                                           privacy=privacy)
+                                           aggregator=aggregator, privacy=privacy)
         self.config = self.requested  # settled against the run's manifest on entering
         self.batch_size, self.dataset_size = batch_size, dataset_size
         self._check_local_privacy(self.requested)

@@ -1,0 +1,299 @@
+"""The robust aggregators (averaging/robust.py) and clipped gossip's arithmetic (pushsum.py) against
+plain reference implementations written here as numpy loops, on seeded random data, plus their
+properties. Tolerance: the torch versions compute in float32 where the references use float64, so
+results agree to 1e-5 of the data's scale (2e-5 relative for centered-clip, whose stopping rule
+leaves up to TOLERANCE x τ of a step undone)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from swarmgrad.averaging import robust
+from swarmgrad.averaging.pushsum import ClipScale, Push, clip_pushes, merge
+from swarmgrad.averaging.robust import (
+    TAU_FACTOR,
+    TOLERANCE,
+    bound_weights,
+    centered_clip,
+    choose_tau,
+    clip_toward,
+    robust_aggregate,
+    trim_for,
+    trimmed_mean,
+    weighted_mean,
+    weighted_medoid,
+)
+
+SHAPES = [(1, 7), (2, 5), (3, 40), (4, 300), (5, 64), (7, 129), (16, 33)]
+
+
+def random_case(seed: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    stack = torch.randn(rows, cols, generator=generator) * 3 + torch.randn(cols, generator=generator)
+    weights = torch.rand(rows, generator=generator, dtype=torch.float64) * 9 + 1
+    return stack, weights
+
+
+# ---- references: one coordinate, one row at a time -------------------------------------------
+
+
+def ref_median(values: list[float]) -> float:
+    ordered, n = sorted(values), len(values)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def ref_distance(a: np.ndarray, b: np.ndarray) -> float:
+    return math.sqrt(sum((a[j] - b[j]) ** 2 for j in range(len(a))))
+
+
+def ref_weighted_medoid(x: np.ndarray, w: np.ndarray) -> int:
+    costs = [sum(w[j] * ref_distance(x[i], x[j]) for j in range(len(x))) for i in range(len(x))]
+    return min(range(len(x)), key=lambda i: (costs[i], i))
+
+
+def ref_centered_clip(x: np.ndarray, w: np.ndarray, tau: float, start: np.ndarray) -> np.ndarray:
+    v = start.copy()
+    for _ in range(10_000):
+        step = np.zeros_like(v)
+        for i in range(len(x)):
+            distance = math.sqrt(sum((x[i, j] - v[j]) ** 2 for j in range(len(v))))
+            factor = 1.0 if distance == 0 else min(1.0, tau / distance)
+            step += w[i] / w.sum() * (x[i] - v) * factor
+        v = v + step
+        if np.linalg.norm(step) <= 1e-12 * max(tau, 1e-300):
+            break
+    return v
+
+
+def ref_trimmed_mean(x: np.ndarray, w: np.ndarray, trim: int) -> np.ndarray:
+    out = np.empty(x.shape[1])
+    for j in range(x.shape[1]):
+        pairs = sorted(zip(x[:, j], w))  # by value, ties by weight
+        kept = pairs[trim : len(pairs) - trim]
+        out[j] = sum(value * weight for value, weight in kept) / sum(weight for _, weight in kept)
+    return out
+
+
+def ref_weighted_mean(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return sum(w[i] * x[i] for i in range(len(x))) / w.sum()
+
+
+def close(actual: torch.Tensor, expected: np.ndarray, scale: float, rel: float = 1e-5) -> None:
+    np.testing.assert_allclose(actual.double().numpy(), expected, rtol=0, atol=rel * scale)
+
+
+# ---- against the references ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rows, cols", SHAPES)
+def test_weighted_medoid_and_mean_match_the_reference(seed, rows, cols):
+    stack, weights = random_case(seed, rows, cols)
+    x, w = stack.double().numpy(), weights.numpy()
+    assert weighted_medoid(stack, weights) == ref_weighted_medoid(x, w)
+    close(weighted_mean(stack, weights), ref_weighted_mean(x, w), float(stack.abs().max()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize("tau_scale", [0.3, 1.0, 3.0])
+def test_centered_clip_matches_the_reference(seed, rows, cols, tau_scale):
+    stack, weights = random_case(seed, rows, cols)
+    x, w = stack.double().numpy(), weights.numpy()
+    start = stack[weighted_medoid(stack, weights)]
+    tau = tau_scale * float(np.median(np.linalg.norm(x - start.double().numpy(), axis=1))) + 1e-3
+    got = centered_clip(stack, weights, tau, tol=1e-7, max_iters=2000, start=start)
+    close(got, ref_centered_clip(x, w, tau, start.double().numpy()), float(stack.abs().max()), rel=2e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rows, cols", SHAPES)
+def test_trimmed_mean_matches_the_reference(seed, rows, cols):
+    stack, weights = random_case(seed, rows, cols)
+    x, w = stack.double().numpy(), weights.numpy()
+    for trim in range((rows - 1) // 2 + 1):
+        close(trimmed_mean(stack, weights, trim), ref_trimmed_mean(x, w, trim), float(stack.abs().max()))
+
+
+def test_trimmed_mean_breaks_ties_by_weight_whatever_the_row_order():
+    stack = torch.tensor([[0.0], [0.0], [5.0], [9.0]])
+    weights = torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=torch.float64)
+    want = ref_trimmed_mean(stack.double().numpy(), weights.numpy(), 1)  # drops the lighter 0 and the 9
+    for order in ([0, 1, 2, 3], [1, 0, 3, 2], [3, 2, 1, 0]):
+        close(trimmed_mean(stack[order], weights[order], 1), want, 1.0)
+    assert float(trimmed_mean(stack, weights, 1)) == pytest.approx(5 / 4)
+
+
+def test_tau_weights_and_the_trim_follow_their_rules():
+    stack, weights = random_case(4, 5, 50)
+    start = stack[weighted_medoid(stack, weights)]
+    distances = [float(np.linalg.norm(row)) for row in (stack - start).double().numpy()]
+    assert choose_tau(stack, start) == pytest.approx(TAU_FACTOR * ref_median(distances))
+    assert choose_tau(stack, start, factor=3.0) == pytest.approx(3.0 * ref_median(distances))
+    claims = torch.tensor([1.0, 2.0, 3.0, 1e9], dtype=torch.float64)
+    assert bound_weights(claims).tolist() == [1.0, 2.0, 3.0, 5.0]  # 2 x the median (2.5)
+    assert bound_weights(claims, cap=2.5).tolist() == [1.0, 2.0, 2.5, 2.5]
+    assert bound_weights(claims, cap=100.0, factor=None).tolist() == [1.0, 2.0, 3.0, 100.0]
+    assert bound_weights(torch.tensor([1.0, 1e9], dtype=torch.float64)).tolist() == [1.0, 1e9]  # no majority of two
+    assert [trim_for(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [0, 0, 1, 1, 1, 2, 4]
+
+
+# ---- properties --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("rows", [3, 4, 6, 9])
+def test_one_outlier_scaled_by_a_million_moves_centered_clip_by_at_most_tau(seed, rows):
+    stack, weights = random_case(seed, rows, 200)
+    weights = bound_weights(weights)
+    honest_result = robust_aggregate("centered-clip", stack[1:], weights[1:]).value
+    attacked = stack.clone()
+    attacked[0] *= 1e6
+    outcome = robust_aggregate("centered-clip", attacked, weights)
+    tau = choose_tau(attacked, attacked[weighted_medoid(attacked, weights)])
+    assert outcome.clipped[:1] == [0]  # the outlier's pull was cut, and it is named
+    assert float((outcome.value - honest_result).norm()) <= 1.05 * tau
+    assert float((weighted_mean(attacked, weights) - honest_result).norm()) > 1e3 * tau  # the mean is gone
+    trimmed = trimmed_mean(attacked, weights, trim_for(rows))
+    spread = float((stack[1:] - honest_result).abs().max())
+    assert float((trimmed - honest_result).abs().max()) <= 2 * spread  # within the honest values' range
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("rows, cols", SHAPES)
+def test_without_outliers_and_a_generous_tau_centered_clip_is_the_weighted_mean(seed, rows, cols):
+    stack, weights = random_case(seed, rows, cols)
+    mean = weighted_mean(stack, weights)
+    generous = 2 * float((stack - mean).norm(dim=1).max()) + 1.0
+    close(centered_clip(stack, weights, generous), ref_weighted_mean(stack.double().numpy(), weights.numpy()),
+          float(stack.abs().max()))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rule_keeps_honest_high_dimensional_rows_unclipped(seed):
+    """Rows of a chunk-sized vector around a common mean sit at about the same distance from the
+    median: τ = 1.5 x that distance clips none, so centered-clip is then the weighted mean."""
+    stack, weights = random_case(seed, 6, 20_000)
+    outcome = robust_aggregate("centered-clip", stack, weights)
+    assert outcome.clipped == []
+    close(outcome.value, ref_weighted_mean(stack.double().numpy(), weights.numpy()), float(stack.abs().max()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("aggregator", ["mean", "centered-clip", "trimmed-mean"])
+def test_aggregates_do_not_depend_on_the_order_of_the_rows(seed, aggregator):
+    stack, weights = random_case(seed, 7, 90)
+    stack[2] *= 1e4  # with an outlier, so that clipping and trimming are at work
+    order = torch.randperm(7, generator=torch.Generator().manual_seed(seed))
+    first = robust_aggregate(aggregator, stack, weights)
+    second = robust_aggregate(aggregator, stack[order], weights[order])
+    torch.testing.assert_close(first.value, second.value, rtol=0, atol=1e-4 * float(stack[order[0]].abs().max()))
+    assert sorted(int(order[i]) for i in second.clipped) == first.clipped
+
+
+def test_small_groups():
+    stack, weights = random_case(9, 3, 30)
+    one = robust_aggregate("centered-clip", stack[:1], weights[:1])
+    assert torch.equal(one.value, stack[0])
+    liar = stack[:2].clone()
+    liar[1] *= 1e6
+    for aggregator in ("centered-clip", "trimmed-mean"):  # two rows cannot out-vote a liar: the weighted mean
+        two = robust_aggregate(aggregator, liar, weights[:2])
+        torch.testing.assert_close(two.value, weighted_mean(liar, weights[:2]))
+    three = robust_aggregate("trimmed-mean", stack, torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(three.value, stack.median(dim=0).values)  # one dropped at each end
+
+
+def test_coinciding_rows_and_a_zero_tau():
+    rows = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [40.0, -7.0]])
+    outcome = robust_aggregate("centered-clip", rows, torch.ones(4, dtype=torch.float64))
+    assert torch.equal(outcome.value, rows[0]) and outcome.clipped == [3]  # half coincide: τ = 0
+    start = torch.tensor([5.0, 5.0])
+    assert torch.equal(centered_clip(rows, torch.ones(4, dtype=torch.float64), 0.0, start=start), start)
+
+
+def test_values_at_the_edge_of_float32_give_finite_results():
+    stack = torch.tensor([[3e38, -3e38], [-3e38, 3e38], [1.0, 1.0], [2.0, 2.0], [1.5, 1.0]])
+    weights = torch.ones(5, dtype=torch.float64)
+    for aggregator in ("centered-clip", "trimmed-mean"):
+        value = robust_aggregate(aggregator, stack, weights).value
+        assert bool(torch.isfinite(value).all()), aggregator
+    moved = clip_toward(torch.tensor([-3e38, 3e38]), torch.tensor([3e38, -3e38]), 1.0)
+    assert bool(torch.isfinite(moved).all()) and float((moved.double() - torch.tensor([-3e38, 3e38]).double()).norm()) <= 1e32
+
+
+def test_centered_clip_stops_at_its_tolerance():
+    stack, weights = random_case(3, 5, 40)
+    stack[0] *= 1e3
+    start = stack[weighted_medoid(stack, weights)]
+    tau = choose_tau(stack, start)
+    loose = centered_clip(stack, weights, tau, start=start)
+    exact = torch.tensor(ref_centered_clip(stack.double().numpy(), weights.numpy(), tau, start.double().numpy()))
+    # the undone rest is a geometric tail of steps below TOLERANCE x τ (contraction of about 1/2)
+    assert float((loose.double() - exact).norm()) <= 4 * TOLERANCE * tau
+    assert not torch.equal(centered_clip(stack, weights, tau, max_iters=1, start=start), loose)
+
+
+def test_an_unknown_aggregator_is_refused():
+    with pytest.raises(ValueError, match="unknown aggregator 'median'"):
+        robust_aggregate("median", torch.zeros(3, 2), torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cannot trim 2 of 4"):
+        trimmed_mean(torch.zeros(4, 2), torch.ones(4, dtype=torch.float64), 2)
+    with pytest.raises(ValueError, match="median of nothing"):
+        robust.median(torch.zeros(0))
+
+
+# ---- clipped gossip ----------------------------------------------------------------------------
+
+
+def test_clip_toward_moves_at_most_tau_along_the_line():
+    generator = torch.Generator().manual_seed(5)
+    here, there = torch.randn(100, generator=generator), torch.randn(100, generator=generator) * 50
+    moved = clip_toward(here, there, 2.0)
+    assert float((moved - here).norm()) == pytest.approx(2.0, rel=1e-5)
+    direction = (there - here) / (there - here).norm()
+    torch.testing.assert_close((moved - here) / 2.0, direction, rtol=0, atol=1e-5)
+    assert torch.equal(clip_toward(here, here + 0.001, 2.0), here + 0.001)  # within τ: unchanged
+
+
+def test_clip_scale_is_the_lower_median_of_each_senders_latest_distance():
+    scale = ClipScale(window=3)
+    assert scale.tau({}) == math.inf  # nothing known yet
+    assert scale.tau({"a": 2.0}) == pytest.approx(TAU_FACTOR * 2.0)  # a first push is its own scale
+    assert scale.tau({"liar": 1e9}) == pytest.approx(TAU_FACTOR * 2.0)  # lower median of [2, 1e9]
+    assert scale.tau({"liar": 1e12}) == pytest.approx(TAU_FACTOR * 2.0)  # pushing often counts once
+    assert scale.tau({"b": 4.0, "c": 6.0}) == pytest.approx(TAU_FACTOR * 6.0)  # of [4, 6, 1e12]: "a" is forgotten
+    assert list(scale.latest) == ["liar", "b", "c"]
+
+
+def test_one_push_moves_a_peer_by_at_most_its_share_of_tau():
+    generator = torch.Generator().manual_seed(6)
+    values = torch.randn(500, generator=generator)
+    scale = ClipScale()
+    honest = [Push(1.0, values + 0.1 * torch.randn(500, generator=generator), sender=f"h{i}") for i in range(3)]
+    clip_pushes(values, honest, scale)  # history: three honest senders
+    liar = Push(5.0, values * 1e6, sender="liar")
+    pushes, clipped = clip_pushes(values, [liar, *honest], scale)
+    tau = TAU_FACTOR * sorted(scale.latest.values())[1]
+    assert clipped == [0] and float((pushes[0].values - values).norm()) == pytest.approx(tau, rel=1e-4)
+    assert all(push is original for push, original in zip(pushes[1:], honest))  # honest pushes untouched
+    merged = values.clone()
+    weight = merge(merged, 2.0, pushes)  # each push moves it by its share w_k / W of at most τ
+    assert float((merged - values).norm()) <= tau * (weight - 2.0) / weight + 1e-4
+    unclipped = values.clone()
+    merge(unclipped, 2.0, [liar, *honest])
+    assert float((unclipped - values).norm()) > 1e4 * tau
+
+
+def test_sparse_pushes_are_clipped_on_their_coordinates():
+    values = torch.zeros(10)
+    scale = ClipScale()
+    scale.tau({"a": 1.0, "b": 1.0})
+    push = Push(torch.ones(3), torch.tensor([100.0, 0.0, 0.0]), torch.tensor([1, 4, 7]), "liar")
+    (clipped_push,), clipped = clip_pushes(values, [push], scale)
+    assert clipped == [0] and torch.equal(clipped_push.indices, push.indices)
+    torch.testing.assert_close(clipped_push.values, torch.tensor([TAU_FACTOR, 0.0, 0.0]))
