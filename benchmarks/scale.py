@@ -293,6 +293,7 @@ async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], m
     settings = Moshpit(group_size=GROUP_SIZE, min_group_size=MIN_GROUP_SIZE, matchmaking_seconds=WINDOW)
     tensors = [peer_tensor(peer.rank, cfg.numel) for peer in peers]
     matchmaking_ms, errors, trace, failed_per_round, reached = [], Counter(), [], [], None
+    sizes_per_round: list[dict[int, int]] = []  # group size -> peer-rounds: a full grid meets in 4s only
     async with contextlib.AsyncExitStack() as stack:
         averagers = [await stack.enter_async_context(Averager(peer.runtime, [tensor], settings=settings, codec="none",
                                                                       **plain_mean(Averager)))
@@ -304,18 +305,20 @@ async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], m
             matchmaking_ms += [1000 * (report.seconds - report.allreduce_seconds) for report in reports]
             errors.update((report.error or "")[:80] for report in reports if not report.ok)
             worst = max(rel_error(tensor, mean) for tensor in tensors)
-            everyone = await ctx.async_exchange((worst, sum(not report.ok for report in reports)))
-            trace.append(max(error for error, _ in everyone))
-            failed_per_round.append(sum(failed for _, failed in everyone))
+            sizes = Counter(len(report.group) for report in reports if report.ok)
+            everyone = await ctx.async_exchange((worst, sum(not report.ok for report in reports), dict(sizes)))
+            trace.append(max(error for error, _, _ in everyone))
+            failed_per_round.append(sum(failed for _, failed, _ in everyone))
+            sizes_per_round.append(dict(sum((Counter(counts) for _, _, counts in everyone), Counter())))
             say(f"{cfg.peers} peers: moshpit round {round_index + 1}: max error {trace[-1]:.2e}, "
-                f"{failed_per_round[-1]} peer-rounds without a group")
+                f"{failed_per_round[-1]} peer-rounds without a group, group sizes {sorted(sizes_per_round[-1].items())}")
             if trace[-1] <= TARGET:
                 reached = round_index + 1
                 break
         await ctx.async_sync()  # keep serving until every group is done
     return {"matchmaking_ms": matchmaking_ms, "peer_rounds": len(trace) * len(peers), "no_group": sum(errors.values()),
             "round_errors": dict(errors), "moshpit_trace": trace, "moshpit_rounds": reached,
-            "no_group_per_round": failed_per_round}
+            "no_group_per_round": failed_per_round, "group_sizes_per_round": sizes_per_round}
 
 
 async def gossip_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], mean: Any) -> dict:

@@ -3,6 +3,7 @@
 import asyncio
 import time
 from contextlib import AsyncExitStack
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -240,34 +241,43 @@ def test_sync_facade_and_clean_shutdown():
 def test_a_large_run_beats_less_often_so_presence_costs_the_swarm_linear_time():
     """A listing costs O(members) and a beat is a store: past ``members_per_read`` members the beat
     interval grows with the run (64 members, 16 per read: every 4 refreshes), and so does the life
-    of each record."""
-    from types import SimpleNamespace
-
+    of each record; not while members are arriving, so joiners are seen within a refresh."""
     from swarmgrad.dht.membership import Membership
     from swarmgrad.timing import Timing
 
     timing = Timing(presence_refresh=0.5)
     assert [timing.beat_interval(n) for n in (1, 16, 32, 64)] == [0.5, 0.5, 1.0, 2.0]
     assert timing.ahead_wait(8) == 1.5 and timing.ahead_wait(64) == 3.0
-    presence = Membership(SimpleNamespace(), "big-run", ttl=6.0, refresh=0.5, watch=True, members_per_read=16)
-    presence.members = [object()] * 64
-    assert presence.beat_interval == 2.0 and presence.stretch == 4.0
+    listings = [{f"p{i}": fake_member_record() for i in range(60)},
+                {f"p{i}": fake_member_record() for i in range(64)},
+                {f"p{i}": fake_member_record() for i in range(64)}]
+
+    async def get_records(key, body_type):
+        return listings.pop(0)
+
+    presence = Membership(SimpleNamespace(get_records=get_records), "big-run", ttl=6.0, refresh=0.5, watch=True,
+                          members_per_read=16)
+    run_async(presence.read())
+    run_async(presence.read())
+    assert len(presence.members) == 64 and presence.beat_interval == 0.5  # four arrived with this read
+    run_async(presence.read())
+    assert presence.beat_interval == 2.0 and presence.stretch == 4.0  # settled: every 4 refreshes
     assert Membership(SimpleNamespace(), "big-run", ttl=6.0, refresh=0.5, watch=True).beat_interval == 0.5
+
+
+def fake_member_record(state: str = "alive", expires_in: float = 30.0) -> SimpleNamespace:
+    """What ``Membership.read`` uses of a verified member record."""
+    body = SimpleNamespace(state=state, maddrs=[], role="peer", version="0", step=0, samples_per_second=0.0,
+                           updated_at=time.time(), epsilon=None, progress=None, stats=None)
+    return SimpleNamespace(body=body, expires=time.time() + expires_in)
 
 
 def test_a_member_one_read_misses_stays_listed_until_its_record_expires_or_it_leaves():
     """On a loaded swarm a read can miss a record holder; the listing keeps that member (the
     moshpit grid is laid out from it) until its last record expires or it says it left."""
-    import time as clock
-    from types import SimpleNamespace
-
     from swarmgrad.dht.membership import Membership
 
-    def record(state: str = "alive", expires_in: float = 30.0):
-        body = SimpleNamespace(state=state, maddrs=[], role="peer", version="0", step=0, samples_per_second=0.0,
-                               updated_at=clock.time(), epsilon=None, progress=None, stats=None)
-        return SimpleNamespace(body=body, expires=clock.time() + expires_in)
-
+    record = fake_member_record
     reads: list[dict] = []
 
     async def get_records(key, body_type):
@@ -281,6 +291,6 @@ def test_a_member_one_read_misses_stays_listed_until_its_record_expires_or_it_le
 
     assert listed({"a": record(), "b": record(), "c": record(expires_in=0.2)}) == ["a", "b", "c"]
     assert listed({"a": record()}) == ["a", "b", "c"]  # b and c missed by this read: kept
-    clock.sleep(0.25)
+    time.sleep(0.25)
     assert listed({}) == ["a", "b"]  # a failed read changes nothing; c's last record has expired
     assert listed({"b": record("left")}) == ["a"]  # b said it left: gone at once

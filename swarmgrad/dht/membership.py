@@ -186,6 +186,7 @@ class Membership:
         self.stats: TrainingStats | None = None
         self.members: list[Member] = []  # with watch=True: the latest listing (this member included)
         self.members_read_at = -math.inf  # time.monotonic() of that listing
+        self._arriving = False  # the last reread found a member the one before did not list
         self._last_expires = 0.0
         self._heartbeat: asyncio.Task | None = None
         self._publish_now: asyncio.Event | None = None
@@ -264,14 +265,19 @@ class Membership:
         now = time.time()
         merged = {member.peer_id: member for member in self.members if member.expires > now and member.peer_id not in left}
         merged.update((member.peer_id, member) for member in alive)
+        self._arriving = bool(merged.keys() - {member.peer_id for member in self.members})
         self.members = sorted(merged.values(), key=lambda member: member.peer_id)
         self.members_read_at = time.monotonic()
         return self.members
 
     @property
     def stretch(self) -> float:
-        """How much longer than ``refresh`` a beat takes, for the run's size at the last reread."""
-        return 1.0 if self.members_per_read is None else max(1.0, len(self.members) / self.members_per_read)
+        """How much longer than ``refresh`` a beat takes, for the run's size at the last reread; not
+        while members are arriving (the last reread found someone new), so a joiner and the swarm
+        it joins see each other within a refresh or two."""
+        if self.members_per_read is None or self._arriving:
+            return 1.0
+        return max(1.0, len(self.members) / self.members_per_read)
 
     @property
     def beat_interval(self) -> float:
