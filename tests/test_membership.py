@@ -242,9 +242,6 @@ def test_a_large_run_beats_less_often_so_presence_costs_the_swarm_linear_time():
     """A listing costs O(members) and a beat is a store: past ``members_per_read`` members the beat
     interval grows with the run (64 members, 16 per read: every 4 refreshes), and so does the life
     of each record; not while members are arriving, so joiners are seen within a refresh."""
-    from swarmgrad.dht.membership import Membership
-    from swarmgrad.timing import Timing
-
     timing = Timing(presence_refresh=0.5)
     assert [timing.beat_interval(n) for n in (1, 16, 32, 64)] == [0.5, 0.5, 1.0, 2.0]
     assert timing.ahead_wait(8) == 1.5 and timing.ahead_wait(64) == 3.0
@@ -275,8 +272,6 @@ def fake_member_record(state: str = "alive", expires_in: float = 30.0) -> Simple
 def test_a_member_one_read_misses_stays_listed_until_its_record_expires_or_it_leaves():
     """On a loaded swarm a read can miss a record holder; the listing keeps that member (the
     moshpit grid is laid out from it) until its last record expires or it says it left."""
-    from swarmgrad.dht.membership import Membership
-
     record = fake_member_record
     reads: list[dict] = []
 
