@@ -101,8 +101,8 @@ def test_alone_in_the_run_no_round_is_attempted():
 def test_a_peer_behind_the_swarm_catches_up_instead_of_averaging():
     h = Harness([], others=(peer_at(3, "ahead"),))
     assert run_async(h.driver.swarm_step())
-    assert h.catch_ups == [(["ahead"], 1)] and h.backend.calls == []
-    assert h.tracker.local.epoch == 1 and h.driver.solo_steps == 0
+    assert h.catch_ups == [(["ahead"], 3)] and h.backend.calls == []
+    assert h.tracker.local.epoch == 3 and h.driver.solo_steps == 0
 
 
 def test_a_round_missed_while_the_others_finished_it_is_caught_up():

@@ -5,12 +5,21 @@ before the donor moved on can finish). A joiner asks every candidate donor for i
 description, picks the freshest version held by the most donors, and fetches the bytes in parts
 spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
 has its parts fetched from the others, and nothing is used until every byte arrived and every
-floating-point value is finite. A joiner that needs only some of the tensors (``keep``) fetches only
+floating-point value is finite.
+
+State a joiner can trust: a description carries a hash of every part. The joiner takes a version and
+layout only when strictly more than half of the donors that answered describe it (a lone donor is
+its own majority: a fresh swarm of two must take in a joiner, and with one donor there is nobody to
+outvote it), fetches parts only from those donors, each part only from donors that describe the
+majority's hash for it, and checks every part against that hash on arrival: a donor whose part
+fails is dropped and its parts fetched from the others. Donors that disagreed or served bad bytes
+are named in ``suspicions`` (and logged). On a part where honest donors legitimately differ (a
+local inner optimizer's moments) no hash has a majority: the most common one is taken. A joiner that needs only some of the tensors (``keep``) fetches only
 the parts that hold them.
 
 Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
 plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
-    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
+    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta, parts)
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
     -> {"t": "done"}
 """
@@ -38,6 +47,7 @@ from swarmgrad.timing import DEFAULT_TIMING
 logger = logging.getLogger(__name__)
 
 PART_BYTES = 4 * 1024 * 1024
+PART_HASH_BYTES = 16  # sha256, cut: a donor would have to find a second preimage
 ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
 MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
@@ -92,9 +102,15 @@ class StateSnapshot:
         return {name: self.data[start : start + length].view(DTYPES[dtype]).reshape(shape)
                 for (name, dtype, shape), (start, length) in zip(self.specs, offsets)}
 
-    def describe(self) -> bytes:
-        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
-                             use_bin_type=True)
+    def part_hashes(self) -> list[bytes]:
+        """The hash of every ``PART_BYTES`` part of ``data``, as the description carries them."""
+        view = memoryview(self.data.numpy())
+        return [hashlib.sha256(view[start : start + PART_BYTES]).digest()[:PART_HASH_BYTES]
+                for start in range(0, self.nbytes, PART_BYTES)]
+
+    def describe(self, parts: list[bytes] | None = None) -> bytes:
+        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta,
+                              "parts": self.part_hashes() if parts is None else parts}, use_bin_type=True)
 
 
 def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tuple[int, int]], int]:
@@ -108,23 +124,26 @@ def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tupl
     return offsets, position
 
 
-def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
+def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict, tuple[bytes, ...]]:
     try:
         described = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         specs = tuple(
             (str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in described["specs"]
         )
-        meta = described["meta"]
+        meta, parts = described["meta"], tuple(described["parts"])
     except Exception as error:
         raise FrameError(f"state description is malformed: {error}") from None
     if not isinstance(meta, dict):
         raise FrameError("state metadata must be a map")
+    if len(parts) != math.ceil(nbytes / PART_BYTES) or not all(isinstance(h, bytes) and len(h) == PART_HASH_BYTES
+                                                               for h in parts):
+        raise FrameError(f"state description must hash each of its {math.ceil(nbytes / PART_BYTES)} part(s)")
     for name, dtype, shape in specs:
         if dtype not in DTYPES or any(d < 0 for d in shape):
             raise FrameError(f"state tensor {name!r}: bad dtype {dtype!r} or shape {shape}")
     if layout(specs)[1] != nbytes:
         raise FrameError(f"state description adds up to {layout(specs)[1]} bytes, the donor claims {nbytes}")
-    return specs, meta
+    return specs, meta, parts
 
 
 class StateServer:
@@ -149,10 +168,18 @@ class StateServer:
 
     def publish(self, snapshot: StateSnapshot) -> None:
         self._snapshots[snapshot.version] = snapshot
-        self._described[snapshot.version] = snapshot.describe()
+        self._described.pop(snapshot.version, None)  # described (parts hashed) when first asked for
         for version in sorted(self._snapshots)[: -self.keep]:
             self._snapshots.pop(version)
-            self._described.pop(version)
+            self._described.pop(version, None)
+
+    async def _description(self, snapshot: StateSnapshot) -> bytes:
+        described = self._described.get(snapshot.version)
+        if described is None:  # hashing a large state takes a while: off the event loop
+            described = snapshot.describe(await asyncio.to_thread(snapshot.part_hashes))
+            if self._snapshots.get(snapshot.version) is snapshot:
+                self._described[snapshot.version] = described
+        return described
 
     async def _serve(self, channel: Channel) -> None:
         while True:
@@ -169,7 +196,7 @@ class StateServer:
                     await channel.send_error("this peer has no state to share yet")
                     return
                 await channel.send({"t": "state", "version": latest.version, "digest": latest.digest,
-                                    "nbytes": latest.nbytes}, self._described[latest.version])
+                                    "nbytes": latest.nbytes}, await self._description(latest))
             elif request.kind == "part":
                 version = field(request.header, "version", int)
                 snapshot = self._snapshots.get(version)
@@ -192,20 +219,26 @@ class _Offer:
     nbytes: int
     specs: tuple
     meta: dict
+    parts: tuple[bytes, ...] = ()  # the hash of each part, as this donor describes it
 
 
 async def download_state(transport: Transport, protocol: str, donors: list[str], *,
                          seconds: float = DEFAULT_TIMING.join_timeout,
                          min_version: int = 0, max_bytes: int = MAX_STATE_BYTES,
-                         keep: Callable[[str], bool] | None = None) -> StateSnapshot:
-    """The freshest state among ``donors``, fetched in parts spread over every donor that holds it.
+                         keep: Callable[[str], bool] | None = None,
+                         suspicions: dict[str, list[str]] | None = None) -> StateSnapshot:
+    """The state a majority of ``donors`` agree on, fetched in parts spread over the donors that agree.
 
     ``keep``: which tensors (by name) to fetch; the snapshot holds only those, and only the parts
-    that hold them travel. Raises StateTransferError when no donor offers a version >=
-    ``min_version`` or the transfer cannot be completed within ``seconds``.
+    that hold them travel. ``suspicions``: filled with the reasons (per donor id) why donors were
+    not trusted: they described another state than the majority's, or served a part that fails its
+    hash. Raises StateTransferError when no state at a version >= ``min_version`` is described by
+    strictly more than half of the donors that answered, or the transfer cannot be completed within
+    ``seconds``.
     """
     if not donors:
         raise StateTransferError("no peer to download the state from")
+    suspicions = {} if suspicions is None else suspicions
     offers: list[_Offer] = []
     try:
         async with timeout(seconds):
@@ -216,19 +249,36 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
                     offers.append(outcome)
                 else:
                     logger.info("donor %s cannot share its state: %s", donor, outcome)
-            fresh = [offer for offer in offers if offer.version >= min_version]
-            if not fresh:
-                raise StateTransferError(f"none of {len(donors)} peer(s) offered a state at version >= {min_version}")
-            newest = max(offer.version for offer in fresh)
-            layout = Counter(offer.digest for offer in fresh if offer.version == newest).most_common(1)[0][0]
-            sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
+            sources = _majority(offers, min_version, len(donors), suspicions)
             # one part may take a quarter of the budget (a slow donor's parts move to the others),
             # and never less than 2 s: 4 MiB at 20 Mbit/s
-            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep)
+            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep, suspicions=suspicions)
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
         await asyncio.gather(*(_finish(offer.channel) for offer in offers), return_exceptions=True)
+
+
+def _suspect(suspicions: dict[str, list[str]], donor: str, reason: str) -> None:
+    logger.warning("state donor %s: %s", donor, reason)
+    suspicions.setdefault(donor, []).append(reason)
+
+
+def _majority(offers: list[_Offer], min_version: int, asked: int, suspicions: dict[str, list[str]]) -> list[_Offer]:
+    """The donors that describe the state strictly more than half of those that answered describe;
+    the others are suspects."""
+    if not any(offer.version >= min_version for offer in offers):
+        raise StateTransferError(f"none of {asked} peer(s) offered a state at version >= {min_version}")
+    (version, digest), count = Counter((offer.version, offer.digest) for offer in offers).most_common(1)[0]
+    if 2 * count <= len(offers) or version < min_version:
+        held = ", ".join(f"{v}:{d[:8]} x{n}" for (v, d), n in Counter((o.version, o.digest) for o in offers).items())
+        raise StateTransferError(f"no state at version >= {min_version} is described by a majority of the "
+                                 f"{len(offers)} donor(s) that answered ({held})")
+    for offer in offers:
+        if (offer.version, offer.digest) != (version, digest):
+            _suspect(suspicions, offer.donor, f"described version {offer.version} layout {offer.digest[:8]}, "
+                                              f"the majority holds version {version} layout {digest[:8]}")
+    return [offer for offer in offers if (offer.version, offer.digest) == (version, digest)]
 
 
 async def _finish(channel: Channel) -> None:
@@ -244,9 +294,9 @@ async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: 
         await channel.send({"t": "describe"})
         reply = expect_kind(await channel.recv(max_payload=MAX_DESCRIPTION_BYTES), "state")
         nbytes = int_field(reply.header, "nbytes", 0, max_bytes)
-        specs, meta = _parse_description(bytes(reply.payload), nbytes)
+        specs, meta, parts = _parse_description(bytes(reply.payload), nbytes)
         return _Offer(donor, channel, field(reply.header, "version", int), field(reply.header, "digest", str),
-                      nbytes, specs, meta)
+                      nbytes, specs, meta, parts)
     except BaseException:
         await channel.close()
         raise
@@ -264,22 +314,48 @@ def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Calla
     return sorted(parts)
 
 
-async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None) -> StateSnapshot:
-    """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on."""
+def _agreed_parts(sources: list[_Offer], parts: list[int],
+                  suspicions: dict[str, list[str]]) -> dict[int, tuple[bytes, set[str]]]:
+    """For each part, the hash most ``sources`` describe and the donors that describe it; a donor
+    outvoted by a strict majority on a part is a suspect (it serves no part then)."""
+    agreed: dict[int, tuple[bytes, set[str]]] = {}
+    outvoted: dict[str, list[int]] = {}
+    for index in parts:
+        digest, count = Counter(offer.parts[index] for offer in sources).most_common(1)[0]
+        agreed[index] = (digest, {offer.donor for offer in sources if offer.parts[index] == digest})
+        if 2 * count > len(sources):
+            for offer in sources:
+                if offer.parts[index] != digest:
+                    outvoted.setdefault(offer.donor, []).append(index)
+        elif len(sources) > 1:
+            logger.info("state part %d: no hash has a majority of %d donors; taking the most common",
+                        index, len(sources))
+    for donor, indices in outvoted.items():
+        _suspect(suspicions, donor, f"described other bytes than the majority for part(s) {indices[:8]}")
+        for index in parts:
+            agreed[index][1].discard(donor)
+    return agreed
+
+
+async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None,
+                 suspicions: dict[str, list[str]]) -> StateSnapshot:
+    """Every needed part from a donor that describes the agreed hash for it, checked against that hash;
+    a donor that errs, stalls for ``part_seconds`` or serves bad bytes hands its parts on."""
     first = sources[0]
     data = torch.empty(first.nbytes, dtype=torch.uint8)
     target = memoryview(data.numpy())
     parts = parts_holding(first.specs, keep)
+    agreed = _agreed_parts(sources, parts, suspicions)
     random.shuffle(sources)  # joiners arriving together start on different donors
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in parts:
-        queue.put_nowait(index)
-    done: set[int] = set()
-    healthy = list(sources)
+    pending: list[int] = list(parts)
+    healthy = [offer for offer in sources if any(offer.donor in agreed[i][1] for i in parts)]
 
     async def worker(offer: _Offer) -> None:
-        while not queue.empty():
-            index = queue.get_nowait()
+        while True:
+            index = next((i for i in pending if offer.donor in agreed[i][1]), None)
+            if index is None:
+                return
+            pending.remove(index)
             try:
                 async with timeout(part_seconds):
                     await offer.channel.send({"t": "part", "version": offer.version, "index": index})
@@ -288,20 +364,24 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
                     expected = min(PART_BYTES, offer.nbytes - index * PART_BYTES)
                     if length != expected:
                         raise FrameError(f"part {index} is {length} bytes, expected {expected}")
-                    await offer.channel.recv_payload_into(target[index * PART_BYTES : index * PART_BYTES + length])
-                done.add(index)
+                    landed = target[index * PART_BYTES : index * PART_BYTES + length]
+                    await offer.channel.recv_payload_into(landed)
+                if hashlib.sha256(landed).digest()[:PART_HASH_BYTES] != agreed[index][0]:
+                    _suspect(suspicions, offer.donor, f"served bytes for part {index} that fail its agreed hash")
+                    raise FrameError(f"part {index} fails its hash")
             except (FrameError, RemoteError, EOFError, OSError, ConnectionError, asyncio.TimeoutError,
                     TimeoutError) as error:
                 logger.info("donor %s failed on part %d: %s; the others take over", offer.donor, index, error)
-                queue.put_nowait(index)  # another donor fetches it
+                pending.append(index)  # another donor fetches it
                 healthy.remove(offer)
                 await offer.channel.abort()  # nothing more may land in the buffer from this donor
                 return
 
-    while not queue.empty() and healthy:  # a donor that failed late leaves parts for another pass
+    # a donor that failed late leaves parts for another pass, to the donors that agree on them
+    while pending and any(offer.donor in agreed[i][1] for offer in healthy for i in pending):
         await asyncio.gather(*(worker(offer) for offer in list(healthy)))
-    if len(done) != len(parts):
-        raise StateTransferError(f"every donor failed: {len(parts) - len(done)} of {len(parts)} parts missing")
+    if pending:
+        raise StateTransferError(f"every donor failed: {len(pending)} of {len(parts)} parts missing")
     snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
     if keep is not None:  # repack the kept tensors: every byte of theirs was fetched, the rest is unset
         kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}
