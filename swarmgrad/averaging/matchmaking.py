@@ -102,8 +102,8 @@ class Matchmaker:
 
         ``expected``: how many peers the caller knows will look under this key (e.g. from swarm
         progress); ``expected_members``: which ones (e.g. from the moshpit grid). Once that many, or
-        all of those, have declared there is no need to wait out the window. A view that misses a
-        peer never ends the wait early: the declared set must contain the expected one."""
+        exactly those, have declared there is no need to wait out the window: a view that lists a
+        peer that is not there, or misses one that declared, waits the window out as before."""
         me = self.node.peer_id
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
@@ -141,14 +141,14 @@ class Matchmaker:
         self, key: str, looking: _Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
         min_group_size: int, grace: float, poll: float,
     ) -> list[str]:
-        """Peers declared under ``key``, read until the window ends or ``enough`` of them, or all the
-        ``expected`` ones, are there (no need to wait out the window then), or until an invitation
+        """Peers declared under ``key``, read until the window ends or ``enough`` of them, or exactly
+        the ``expected`` ones, are there (no need to wait out the window then), or until an invitation
         commits us. If too few for a group have shown up when the window ends, read on for up to
         ``grace`` more: on a loaded machine a declaration can take longer than the window to become readable."""
         while True:
             peers = await self._declared(key)
             now = time.time()
-            if looking.committed or len(peers) >= enough or (expected is not None and expected <= set(peers)):
+            if looking.committed or len(peers) >= enough or expected == set(peers):
                 return peers
             if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):
                 return peers

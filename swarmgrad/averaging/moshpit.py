@@ -283,12 +283,15 @@ class Averager:
 
     def _round_key(self, index: int, attempt: int = 0) -> tuple[str, frozenset[str] | None]:
         """This round's DHT key (the slice of the grid this peer is in, along dimension index mod d)
-        and the peers this peer's view of the membership puts in that slice (None when the caller
-        fixed the coordinates)."""
+        and the peers this peer's view of the membership puts in that slice: None when the caller
+        fixed the coordinates, or while members are still arriving (a view that misses a newcomer
+        would end matchmaking before the newcomer's declaration is read)."""
         if self.coordinates is not None:
             coordinates, slice_peers = self.coordinates, None
         else:
             coordinates, slice_peers = self._position(index)
+            if not self.runtime.presence.settled:
+                slice_peers = None
         dim = index % len(coordinates)
         others = ".".join(str(c) if d != dim else "*" for d, c in enumerate(coordinates))
         round_name = f"r{index}" if attempt == 0 else f"r{index}.{attempt}"

@@ -271,6 +271,11 @@ class Membership:
         return self.members
 
     @property
+    def settled(self) -> bool:
+        """The last reread found no member the one before it did not list (and there was one)."""
+        return self.members_read_at > -math.inf and not self._arriving
+
+    @property
     def stretch(self) -> float:
         """How much longer than ``refresh`` a beat takes, for the run's size at the last reread; not
         while members are arriving (the last reread found someone new), so a joiner and the swarm
@@ -288,18 +293,25 @@ class Membership:
             await self.announce(state="left")
 
     async def _beat(self) -> None:
+        """Announce and reread on a fixed schedule; announce at once, between beats, when asked
+        (an epoch changed). Early announcements move neither the schedule nor the rereads: with
+        epochs shorter than a beat they would otherwise starve the listing."""
         assert self._publish_now is not None
+        next_beat = time.monotonic() + self.beat_interval
         while True:
             try:
-                await asyncio.wait_for(self._publish_now.wait(), timeout=self.beat_interval)
+                await asyncio.wait_for(self._publish_now.wait(), timeout=max(0.0, next_beat - time.monotonic()))
             except asyncio.TimeoutError:
                 pass
             self._publish_now.clear()
+            scheduled = time.monotonic() >= next_beat - 0.01
+            if scheduled:
+                next_beat = time.monotonic() + self.beat_interval
             try:
                 await self.announce()
-                # a beat that comes early (an epoch changed) is not a reason to read sooner
-                if self.watch and time.monotonic() - self.members_read_at >= self.beat_interval - 0.01:
+                if self.watch and scheduled:
                     await self.read()
+                    next_beat = min(next_beat, time.monotonic() + self.beat_interval)  # the size may have changed
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # keep beating: the next one may get through
