@@ -2,7 +2,7 @@
 
 A donor keeps its latest ``StateSnapshot`` (and the one before, so a download that started just
 before the donor moved on can finish). A joiner asks every candidate donor for its snapshot's
-description, picks the freshest version held by the most donors, and fetches the bytes in parts
+description, takes the version a majority of them hold (below), and fetches the bytes in parts
 spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
 has its parts fetched from the others, and nothing is used until every byte arrived and every
 floating-point value is finite.
