@@ -110,3 +110,25 @@ def test_without_a_strict_majority_nothing_is_taken(swarm):
     got, served, suspicions = download(swarm, [states[0], None, None])
     assert_same(got, states[0])
     assert suspicions == {} and served[0]
+
+
+def test_donors_that_just_moved_on_still_agree_on_the_version_before(swarm):
+    v5, v6 = big_state(version=5, megabytes=0.5, seed=5), big_state(version=6, megabytes=0.5, seed=6)
+
+    async def scenario(moved: list[bool]):
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [v5] * len(moved)) as servers:
+            for server, on in zip(servers, moved):
+                if on:
+                    server.publish(v6)  # it keeps v5 too, for downloads in progress
+            suspicions: dict[str, list[str]] = {}
+            got = await download_state(swarm.transports[0], protocol, [d.peer_id for d in swarm.donors[:len(moved)]],
+                                       seconds=20, suspicions=suspicions)
+            return got, suspicions
+
+    got, suspicions = swarm.loop.run(scenario([False, True]), timeout=60)
+    assert_same(got, v5)  # both hold 5; only one holds 6
+    assert suspicions == {}
+    got, suspicions = swarm.loop.run(scenario([False, True, True]), timeout=60)
+    assert_same(got, v6)  # two of three hold 6
+    assert suspicions == {}  # the one behind is no liar

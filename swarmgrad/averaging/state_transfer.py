@@ -10,7 +10,8 @@ floating-point value is finite.
 State a joiner can trust: a description carries a hash of every part. The joiner takes a version and
 layout only when strictly more than half of the donors that answered describe it (a lone donor is
 its own majority: a fresh swarm of two must take in a joiner, and with one donor there is nobody to
-outvote it), fetches parts only from those donors, each part only from donors that describe the
+outvote it; a donor describes every version it holds, so one that just moved on still agrees on the
+version before), fetches parts only from those donors, each part only from donors that describe the
 majority's hash for it, and checks every part against that hash on arrival: a donor whose part
 fails is dropped and its parts fetched from the others. Donors that disagreed or served bad bytes
 are named in ``suspicions`` (and logged). On a part where honest donors legitimately differ (a
@@ -19,7 +20,8 @@ the parts that hold them.
 
 Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
 plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
-    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta, parts)
+    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} (of the latest)
+                                                 + msgpack({"held": [[version, digest, nbytes, msgpack(specs, meta, parts)], ...]})
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
     -> {"t": "done"}
 """
@@ -50,6 +52,7 @@ PART_BYTES = 4 * 1024 * 1024
 PART_HASH_BYTES = 16  # sha256, cut: a donor would have to find a second preimage
 ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
+MAX_HELD = 4  # versions one donor may describe
 MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -124,7 +127,13 @@ def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tupl
     return offsets, position
 
 
-def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict, tuple[bytes, ...]]:
+def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
+    """The specs and metadata of one state's description, checked against ``nbytes``."""
+    return _parse_state(payload, nbytes)[:2]
+
+
+def _parse_state(payload: bytes, nbytes: int) -> tuple[tuple, dict, tuple[bytes, ...]]:
+    """Specs, metadata and part hashes of one state's description, checked against ``nbytes``."""
     try:
         described = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         specs = tuple(
@@ -181,6 +190,12 @@ class StateServer:
                 self._described[snapshot.version] = described
         return described
 
+    async def _held(self) -> bytes:
+        """Every snapshot held, newest first: a joiner counts this donor for each of their versions."""
+        held = [[version, snapshot.digest, snapshot.nbytes, await self._description(snapshot)]
+                for version, snapshot in sorted(self._snapshots.items(), reverse=True)[:MAX_HELD]]
+        return msgpack.packb({"held": held}, use_bin_type=True)
+
     async def _serve(self, channel: Channel) -> None:
         while True:
             try:
@@ -196,7 +211,7 @@ class StateServer:
                     await channel.send_error("this peer has no state to share yet")
                     return
                 await channel.send({"t": "state", "version": latest.version, "digest": latest.digest,
-                                    "nbytes": latest.nbytes}, await self._description(latest))
+                                    "nbytes": latest.nbytes}, await self._held())
             elif request.kind == "part":
                 version = field(request.header, "version", int)
                 snapshot = self._snapshots.get(version)
@@ -239,14 +254,14 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
     if not donors:
         raise StateTransferError("no peer to download the state from")
     suspicions = {} if suspicions is None else suspicions
-    offers: list[_Offer] = []
+    offers: list[_Offer] = []  # one per version each donor holds
     try:
         async with timeout(seconds):
             described = await asyncio.gather(*(_describe(transport, protocol, d, max_bytes) for d in donors),
                                              return_exceptions=True)
             for donor, outcome in zip(donors, described):
-                if isinstance(outcome, _Offer):
-                    offers.append(outcome)
+                if isinstance(outcome, list):
+                    offers.extend(outcome)
                 else:
                     logger.info("donor %s cannot share its state: %s", donor, outcome)
             sources = _majority(offers, min_version, len(donors), suspicions)
@@ -256,7 +271,8 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
-        await asyncio.gather(*(_finish(offer.channel) for offer in offers), return_exceptions=True)
+        channels = {id(offer.channel): offer.channel for offer in offers}.values()
+        await asyncio.gather(*(_finish(channel) for channel in channels), return_exceptions=True)
 
 
 def _suspect(suspicions: dict[str, list[str]], donor: str, reason: str) -> None:
@@ -265,20 +281,31 @@ def _suspect(suspicions: dict[str, list[str]], donor: str, reason: str) -> None:
 
 
 def _majority(offers: list[_Offer], min_version: int, asked: int, suspicions: dict[str, list[str]]) -> list[_Offer]:
-    """The donors that describe the state strictly more than half of those that answered describe;
-    the others are suspects."""
+    """The offers of the newest state (version and layout) that strictly more than half of the donors
+    that answered hold, one per donor; donors that claim a newer version or another layout are suspects
+    (those that are only behind are not)."""
     if not any(offer.version >= min_version for offer in offers):
         raise StateTransferError(f"none of {asked} peer(s) offered a state at version >= {min_version}")
-    (version, digest), count = Counter((offer.version, offer.digest) for offer in offers).most_common(1)[0]
-    if 2 * count <= len(offers) or version < min_version:
-        held = ", ".join(f"{v}:{d[:8]} x{n}" for (v, d), n in Counter((o.version, o.digest) for o in offers).items())
-        raise StateTransferError(f"no state at version >= {min_version} is described by a majority of the "
-                                 f"{len(offers)} donor(s) that answered ({held})")
+    answered = {offer.donor for offer in offers}
+    holders: dict[tuple[int, str], list[_Offer]] = {}
     for offer in offers:
-        if (offer.version, offer.digest) != (version, digest):
-            _suspect(suspicions, offer.donor, f"described version {offer.version} layout {offer.digest[:8]}, "
-                                              f"the majority holds version {version} layout {digest[:8]}")
-    return [offer for offer in offers if (offer.version, offer.digest) == (version, digest)]
+        holders.setdefault((offer.version, offer.digest), []).append(offer)
+    agreed = [key for key, held in holders.items() if 2 * len({o.donor for o in held}) > len(answered)
+              and key[0] >= min_version]
+    if not agreed:
+        held = ", ".join(f"{v}:{d[:8]} x{len(o)}" for (v, d), o in sorted(holders.items(), reverse=True))
+        raise StateTransferError(f"no state at version >= {min_version} is held by a majority of the "
+                                 f"{len(answered)} donor(s) that answered ({held})")
+    version, digest = max(agreed)
+    sources = list({offer.donor: offer for offer in holders[(version, digest)]}.values())
+    for donor in sorted(answered - {offer.donor for offer in sources}):
+        described = max((o.version, o.digest) for o in offers if o.donor == donor)
+        if described[0] < version:  # behind the swarm: no liar
+            logger.info("donor %s holds only versions up to %d", donor, described[0])
+            continue
+        _suspect(suspicions, donor, f"described version {described[0]} layout {described[1][:8]}, "
+                                    f"the majority holds version {version} layout {digest[:8]}")
+    return sources
 
 
 async def _finish(channel: Channel) -> None:
@@ -288,15 +315,29 @@ async def _finish(channel: Channel) -> None:
         await channel.close()
 
 
-async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: int) -> _Offer:
+async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: int) -> list[_Offer]:
+    """One offer per version ``donor`` holds (newest first), all on one channel."""
     channel = await transport.open(donor, protocol)
     try:
         await channel.send({"t": "describe"})
         reply = expect_kind(await channel.recv(max_payload=MAX_DESCRIPTION_BYTES), "state")
-        nbytes = int_field(reply.header, "nbytes", 0, max_bytes)
-        specs, meta, parts = _parse_description(bytes(reply.payload), nbytes)
-        return _Offer(donor, channel, field(reply.header, "version", int), field(reply.header, "digest", str),
-                      nbytes, specs, meta, parts)
+        try:
+            held = msgpack.unpackb(bytes(reply.payload), raw=False)["held"]
+            entries = [(int(version), str(digest), int(nbytes), bytes(described))
+                       for version, digest, nbytes, described in held[:MAX_HELD]]
+        except Exception as error:
+            raise FrameError(f"state description is malformed: {error}") from None
+        latest = (field(reply.header, "version", int), field(reply.header, "digest", str),
+                  int_field(reply.header, "nbytes", 0, max_bytes))
+        if not entries or entries[0][:3] != latest:
+            raise FrameError(f"the donor's header says {latest}, its description {entries[0][:3] if entries else 'nothing'}")
+        offers = []
+        for version, digest, nbytes, described in entries:
+            if not 0 <= nbytes <= max_bytes:
+                raise FrameError(f"state of {nbytes} bytes is out of range 0..{max_bytes}")
+            specs, meta, parts = _parse_state(described, nbytes)
+            offers.append(_Offer(donor, channel, version, digest, nbytes, specs, meta, parts))
+        return offers
     except BaseException:
         await channel.close()
         raise
