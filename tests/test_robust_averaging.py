@@ -173,13 +173,14 @@ def test_peers_that_aggregate_differently_never_meet():
 PRESENCE = Timing(presence_refresh=0.5)
 
 
-async def gossip_peers(stack: AsyncExitStack, count: int, aggregator: str) -> tuple[list[str], list, list]:
+async def gossip_peers(stack: AsyncExitStack, count: int, aggregator: str,
+                       weights: list[float] | None = None) -> tuple[list[str], list, list]:
     runtimes = await start_runtimes(stack, count, timing=PRESENCE)
     generator = torch.Generator().manual_seed(3)
     tensors = [torch.randn(5000, generator=generator) for _ in runtimes]
     gossips = [await stack.enter_async_context(GossipAverager(runtime, [t], settings=Gossip(), codec="none",
-                                                              aggregator=aggregator))
-               for runtime, t in zip(runtimes, tensors)]
+                                                              aggregator=aggregator, weight=weight))
+               for runtime, t, weight in zip(runtimes, tensors, weights or [1.0] * count)]
 
     async def everyone_listed():
         return all(len(runtime.members()) == count for runtime in runtimes)
@@ -222,5 +223,22 @@ def test_clipped_gossip_keeps_honest_peers_near_each_other_when_one_pushes_a_hug
             else:
                 assert worst < start_spread, (worst, start_spread)
                 assert clipped[ids[0]] == liar_merged > 0, clipped  # every push it made was clipped
+
+    run_async(scenario())
+
+
+def test_clipped_gossip_among_honest_peers_still_reaches_the_weighted_mean():
+    """No liar: eight peers gossip with clipping on (the run default) and reach the weighted mean
+    as plain push-sum does (test_gossip.py), with no push clipped."""
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            _, tensors, gossips = await gossip_peers(stack, 8, "centered-clip", weights=[float(i + 1) for i in range(8)])
+            mean = sum((i + 1) * t for i, t in enumerate(tensors)) / 36
+            clipped = 0
+            for _ in range(30):
+                clipped += sum(report.clipped for report in await asyncio.gather(*(g.step() for g in gossips)))
+            assert max(float((t - mean).norm() / mean.norm()) for t in tensors) < 1e-3
+            assert clipped == 0
 
     run_async(scenario())

@@ -7,9 +7,10 @@ out; no I/O, no state. allreduce.py applies them per chunk, gossip.py clips push
 The rules (README "Robust aggregation" says the same):
 
 - **centered-clip** starts at the weighted medoid s (the row with the least weighted sum of
-  distances to the others: never a row whose weight share is below half and that is far from the
-  rest) and takes τ = ``TAU_FACTOR`` x the median of the rows' distances ||x_i - s|| (at least half
-  the rows must be far for τ to be large). It then iterates v <- v + Σ w_i (x_i - v) min(1, τ / ||x_i - v||) / Σ w_i
+  distances to the others: a row far from the rest with less than half the weight never is) and
+  takes τ = ``TAU_FACTOR`` x the median of the rows' distances ||x_i - s|| (at least half the rows
+  must be far for τ to be large). It then iterates
+  v <- v + Σ w_i (x_i - v) min(1, τ / ||x_i - v||) / Σ w_i
   until a step is shorter than ``TOLERANCE`` x τ, or for ``MAX_ITERATIONS`` steps. A row pulls the
   result by at most its weight share x τ, whatever it sent; when no row is farther than τ from the
   weighted mean, the result is the weighted mean. When half the rows coincide (members of an
@@ -37,7 +38,7 @@ from swarmgrad.averaging.settings import AGGREGATORS
 
 TAU_FACTOR = 1.5  # honest rows of a high-dimensional chunk sit at about the same distance: none is clipped
 TOLERANCE = 1e-4  # relative to τ: the last step moved the result by less than this fraction of τ
-MAX_ITERATIONS = 50  # each step costs one pass over the stack; a step shrinks about as the clipped weight share
+MAX_ITERATIONS = 50  # a step is ~3 passes over the stack; steps shrink about as the clipped weight share
 TRIM_FRACTION = 0.25  # share of the rows dropped at each end (at least one from three rows on)
 WEIGHT_FACTOR = 2.0
 
@@ -65,7 +66,8 @@ def weighted_medoid(stack: torch.Tensor, weights: torch.Tensor) -> int:
 
 
 def pairwise_distances(stack: torch.Tensor) -> torch.Tensor:
-    """||x_i - x_j|| for every pair of rows (float64 n x n; n^2 / 2 passes over a row, summed in float32)."""
+    """||x_i - x_j|| for every pair of rows, as float64 n x n (summed in float32; costs about n passes
+    over the stack, so the start grows as n^2 per chunk: 6 ms for 4 rows of 1 MiB, 70 ms for 16, here)."""
     scale = float(stack.abs().max()) if stack.numel() else 0.0
     huge = scale > 1e18  # a distance between values near float32's range would overflow: measure scaled
     scaled = stack / scale if huge else stack
@@ -99,6 +101,7 @@ def choose_tau(stack: torch.Tensor, center: torch.Tensor, factor: float = TAU_FA
 
 
 def tau_from(distances_from_start: torch.Tensor, factor: float = TAU_FACTOR) -> float:
+    """The τ rule on distances already measured from the start."""
     return factor * median(distances_from_start)
 
 
@@ -152,7 +155,8 @@ def weighted_mean(stack: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.mv(stack.t(), (weights.double() / weights.sum()).to(stack.dtype))
 
 
-def bound_weights(weights: torch.Tensor, cap: float | None = None, factor: float | None = WEIGHT_FACTOR) -> torch.Tensor:
+def bound_weights(weights: torch.Tensor, cap: float | None = None,
+                  factor: float | None = WEIGHT_FACTOR) -> torch.Tensor:
     """Each weight cut to min(``cap``, ``factor`` x the median weight); None leaves that bound out."""
     limit = float("inf") if cap is None else cap
     if factor is not None and len(weights):
