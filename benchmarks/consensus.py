@@ -48,6 +48,9 @@ WINDOW = 1.0  # moshpit matchmaking seconds (the Averager's default before the r
 PRIVACY_PEERS, PRIVACY_ROUNDS = 4, 6  # one warm-up round, then the median of the rest
 STALL_ROUNDS, STALL_SECONDS = 10, 15.0  # no 10% progress for this long: stop, report "stalled"
 PROGRESS_FIELDS = ("steps", "error", "seconds", "bytes")  # a gossip peer's report after each step
+# consensus of fixed values is what this measures: plain means (a robust aggregator bounds outliers,
+# and members that meet again with one value make centered-clip return that value, robust.py)
+AGGREGATOR = "mean"
 
 
 @dataclass
@@ -141,7 +144,7 @@ async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, 
 
     run_id, tensor, stop = f"consensus-{index}-gossip-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel), cfg.stops[index]
     async with NetworkRuntime(run_id, node=node) as runtime, \
-            GossipAverager(runtime, [tensor], weight=ctx.rank + 1.0, codec=job.codec) as gossip:
+            GossipAverager(runtime, [tensor], weight=ctx.rank + 1.0, codec=job.codec, aggregator=AGGREGATOR) as gossip:
         await wait_for_members(runtime, cfg.peers, 60.0)
         await ctx.async_sync()
         start, steps, sent = time.monotonic(), 0, 0
@@ -162,7 +165,7 @@ async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int,
     run_id, tensor = f"consensus-{index}-moshpit-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel)
     settings = Moshpit(group_size=GROUP_SIZE, min_group_size=2, matchmaking_seconds=WINDOW)
     async with NetworkRuntime(run_id, node=node) as runtime, \
-            Averager(runtime, [tensor], settings=settings, codec=job.codec) as averager:
+            Averager(runtime, [tensor], settings=settings, codec=job.codec, aggregator=AGGREGATOR) as averager:
         await wait_for_members(runtime, cfg.peers, 60.0)  # the grid's dimensions come from the member count
         await ctx.async_sync()
         start, sent, failed, history = time.monotonic(), 0, 0, []
@@ -211,7 +214,7 @@ async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: 
             runtime = await stack.enter_async_context(NetworkRuntime(run_id, node=node))
             settings = Moshpit(group_size=PRIVACY_PEERS, min_group_size=PRIVACY_PEERS, matchmaking_seconds=WINDOW)
             averager = await stack.enter_async_context(
-                Averager(runtime, [tensor], settings=settings, codec="none", privacy=privacy))
+                Averager(runtime, [tensor], settings=settings, codec="none", privacy=privacy, aggregator=AGGREGATOR))
             await wait_for_members(runtime, PRIVACY_PEERS, 60.0)
         for round_index in range(PRIVACY_ROUNDS):
             await ctx.async_sync()

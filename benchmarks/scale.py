@@ -34,7 +34,6 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import math
 import signal
@@ -146,11 +145,6 @@ class Row:
 
 
 # ---------------------------------------------------------------- in every process
-
-
-def plain_mean(averager: type) -> dict[str, str]:
-    """``aggregator=AGGREGATOR`` for an averager that takes an aggregator (one that does not only averages)."""
-    return {"aggregator": AGGREGATOR} if "aggregator" in inspect.signature(averager).parameters else {}
 
 
 @dataclass
@@ -296,7 +290,7 @@ async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], m
     sizes_per_round: list[dict[int, int]] = []  # group size -> peer-rounds: a full grid meets in 4s only
     async with contextlib.AsyncExitStack() as stack:
         averagers = [await stack.enter_async_context(Averager(peer.runtime, [tensor], settings=settings, codec="none",
-                                                                      **plain_mean(Averager)))
+                                                                      aggregator=AGGREGATOR))
                      for peer, tensor in zip(peers, tensors)]
         await ctx.async_sync()  # every averager serves before anyone's first round
         for round_index in range(cfg.rounds):
@@ -331,7 +325,7 @@ async def gossip_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], me
     stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
         gossips = [await stack.enter_async_context(GossipAverager(peer.runtime, [tensor], weight=1.0, codec="none",
-                                                                          **plain_mean(GossipAverager)))
+                                                                          aggregator=AGGREGATOR))
                    for peer, tensor in zip(peers, tensors)]
         await ctx.async_sync()
         started = time.monotonic()
