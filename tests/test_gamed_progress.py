@@ -81,10 +81,14 @@ async def honest_peers_beside_a_liar(steps: int):
 def test_a_record_claiming_epoch_a_million_triggers_nothing():
     steps = 3 * sg.DiLoCo().inner_steps
     statuses, catch_ups, suspicions, liar = run_async(honest_peers_beside_a_liar(steps))
-    assert catch_ups == []  # not one download was even tried
-    for status in statuses:
-        assert status.state_downloads == 0, status
-        assert status.rounds_ok >= 2 and status.epoch >= 2, status  # kept training and averaging
+    # the liar sent no one to download: no attempt named it, or aimed past what honest peers reached
+    # (an honest peer that fell behind on this loaded loop may catch up from the other two: allowed)
+    honest_epochs = max(status.epoch for status in statuses)
+    assert all(liar not in donors and min_version <= honest_epochs for _, donors, min_version in catch_ups), catch_ups
+    assert sum(status.state_downloads for status in statuses) <= len(catch_ups)  # none without an attempt
+    for status in statuses:  # kept training and averaging
+        assert status.rounds_ok >= 1 and status.epoch >= 1, status
+    assert honest_epochs >= 2
     for suspected in suspicions:
         assert list(suspected) == [liar] and "implausible progress" in suspected[liar][0]
 
@@ -106,6 +110,12 @@ def test_the_swarms_epoch_and_the_catch_up_target_are_quantiles_not_the_max():
     donors, target = swarm.ahead("me", 5)
     assert target == 7 and donors == ["a"]  # two of three reached 7; the liar is no donor
     assert [p.peer_id for p in swarm.implausible("me")] == ["c"]
+
+
+def test_a_liar_listed_alone_for_a_moment_is_not_the_only_other_peer():
+    lapsed = SwarmProgress((at("me", 5), at("liar", LIE)), population=3)  # two honest records lapsed
+    assert lapsed.ahead("me", 5) == ([], 5)
+    assert SwarmProgress((at("me", 5), at("only", 9)), population=1).ahead("me", 5) == (["only"], 9)
 
 
 def test_one_huge_or_zero_claim_neither_forces_nor_stalls_a_step():

@@ -15,8 +15,9 @@ Progress that cannot be gamed: every number the driver acts on comes from distin
 quorum or a median, never a max or a sum of raw claims, so one peer's records can neither force,
 stall nor skip a swarm step, nor trigger a download:
 - the swarm's epoch is the (low) median of the peers' epochs;
-- a peer catches up only when at least ``catch_up_quorum(n)`` distinct other peers are past its epoch,
-  and its target is the highest epoch that many reached (a quantile, not the max). Peers more than
+- a peer catches up only when at least ``catch_up_quorum(n)`` distinct other peers are past its epoch
+  (n: the other peers with its settings seen within ``POPULATION_MEMORY``, listed now or not), and
+  its target is the highest epoch that many reached (a quantile, not the max). Peers more than
   ``IMPLAUSIBLE_LEAD`` epochs past the others' median are "implausible progress": never donors, and
   named in ``ProgressTracker.suspicions`` for a later accountability feature;
 - a step is due by samples when the swarm's sum reaches the target with each other peer's claim
@@ -49,6 +50,10 @@ IMPLAUSIBLE_LEAD = 2
 # the most samples or steps one other peer's claim counts for, as a multiple of the median claim: an
 # honest peer up to this many times faster than the median one is counted in full (as WEIGHT_SLACK)
 CLAIM_SLACK = 4.0
+# how long a peer with this peer's settings still counts toward the swarm's size after its record was
+# last listed: on a loaded machine honest records can lapse for a beat or two, and a liar that is for
+# a moment the only peer listed must not become "the only other peer", who decides alone
+POPULATION_MEMORY = 30.0
 
 
 def catch_up_quorum(others: int, share: float = CATCH_UP_QUORUM) -> int:
@@ -87,6 +92,7 @@ class SwarmProgress:
     peers: tuple[PeerProgress, ...] = ()
     taken_at: float = 0.0
     other_settings: tuple[str, ...] = ()
+    population: int = 0  # other peers with this peer's settings seen within POPULATION_MEMORY (listed or not)
 
     @property
     def epoch(self) -> int:
@@ -108,7 +114,7 @@ class SwarmProgress:
         the plausible peers at or past it; otherwise no donors and the target is ``epoch``."""
         others = self.others(me)
         past = sorted((peer for peer in others if peer.epoch > epoch), key=lambda peer: -peer.epoch)
-        needed = catch_up_quorum(len(others))
+        needed = catch_up_quorum(max(len(others), self.population))
         if not past or len(past) < needed:
             return [], epoch
         target = past[needed - 1].epoch
@@ -208,6 +214,7 @@ class ProgressTracker:
         # progress, for a later accountability feature to count; nothing here acts on them
         self.suspicions: dict[str, list[str]] = {}
         self._suspected: set[tuple[str, int]] = set()
+        self._recent: dict[str, float] = {}  # peer id -> when last listed with this peer's settings
         presence.before_publish = self._fill
 
     @property
@@ -278,7 +285,13 @@ class ProgressTracker:
             steps = record.steps + record.steps_per_second * elapsed
             peers.append(PeerProgress(member.peer_id, record.epoch, samples, steps, member.samples_per_second,
                                       record.averaging))
-        self.swarm = SwarmProgress(tuple(peers), taken_at=now, other_settings=tuple(other_settings))
+        for peer in peers[1:]:
+            self._recent[peer.peer_id] = now
+        for peer_id, seen in list(self._recent.items()):
+            if now - seen > POPULATION_MEMORY:
+                del self._recent[peer_id]
+        self.swarm = SwarmProgress(tuple(peers), taken_at=now, other_settings=tuple(other_settings),
+                                   population=len(self._recent))
         self._suspect(self.swarm)
 
     def _suspect(self, swarm: SwarmProgress) -> None:
