@@ -103,7 +103,8 @@ class Matchmaker:
         ``expected``: how many peers the caller knows will look under this key (e.g. from swarm
         progress); ``expected_members``: which ones (e.g. from the moshpit grid). Once that many, or
         exactly those, have declared there is no need to wait out the window: a view that lists a
-        peer that is not there, or misses one that declared, waits the window out as before."""
+        peer that is not there, or misses one that declared, waits the window out as before. The
+        expected members are grouped as if declared, so a read that missed one splits no group."""
         me = self.node.peer_id
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
@@ -122,6 +123,11 @@ class Matchmaker:
                 )
             finally:
                 await declared
+            if expected_members is not None:
+                # the caller knows who belongs here (the moshpit grid): every member then computes the
+                # same group and leader even when a read missed a declaration (a holder that did not
+                # answer in time); an expected peer that is not looking declines and is left out
+                peers = sorted(set(peers) | expected_members)
             if not looking.committed:
                 group = self._my_group(key, peers, group_size)
                 if group and group[0] == me:
