@@ -21,6 +21,7 @@ from swarmgrad.averaging.robust import (
     centered_clip,
     choose_tau,
     clip_toward,
+    pairwise_distances,
     robust_aggregate,
     trim_for,
     trimmed_mean,
@@ -119,6 +120,34 @@ def test_trimmed_mean_matches_the_reference(seed, rows, cols):
         close(trimmed_mean(stack, weights, trim), ref_trimmed_mean(x, w, trim), float(stack.abs().max()))
 
 
+def test_centered_clip_matches_the_reference_at_small_scales():
+    """τ below 1 (values of a hundredth): the iteration still runs, as the reference's."""
+    stack, weights = random_case(7, 5, 30)
+    stack *= 0.01
+    start = stack[weighted_medoid(stack, weights)]
+    tau = choose_tau(stack, start)
+    assert 0 < tau < 1
+    got = centered_clip(stack, weights, tau, tol=1e-7, max_iters=2000, start=start)
+    close(got, ref_centered_clip(stack.double().numpy(), weights.numpy(), tau, start.double().numpy()),
+          float(stack.abs().max()), rel=2e-5)
+    assert not torch.equal(got, start)
+
+
+def test_pairwise_distances_match_the_reference_for_many_close_rows_and_huge_ones():
+    """Many rows (more than cdist's 25 before it would switch to a Gram matrix that cancels for
+    close rows), rows near float32's range, and no rows at all."""
+    generator = torch.Generator().manual_seed(8)
+    close_rows = 1000 + 1e-3 * torch.randn(30, 64, generator=generator)
+    huge = torch.tensor([[3e38, -3e38, 1.0], [-3e38, 3e38, 2.0], [1.0, 2.0, 3.0]])
+    large = torch.full((2, 4096), 1e18)  # finite differences whose squares add up past float32's range
+    large[1] *= -1
+    for stack in (close_rows, huge, large):
+        x = stack.double().numpy()
+        want = np.array([[ref_distance(a, b) for b in x] for a in x])
+        np.testing.assert_allclose(pairwise_distances(stack).numpy(), want, rtol=1e-3, atol=1e-9)
+    assert pairwise_distances(torch.zeros(0, 3)).shape == (0, 0)
+
+
 def test_trimmed_mean_breaks_ties_by_weight_whatever_the_row_order():
     stack = torch.tensor([[0.0], [0.0], [5.0], [9.0]])
     weights = torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=torch.float64)
@@ -126,6 +155,14 @@ def test_trimmed_mean_breaks_ties_by_weight_whatever_the_row_order():
     for order in ([0, 1, 2, 3], [1, 0, 3, 2], [3, 2, 1, 0]):
         close(trimmed_mean(stack[order], weights[order], 1), want, 1.0)
     assert float(trimmed_mean(stack, weights, 1)) == pytest.approx(5 / 4)
+
+
+def test_trimmed_mean_of_many_tied_values_drops_the_lightest_and_heaviest_ties():
+    """Forty rows of 0s and 1s (torch sorts that many rows in another order unless asked to keep it)."""
+    generator = torch.Generator().manual_seed(10)
+    stack = torch.randint(0, 2, (40, 50), generator=generator).float()
+    weights = torch.randperm(40, generator=generator).double() + 1  # distinct: ties of value, not of pairs
+    close(trimmed_mean(stack, weights, 10), ref_trimmed_mean(stack.double().numpy(), weights.numpy(), 10), 1.0)
 
 
 def test_tau_weights_and_the_trim_follow_their_rules():
@@ -191,12 +228,16 @@ def test_aggregates_do_not_depend_on_the_order_of_the_rows(seed, aggregator):
     order = torch.randperm(7, generator=torch.Generator().manual_seed(seed))
     first = robust_aggregate(aggregator, stack, weights)
     second = robust_aggregate(aggregator, stack[order], weights[order])
+    if aggregator == "mean":
+        torch.testing.assert_close(first.value, weighted_mean(stack, weights))
     torch.testing.assert_close(first.value, second.value, rtol=0, atol=1e-4 * float(stack[order[0]].abs().max()))
     assert sorted(int(order[i]) for i in second.clipped) == first.clipped
 
 
 def test_small_groups():
     stack, weights = random_case(9, 3, 30)
+    uneven = torch.tensor([1.0, 9.0], dtype=torch.float64)  # two rows are the weighted mean, however uneven
+    torch.testing.assert_close(robust_aggregate("centered-clip", stack[:2], uneven).value, weighted_mean(stack[:2], uneven))
     one = robust_aggregate("centered-clip", stack[:1], weights[:1])
     assert torch.equal(one.value, stack[0])
     liar = stack[:2].clone()
@@ -216,15 +257,37 @@ def test_coinciding_rows_and_a_zero_tau():
     assert torch.equal(centered_clip(rows, torch.ones(4, dtype=torch.float64), 0.0, start=start), start)
 
 
-def test_values_at_the_edge_of_float32_give_finite_results():
+def test_values_at_the_edge_of_float32_are_clipped_as_in_float64():
+    """Two liars near float32's largest values (their differences overflow float32) among three
+    honest rows: the result is the float64 reference's, near the honest rows."""
     stack = torch.tensor([[3e38, -3e38], [-3e38, 3e38], [1.0, 1.0], [2.0, 2.0], [1.5, 1.0]])
     weights = torch.ones(5, dtype=torch.float64)
-    for aggregator in ("centered-clip", "trimmed-mean"):
-        value = robust_aggregate(aggregator, stack, weights).value
-        assert bool(torch.isfinite(value).all()), aggregator
-    here = torch.tensor([-3e38, 3e38])
-    moved = clip_toward(here, torch.tensor([3e38, -3e38]), 1.0)
-    assert bool(torch.isfinite(moved).all()) and float((moved.double() - here.double()).norm()) <= 1e32
+    x = stack.double().numpy()
+    start = x[ref_weighted_medoid(x, weights.numpy())]
+    tau = TAU_FACTOR * ref_median([ref_distance(row, start) for row in x])
+    outcome = robust_aggregate("centered-clip", stack, weights)
+    close(outcome.value, ref_centered_clip(x, weights.numpy(), tau, start), 1.0, rel=1e-4)
+    assert outcome.clipped == [0, 1] and float(outcome.value.abs().max()) < 3
+    assert bool(torch.isfinite(robust_aggregate("trimmed-mean", stack, weights).value).all())
+
+
+def test_centered_clip_from_a_far_start_measures_overflowing_differences_in_float64():
+    stack = torch.tensor([[3.3e38, -3.3e38], [-3.3e38, 3.3e38], [1.0, 1.0], [2.0, 2.0], [1.5, 1.0]])
+    weights = torch.ones(5, dtype=torch.float64)
+    x = stack.double().numpy()
+    for tau in (1.0, 1e38):
+        got = centered_clip(stack, weights, tau, tol=1e-9, max_iters=500, start=stack[1])  # x_0 - start overflows
+        close(got, ref_centered_clip(x, weights.numpy(), tau, x[1]), max(tau, 1.0), rel=1e-4)
+
+
+def test_clip_toward_moves_by_tau_whatever_the_magnitude():
+    for here, there in ((torch.tensor([-3e38, 3e38]), torch.tensor([3e38, -3e38])),  # the change overflows
+                        (torch.tensor([0.0, 0.0]), torch.tensor([1e20, 1e20]))):  # its float32 norm would
+        moved = clip_toward(here, there, 1e18)
+        assert moved.dtype == torch.float32
+        distance = float((moved.double() - here.double()).norm())
+        assert distance == pytest.approx(1e18, rel=1e-3) or (here.abs().max() > 1e38 and distance <= 1e32)
+    torch.testing.assert_close(clip_toward(torch.zeros(2), torch.tensor([3e19, 4e19]), 5.0), torch.tensor([3.0, 4.0]))
 
 
 def test_centered_clip_stops_at_its_tolerance():
@@ -237,15 +300,19 @@ def test_centered_clip_stops_at_its_tolerance():
     # the undone rest is a geometric tail of steps below TOLERANCE x τ (contraction of about 1/2)
     assert float((loose.double() - exact).norm()) <= 4 * TOLERANCE * tau
     assert not torch.equal(centered_clip(stack, weights, tau, max_iters=1, start=start), loose)
+    coarse = centered_clip(stack, weights, tau, tol=0.05, start=start)  # stops within 5% of τ per step, earlier
+    assert 1e-6 * tau < float((coarse.double() - exact).norm()) <= 4 * 0.05 * tau
 
 
 def test_an_unknown_aggregator_is_refused():
-    with pytest.raises(ValueError, match="unknown aggregator 'median'"):
+    with pytest.raises(ValueError, match="unknown aggregator 'median'; use one of mean, centered-clip, trimmed-mean"):
         robust_aggregate("median", torch.zeros(3, 2), torch.ones(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="cannot trim 2 of 4"):
         trimmed_mean(torch.zeros(4, 2), torch.ones(4, dtype=torch.float64), 2)
-    with pytest.raises(ValueError, match="median of nothing"):
+    with pytest.raises(ValueError, match="^the median of nothing$"):
         robust.median(torch.zeros(0))
+    with pytest.raises(ValueError, match="max_iters must be at least 1, got 0"):
+        centered_clip(torch.zeros(3, 2), torch.ones(3, dtype=torch.float64), 1.0, max_iters=0)
 
 
 # ---- clipped gossip ----------------------------------------------------------------------------
@@ -288,6 +355,30 @@ def test_one_push_moves_a_peer_by_at_most_its_share_of_tau():
     unclipped = values.clone()
     merge(unclipped, 2.0, [liar, *honest])
     assert float((unclipped - values).norm()) > 1e4 * tau
+
+
+def test_clip_pushes_measures_each_push_from_here_and_counts_a_sender_once():
+    values = torch.full((4,), 5.0)
+    scale = ClipScale()
+    pushes = [Push(1.0, values + torch.tensor([2.0, 0, 0, 0]), sender="a"),
+              Push(1.0, values + torch.tensor([0, 3.0, 0, 0]), sender="b"),
+              Push(1.0, values + torch.tensor([0, 0, 0.5, 0]), sender="b"),
+              Push(1.0, values + torch.tensor([0, 0, 0, 0.25]), sender="c")]
+    kept, clipped = clip_pushes(values, pushes, scale)
+    assert scale.latest == {"a": 2.0, "b": 3.0, "c": 0.25}  # distances from here; b's farthest push
+    assert clipped == [] and all(k is p for k, p in zip(kept, pushes))  # b at exactly τ = 1.5 x 2 is not cut
+    liar = Push(1.0, values + 1e20, sender="liar")
+    honest = [Push(1.0, values + 2e19 * torch.tensor([1.0, 0, 0, 0]), sender=name) for name in ("c", "d")]
+    kept, clipped = clip_pushes(values, [liar, *honest], ClipScale())  # every float32 norm here would overflow
+    assert clipped == [0] and kept[0].sender == "liar"
+    assert float((kept[0].values.double() - values.double()).norm()) == pytest.approx(TAU_FACTOR * 2e19, rel=1e-4)
+
+
+def test_clip_scale_remembers_the_most_recent_senders():
+    scale = ClipScale(window=3)
+    for sender in ("a", "b", "a", "c", "d"):  # a pushed again after b: b is the oldest when d comes
+        scale.tau({sender: 1.0})
+    assert list(scale.latest) == ["a", "c", "d"]
 
 
 def test_sparse_pushes_are_clipped_on_their_coordinates():

@@ -62,17 +62,25 @@ def median(values: torch.Tensor) -> float:
 
 def weighted_medoid(stack: torch.Tensor, weights: torch.Tensor) -> int:
     """The row whose weighted sum of distances to the rows is least (the first, on a tie)."""
-    return int((pairwise_distances(stack) * weights.double()).sum(dim=1).argmin())
+    return _medoid(pairwise_distances(stack), weights)
+
+
+def _medoid(pairwise: torch.Tensor, weights: torch.Tensor) -> int:
+    return int((pairwise * weights.double()).sum(dim=1).argmin())
 
 
 def pairwise_distances(stack: torch.Tensor) -> torch.Tensor:
     """||x_i - x_j|| for every pair of rows, as float64 n x n (summed in float32; costs about n passes
     over the stack, so the start grows as n^2 per chunk: 6 ms for 4 rows of 1 MiB, 70 ms for 16, here)."""
-    scale = float(stack.abs().max()) if stack.numel() else 0.0
-    huge = scale > 1e18  # a distance between values near float32's range would overflow: measure scaled
-    scaled = stack / scale if huge else stack
-    pairwise = torch.cdist(scaled, scaled, compute_mode="donot_use_mm_for_euclid_dist").double()
-    return pairwise * scale if huge else pairwise
+    pairwise = _cdist(stack)
+    if not bool(torch.isfinite(pairwise).all()):  # sums of squares past float32's range: again in float64
+        pairwise = _cdist(stack.double())
+    return pairwise.double()
+
+
+def _cdist(rows: torch.Tensor) -> torch.Tensor:
+    # never through a Gram matrix (torch's choice past 25 rows): it cancels for rows close to each other
+    return torch.cdist(rows, rows, compute_mode="donot_use_mm_for_euclid_dist")
 
 
 def distances(stack: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
@@ -100,7 +108,7 @@ def choose_tau(stack: torch.Tensor, center: torch.Tensor, factor: float = TAU_FA
     return tau_from(distances(stack, center), factor)
 
 
-def tau_from(distances_from_start: torch.Tensor, factor: float = TAU_FACTOR) -> float:
+def tau_from(distances_from_start: torch.Tensor, factor: float) -> float:
     """The τ rule on distances already measured from the start."""
     return factor * median(distances_from_start)
 
@@ -109,16 +117,17 @@ def centered_clip(stack: torch.Tensor, weights: torch.Tensor, tau: float, tol: f
                   max_iters: int = MAX_ITERATIONS, start: torch.Tensor | None = None) -> torch.Tensor:
     """CenteredClip: v <- v + Σ w_i (x_i - v) min(1, τ / ||x_i - v||) / Σ w_i from ``start`` (the
     weighted medoid by default), until a step is shorter than ``tol`` x τ or ``max_iters`` steps."""
+    start = stack[weighted_medoid(stack, weights)] if start is None else start
     return _centered_clip(stack, weights, tau, tol, max_iters, start)[0]
 
 
 def _centered_clip(stack: torch.Tensor, weights: torch.Tensor, tau: float, tol: float, max_iters: int,
-                   start: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The result, and the rows' distances from the center of the last step (for who was clipped)."""
     if max_iters < 1:
         raise ValueError(f"max_iters must be at least 1, got {max_iters}")
     share = weights.double() / weights.sum()
-    center = (stack[weighted_medoid(stack, weights)] if start is None else start).clone()
+    center = start.clone()
     if tau <= 0:
         return center, distances(stack, center)
     difference = torch.empty_like(stack)
@@ -172,7 +181,7 @@ def robust_aggregate(aggregator: str, stack: torch.Tensor, weights: torch.Tensor
         return Aggregate(weighted_mean(stack, weights), [])
     if aggregator == "centered-clip":  # from the medoid: the pairwise distances give it and τ in one go
         pairwise = pairwise_distances(stack)
-        medoid = int((pairwise * weights.double()).sum(dim=1).argmin())
+        medoid = _medoid(pairwise, weights)
         tau = tau_from(pairwise[medoid], TAU_FACTOR)
         value, last = _centered_clip(stack, weights, tau, TOLERANCE, MAX_ITERATIONS, stack[medoid])
         # the rows beyond τ in the last step (it moved the result by less than TOLERANCE x τ)
