@@ -252,22 +252,20 @@ def test_many_small_parts_are_spread_and_complete(swarm, monkeypatch):
     assert all(served) and sorted(served[0] + served[1]) == list(range(parts))
 
 
-def test_two_donors_that_disagree_make_no_majority(swarm):
-    # a joiner cannot tell which of two donors lies: it takes neither (tests/test_trusted_state.py
-    # has three donors, where the majority's state wins)
+def test_freshest_version_wins(swarm):
     old, new = big_state(version=3, megabytes=0.5, seed=1), big_state(version=5, megabytes=0.5, seed=2)
 
     async def scenario():
         protocol = new_protocol()
         async with serving(swarm, protocol, [old, new]) as servers:
-            with pytest.raises(StateTransferError, match="majority of the 2 donor"):
-                await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
             with pytest.raises(StateTransferError, match="version >= 6"):
                 await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20, min_version=6)
-            return [server.served for server in servers]
+            return got, [server.served for server in servers]
 
-    served = run(swarm, scenario())
-    assert served == [[], []]  # nothing fetched from either
+    got, served = run(swarm, scenario())
+    assert_same(got, new)
+    assert served[0] == [] and served[1]  # nothing from the older donor
 
 
 def test_donor_keeps_the_previous_version_for_a_download_in_progress(swarm):

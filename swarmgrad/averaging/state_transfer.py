@@ -2,26 +2,15 @@
 
 A donor keeps its latest ``StateSnapshot`` (and the one before, so a download that started just
 before the donor moved on can finish). A joiner asks every candidate donor for its snapshot's
-description, takes the version a majority of them hold (below), and fetches the bytes in parts
+description, picks the freshest version held by the most donors, and fetches the bytes in parts
 spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
 has its parts fetched from the others, and nothing is used until every byte arrived and every
-floating-point value is finite.
-
-State a joiner can trust: a description carries a hash of every part. The joiner takes a version and
-layout only when strictly more than half of the donors that answered describe it (a lone donor is
-its own majority: a fresh swarm of two must take in a joiner, and with one donor there is nobody to
-outvote it; a donor describes every version it holds, so one that just moved on still agrees on the
-version before), fetches parts only from those donors, each part only from donors that describe the
-majority's hash for it, and checks every part against that hash on arrival: a donor whose part
-fails is dropped and its parts fetched from the others. Donors that disagreed or served bad bytes
-are named in ``suspicions`` (and logged). On a part where honest donors legitimately differ (a
-local inner optimizer's moments) no hash has a majority: the most common one is taken. A joiner that needs only some of the tensors (``keep``) fetches only
+floating-point value is finite. A joiner that needs only some of the tensors (``keep``) fetches only
 the parts that hold them.
 
 Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
 plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
-    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} (of the latest)
-                                                 + msgpack({"held": [[version, digest, nbytes, msgpack(specs, meta, parts)], ...]})
+    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
     -> {"t": "done"}
 """
@@ -49,10 +38,8 @@ from swarmgrad.timing import DEFAULT_TIMING
 logger = logging.getLogger(__name__)
 
 PART_BYTES = 4 * 1024 * 1024
-PART_HASH_BYTES = 16  # sha256, cut: a donor would have to find a second preimage
 ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
-MAX_HELD = 4  # versions one donor may describe
 MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -105,15 +92,9 @@ class StateSnapshot:
         return {name: self.data[start : start + length].view(DTYPES[dtype]).reshape(shape)
                 for (name, dtype, shape), (start, length) in zip(self.specs, offsets)}
 
-    def part_hashes(self) -> list[bytes]:
-        """The hash of every ``PART_BYTES`` part of ``data``, as the description carries them."""
-        view = memoryview(self.data.numpy())
-        return [hashlib.sha256(view[start : start + PART_BYTES]).digest()[:PART_HASH_BYTES]
-                for start in range(0, self.nbytes, PART_BYTES)]
-
-    def describe(self, parts: list[bytes] | None = None) -> bytes:
-        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta,
-                              "parts": self.part_hashes() if parts is None else parts}, use_bin_type=True)
+    def describe(self) -> bytes:
+        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
+                             use_bin_type=True)
 
 
 def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tuple[int, int]], int]:
@@ -128,31 +109,22 @@ def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tupl
 
 
 def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
-    """The specs and metadata of one state's description, checked against ``nbytes``."""
-    return _parse_state(payload, nbytes)[:2]
-
-
-def _parse_state(payload: bytes, nbytes: int) -> tuple[tuple, dict, tuple[bytes, ...]]:
-    """Specs, metadata and part hashes of one state's description, checked against ``nbytes``."""
     try:
         described = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         specs = tuple(
             (str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in described["specs"]
         )
-        meta, parts = described["meta"], tuple(described["parts"])
+        meta = described["meta"]
     except Exception as error:
         raise FrameError(f"state description is malformed: {error}") from None
     if not isinstance(meta, dict):
         raise FrameError("state metadata must be a map")
-    if len(parts) != math.ceil(nbytes / PART_BYTES) or not all(isinstance(h, bytes) and len(h) == PART_HASH_BYTES
-                                                               for h in parts):
-        raise FrameError(f"state description must hash each of its {math.ceil(nbytes / PART_BYTES)} part(s)")
     for name, dtype, shape in specs:
         if dtype not in DTYPES or any(d < 0 for d in shape):
             raise FrameError(f"state tensor {name!r}: bad dtype {dtype!r} or shape {shape}")
     if layout(specs)[1] != nbytes:
         raise FrameError(f"state description adds up to {layout(specs)[1]} bytes, the donor claims {nbytes}")
-    return specs, meta, parts
+    return specs, meta
 
 
 class StateServer:
@@ -177,24 +149,10 @@ class StateServer:
 
     def publish(self, snapshot: StateSnapshot) -> None:
         self._snapshots[snapshot.version] = snapshot
-        self._described.pop(snapshot.version, None)  # described (parts hashed) when first asked for
+        self._described[snapshot.version] = snapshot.describe()
         for version in sorted(self._snapshots)[: -self.keep]:
             self._snapshots.pop(version)
-            self._described.pop(version, None)
-
-    async def _description(self, snapshot: StateSnapshot) -> bytes:
-        described = self._described.get(snapshot.version)
-        if described is None:  # hashing a large state takes a while: off the event loop
-            described = snapshot.describe(await asyncio.to_thread(snapshot.part_hashes))
-            if self._snapshots.get(snapshot.version) is snapshot:
-                self._described[snapshot.version] = described
-        return described
-
-    async def _held(self) -> bytes:
-        """Every snapshot held, newest first: a joiner counts this donor for each of their versions."""
-        held = [[version, snapshot.digest, snapshot.nbytes, await self._description(snapshot)]
-                for version, snapshot in sorted(self._snapshots.items(), reverse=True)[:MAX_HELD]]
-        return msgpack.packb({"held": held}, use_bin_type=True)
+            self._described.pop(version)
 
     async def _serve(self, channel: Channel) -> None:
         while True:
@@ -211,7 +169,7 @@ class StateServer:
                     await channel.send_error("this peer has no state to share yet")
                     return
                 await channel.send({"t": "state", "version": latest.version, "digest": latest.digest,
-                                    "nbytes": latest.nbytes}, await self._held())
+                                    "nbytes": latest.nbytes}, self._described[latest.version])
             elif request.kind == "part":
                 version = field(request.header, "version", int)
                 snapshot = self._snapshots.get(version)
@@ -234,78 +192,43 @@ class _Offer:
     nbytes: int
     specs: tuple
     meta: dict
-    parts: tuple[bytes, ...] = ()  # the hash of each part, as this donor describes it
 
 
 async def download_state(transport: Transport, protocol: str, donors: list[str], *,
                          seconds: float = DEFAULT_TIMING.join_timeout,
                          min_version: int = 0, max_bytes: int = MAX_STATE_BYTES,
-                         keep: Callable[[str], bool] | None = None,
-                         suspicions: dict[str, list[str]] | None = None) -> StateSnapshot:
-    """The state a majority of ``donors`` agree on, fetched in parts spread over the donors that agree.
+                         keep: Callable[[str], bool] | None = None) -> StateSnapshot:
+    """The freshest state among ``donors``, fetched in parts spread over every donor that holds it.
 
     ``keep``: which tensors (by name) to fetch; the snapshot holds only those, and only the parts
-    that hold them travel. ``suspicions``: filled with the reasons (per donor id) why donors were
-    not trusted: they described another state than the majority's, or served a part that fails its
-    hash. Raises StateTransferError when no state at a version >= ``min_version`` is described by
-    strictly more than half of the donors that answered, or the transfer cannot be completed within
-    ``seconds``.
+    that hold them travel. Raises StateTransferError when no donor offers a version >=
+    ``min_version`` or the transfer cannot be completed within ``seconds``.
     """
     if not donors:
         raise StateTransferError("no peer to download the state from")
-    suspicions = {} if suspicions is None else suspicions
-    offers: list[_Offer] = []  # one per version each donor holds
+    offers: list[_Offer] = []
     try:
         async with timeout(seconds):
             described = await asyncio.gather(*(_describe(transport, protocol, d, max_bytes) for d in donors),
                                              return_exceptions=True)
             for donor, outcome in zip(donors, described):
-                if isinstance(outcome, list):
-                    offers.extend(outcome)
+                if isinstance(outcome, _Offer):
+                    offers.append(outcome)
                 else:
                     logger.info("donor %s cannot share its state: %s", donor, outcome)
-            sources = _majority(offers, min_version, len(donors), suspicions)
+            fresh = [offer for offer in offers if offer.version >= min_version]
+            if not fresh:
+                raise StateTransferError(f"none of {len(donors)} peer(s) offered a state at version >= {min_version}")
+            newest = max(offer.version for offer in fresh)
+            layout = Counter(offer.digest for offer in fresh if offer.version == newest).most_common(1)[0][0]
+            sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
             # one part may take a quarter of the budget (a slow donor's parts move to the others),
             # and never less than 2 s: 4 MiB at 20 Mbit/s
-            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep, suspicions=suspicions)
+            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep)
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
-        channels = {id(offer.channel): offer.channel for offer in offers}.values()
-        await asyncio.gather(*(_finish(channel) for channel in channels), return_exceptions=True)
-
-
-def _suspect(suspicions: dict[str, list[str]], donor: str, reason: str) -> None:
-    logger.warning("state donor %s: %s", donor, reason)
-    suspicions.setdefault(donor, []).append(reason)
-
-
-def _majority(offers: list[_Offer], min_version: int, asked: int, suspicions: dict[str, list[str]]) -> list[_Offer]:
-    """The offers of the newest state (version and layout) that strictly more than half of the donors
-    that answered hold, one per donor; donors that claim a newer version or another layout are suspects
-    (those that are only behind are not)."""
-    if not any(offer.version >= min_version for offer in offers):
-        raise StateTransferError(f"none of {asked} peer(s) offered a state at version >= {min_version}")
-    answered = {offer.donor for offer in offers}
-    holders: dict[tuple[int, str], list[_Offer]] = {}
-    for offer in offers:
-        holders.setdefault((offer.version, offer.digest), []).append(offer)
-    agreed = [key for key, held in holders.items() if 2 * len({o.donor for o in held}) > len(answered)
-              and key[0] >= min_version]
-    if not agreed:
-        held = ", ".join(f"{v}:{d[:8]} x{len(o)}" for (v, d), o in sorted(holders.items(), reverse=True))
-        raise StateTransferError(f"no state at version >= {min_version} is held by a majority of the "
-                                 f"{len(answered)} donor(s) that answered ({held})")
-    version, digest = max(agreed)
-    sources = list({offer.donor: offer for offer in holders[(version, digest)]}.values())
-    for donor in sorted(answered - {offer.donor for offer in sources}):
-        described = max((o.version, o.digest) for o in offers if o.donor == donor)
-        if described[0] < version:  # behind the swarm: no liar
-            logger.info("donor %s holds only versions up to %d", donor, described[0])
-            continue
-        _suspect(suspicions, donor, f"described version {described[0]} layout {described[1][:8]}, "
-                                    f"the majority holds version {version} layout {digest[:8]}")
-    return sources
+        await asyncio.gather(*(_finish(offer.channel) for offer in offers), return_exceptions=True)
 
 
 async def _finish(channel: Channel) -> None:
@@ -315,29 +238,15 @@ async def _finish(channel: Channel) -> None:
         await channel.close()
 
 
-async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: int) -> list[_Offer]:
-    """One offer per version ``donor`` holds (newest first), all on one channel."""
+async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: int) -> _Offer:
     channel = await transport.open(donor, protocol)
     try:
         await channel.send({"t": "describe"})
         reply = expect_kind(await channel.recv(max_payload=MAX_DESCRIPTION_BYTES), "state")
-        try:
-            held = msgpack.unpackb(bytes(reply.payload), raw=False)["held"]
-            entries = [(int(version), str(digest), int(nbytes), bytes(described))
-                       for version, digest, nbytes, described in held[:MAX_HELD]]
-        except Exception as error:
-            raise FrameError(f"state description is malformed: {error}") from None
-        latest = (field(reply.header, "version", int), field(reply.header, "digest", str),
-                  int_field(reply.header, "nbytes", 0, max_bytes))
-        if not entries or entries[0][:3] != latest:
-            raise FrameError(f"the donor's header says {latest}, its description {entries[0][:3] if entries else 'nothing'}")
-        offers = []
-        for version, digest, nbytes, described in entries:
-            if not 0 <= nbytes <= max_bytes:
-                raise FrameError(f"state of {nbytes} bytes is out of range 0..{max_bytes}")
-            specs, meta, parts = _parse_state(described, nbytes)
-            offers.append(_Offer(donor, channel, version, digest, nbytes, specs, meta, parts))
-        return offers
+        nbytes = int_field(reply.header, "nbytes", 0, max_bytes)
+        specs, meta = _parse_description(bytes(reply.payload), nbytes)
+        return _Offer(donor, channel, field(reply.header, "version", int), field(reply.header, "digest", str),
+                      nbytes, specs, meta)
     except BaseException:
         await channel.close()
         raise
@@ -355,48 +264,22 @@ def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Calla
     return sorted(parts)
 
 
-def _agreed_parts(sources: list[_Offer], parts: list[int],
-                  suspicions: dict[str, list[str]]) -> dict[int, tuple[bytes, set[str]]]:
-    """For each part, the hash most ``sources`` describe and the donors that describe it; a donor
-    outvoted by a strict majority on a part is a suspect (it serves no part then)."""
-    agreed: dict[int, tuple[bytes, set[str]]] = {}
-    outvoted: dict[str, list[int]] = {}
-    for index in parts:
-        digest, count = Counter(offer.parts[index] for offer in sources).most_common(1)[0]
-        agreed[index] = (digest, {offer.donor for offer in sources if offer.parts[index] == digest})
-        if 2 * count > len(sources):
-            for offer in sources:
-                if offer.parts[index] != digest:
-                    outvoted.setdefault(offer.donor, []).append(index)
-        elif len(sources) > 1:
-            logger.info("state part %d: no hash has a majority of %d donors; taking the most common",
-                        index, len(sources))
-    for donor, indices in outvoted.items():
-        _suspect(suspicions, donor, f"described other bytes than the majority for part(s) {indices[:8]}")
-        for index in parts:
-            agreed[index][1].discard(donor)
-    return agreed
-
-
-async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None,
-                 suspicions: dict[str, list[str]]) -> StateSnapshot:
-    """Every needed part from a donor that describes the agreed hash for it, checked against that hash;
-    a donor that errs, stalls for ``part_seconds`` or serves bad bytes hands its parts on."""
+async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None) -> StateSnapshot:
+    """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on."""
     first = sources[0]
     data = torch.empty(first.nbytes, dtype=torch.uint8)
     target = memoryview(data.numpy())
     parts = parts_holding(first.specs, keep)
-    agreed = _agreed_parts(sources, parts, suspicions)
     random.shuffle(sources)  # joiners arriving together start on different donors
-    pending: list[int] = list(parts)
-    healthy = [offer for offer in sources if any(offer.donor in agreed[i][1] for i in parts)]
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in parts:
+        queue.put_nowait(index)
+    done: set[int] = set()
+    healthy = list(sources)
 
     async def worker(offer: _Offer) -> None:
-        while True:
-            index = next((i for i in pending if offer.donor in agreed[i][1]), None)
-            if index is None:
-                return
-            pending.remove(index)
+        while not queue.empty():
+            index = queue.get_nowait()
             try:
                 async with timeout(part_seconds):
                     await offer.channel.send({"t": "part", "version": offer.version, "index": index})
@@ -405,24 +288,20 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
                     expected = min(PART_BYTES, offer.nbytes - index * PART_BYTES)
                     if length != expected:
                         raise FrameError(f"part {index} is {length} bytes, expected {expected}")
-                    landed = target[index * PART_BYTES : index * PART_BYTES + length]
-                    await offer.channel.recv_payload_into(landed)
-                if hashlib.sha256(landed).digest()[:PART_HASH_BYTES] != agreed[index][0]:
-                    _suspect(suspicions, offer.donor, f"served bytes for part {index} that fail its agreed hash")
-                    raise FrameError(f"part {index} fails its hash")
+                    await offer.channel.recv_payload_into(target[index * PART_BYTES : index * PART_BYTES + length])
+                done.add(index)
             except (FrameError, RemoteError, EOFError, OSError, ConnectionError, asyncio.TimeoutError,
                     TimeoutError) as error:
                 logger.info("donor %s failed on part %d: %s; the others take over", offer.donor, index, error)
-                pending.append(index)  # another donor fetches it
+                queue.put_nowait(index)  # another donor fetches it
                 healthy.remove(offer)
                 await offer.channel.abort()  # nothing more may land in the buffer from this donor
                 return
 
-    # a donor that failed late leaves parts for another pass, to the donors that agree on them
-    while pending and any(offer.donor in agreed[i][1] for offer in healthy for i in pending):
+    while not queue.empty() and healthy:  # a donor that failed late leaves parts for another pass
         await asyncio.gather(*(worker(offer) for offer in list(healthy)))
-    if pending:
-        raise StateTransferError(f"every donor failed: {len(pending)} of {len(parts)} parts missing")
+    if len(done) != len(parts):
+        raise StateTransferError(f"every donor failed: {len(parts) - len(done)} of {len(parts)} parts missing")
     snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
     if keep is not None:  # repack the kept tensors: every byte of theirs was fetched, the rest is unset
         kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}

@@ -298,25 +298,18 @@ class Membership:
             await self.announce(state="left")
 
     async def _beat(self) -> None:
-        """Announce and reread on a fixed schedule; announce at once, between beats, when asked
-        (an epoch changed). Early announcements move neither the schedule nor the rereads: with
-        epochs shorter than a beat they would otherwise starve the listing."""
+        """Announce and reread every beat, and at once when asked (an epoch changed)."""
         assert self._publish_now is not None
-        next_beat = time.monotonic() + self.beat_interval
         while True:
             try:
-                await asyncio.wait_for(self._publish_now.wait(), timeout=max(0.0, next_beat - time.monotonic()))
+                await asyncio.wait_for(self._publish_now.wait(), timeout=self.beat_interval)
             except asyncio.TimeoutError:
                 pass
             self._publish_now.clear()
-            scheduled = time.monotonic() >= next_beat - 0.01
-            if scheduled:
-                next_beat = time.monotonic() + self.beat_interval
             try:
                 await self.announce()
-                if self.watch and scheduled:
+                if self.watch:
                     await self.read()
-                    next_beat = min(next_beat, time.monotonic() + self.beat_interval)  # the size may have changed
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # keep beating: the next one may get through

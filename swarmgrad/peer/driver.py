@@ -72,8 +72,6 @@ class Tracker(Protocol):
 
     def ahead_of(self, epoch: int) -> list[str]: ...
 
-    def catch_up_target(self, epoch: int) -> tuple[list[str], int]: ...
-
     def others_at(self, epoch: int) -> list[str]: ...
 
     def set_averaging(self, averaging: bool) -> None: ...
@@ -115,11 +113,9 @@ class RoundDriver:
                 self.policy.apply(outcome.average)
             self.tracker.next_epoch(epoch + 1)
             return True
-        # the swarm moved on without us (a quorum of distinct peers is past our epoch, progress.py):
-        # take its state, at the epoch that quorum reached, instead of averaging stale values
-        ahead, target = self.tracker.catch_up_target(epoch)
-        if ahead:
-            return await self._try_catch_up(ahead, target)
+        ahead = self.tracker.ahead_of(epoch)
+        if ahead:  # the swarm moved on without us: take its state instead of averaging stale values
+            return await self._try_catch_up(ahead, epoch + 1)
         alone = not self.tracker.others_at(epoch) and not self.tracker.others_at(epoch - 1)
         attempts = 0 if alone else MAX_ROUND_ATTEMPTS
         if not alone:
@@ -132,9 +128,9 @@ class RoundDriver:
                 self.policy.apply(outcome.average)
                 self.tracker.next_epoch(epoch + 1)
                 return True
-            ahead, target = await self._wait_for_ahead(epoch)
+            ahead = await self._wait_for_ahead(epoch)
             if ahead:
-                return await self._try_catch_up(ahead, target)
+                return await self._try_catch_up(ahead, epoch + 1)
             if not self.tracker.others_at(epoch):
                 break  # nobody else is training: finish the epoch alone
         logger.info("epoch %d: no group after %d attempt(s); stepping on local values", epoch, attempts)
@@ -148,14 +144,13 @@ class RoundDriver:
         swarm = self.tracker.fresh()
         return len(swarm.at(epoch)) + len(swarm.at(epoch - 1))
 
-    async def _wait_for_ahead(self, epoch: int) -> tuple[list[str], int]:
-        """A quorum of peers that finished ``epoch`` (a round we missed) and the epoch it reached,
-        waiting long enough for them to say so."""
+    async def _wait_for_ahead(self, epoch: int) -> list[str]:
+        """Peers that finished ``epoch`` (a round we missed), waiting long enough for them to say so."""
         deadline = time.monotonic() + self.timing.ahead_wait(len(self.tracker.fresh().peers))
         while True:
-            ahead, target = self.tracker.catch_up_target(epoch)
+            ahead = self.tracker.ahead_of(epoch)
             if ahead or time.monotonic() > deadline:
-                return ahead, target
+                return ahead
             await asyncio.sleep(min(0.1, self.timing.presence_refresh / 4))
 
     async def _try_catch_up(self, donors: list[str], min_version: int) -> bool:

@@ -193,6 +193,11 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
                 # the snapshot's time, step and epoch: the event says when the model had this accuracy
                 evaluator.start({"t": time.time(), "step": peer.status().step, "epoch": peer.epoch})
                 emit({**_progress_event(peer), "evaluating": True})
+        if final is None and evaluator.wait():  # the evaluation under way when training stopped is reported
+            result, snapshot = evaluator.poll() or (None, None)
+            if result is not None:
+                _publish(peer, result, snapshot["t"])
+                emit({"event": "eval", **snapshot, "peer_id": peer.peer_id, **_finite_metrics(result)})
         emit(_progress_event(peer))
         if final is None and local.final_eval:
             evaluated_at = time.time()

@@ -106,17 +106,14 @@ class Policy(ABC):
                 target.copy_(tensors[name])
 
     def epoch_due(self, mean_steps: float | None = None, samples: float | None = None) -> bool:
-        """Common test: a quorum of the swarm moved on, enough peers started averaging, or the target was
-        reached, each by robust statistics over distinct peers (progress.py) so that no single peer's
-        records force or stall a step. ``mean_steps``: local steps of the median peer."""
+        """Common test: the swarm moved on, somebody started averaging, or the target was reached."""
         epoch = self.progress.local.epoch  # type: ignore[attr-defined]
         swarm = self.progress.fresh()
-        me = swarm.peers[0].peer_id if swarm.peers else ""  # a snapshot lists this peer first
-        if swarm.ahead(me, epoch)[0] or swarm.averaging_quorum_in(me, epoch):
+        if swarm.epoch > epoch or swarm.averaging_in(epoch):
             return True
-        if mean_steps is not None and swarm.median_steps_in(me, epoch) >= mean_steps:
+        if mean_steps is not None and swarm.mean_steps_in(epoch) >= mean_steps:
             return True
-        return samples is not None and swarm.capped_samples_in(me, epoch) >= samples
+        return samples is not None and swarm.samples_in(epoch) >= samples
 
     @torch.no_grad()
     def copy_params_into(self, flat: torch.Tensor) -> None:
