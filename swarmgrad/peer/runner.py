@@ -27,7 +27,6 @@ import torch
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import RunConfig
-from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, settle_run, wait_for_manifest
 from swarmgrad.runtime import run
 from swarmgrad.tasks import Task, get_task
@@ -145,7 +144,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     if metrics is not None:
         metrics.attach(peer)
     reason, final, started = "stopped", None, time.time()
-    with stop, peer, BackgroundEvaluator(task, model, local.eval_batches) as evaluator:
+    with stop, peer:
         if announce is not None:
             announce(peer.maddrs)
         if local.wait_peers > 1:
@@ -178,26 +177,18 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
                 emit(_progress_event(peer))
-            finished = evaluator.poll()
-            if finished is not None:
-                result, snapshot = finished
-                last_eval = time.monotonic()
-                _publish(peer, result, snapshot["t"])  # for the run's dashboards; training goes on meanwhile
-                emit({"event": "eval", **snapshot, "peer_id": peer.peer_id, **_finite_metrics(result)})
+            if local.eval_every > 0 and now - last_eval >= local.eval_every and peer.epoch != eval_epoch:
+                evaluated_at = time.time()  # the model's time: the event says when it had this accuracy
+                # say so first: a long evaluation (seconds on a big model) is not a hung round
+                emit({**_progress_event(peer), "evaluating": True})
+                result = task.evaluate(model, max_batches=local.eval_batches)
+                last_eval, eval_epoch = time.monotonic(), peer.epoch
+                _publish(peer, result, evaluated_at)  # for the run's dashboards; training goes on meanwhile
+                emit({"event": "eval", "t": evaluated_at, "peer_id": peer.peer_id, "step": peer.status().step,
+                      "epoch": peer.epoch, **_finite_metrics(result)})
                 if local.target_accuracy is not None and result["accuracy"] >= local.target_accuracy:
                     reason, final = "target_accuracy", result
                     break
-            if (local.eval_every > 0 and not evaluator.busy and now - last_eval >= local.eval_every
-                    and peer.epoch != eval_epoch):
-                eval_epoch = peer.epoch
-                # the snapshot's time, step and epoch: the event says when the model had this accuracy
-                evaluator.start({"t": time.time(), "step": peer.status().step, "epoch": peer.epoch})
-                emit({**_progress_event(peer), "evaluating": True})
-        if final is None and evaluator.wait():  # the evaluation under way when training stopped is reported
-            result, snapshot = evaluator.poll() or (None, None)
-            if result is not None:
-                _publish(peer, result, snapshot["t"])
-                emit({"event": "eval", **snapshot, "peer_id": peer.peer_id, **_finite_metrics(result)})
         emit(_progress_event(peer))
         if final is None and local.final_eval:
             evaluated_at = time.time()
