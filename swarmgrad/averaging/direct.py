@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from swarmgrad.averaging.framestream import FastChannel
+from swarmgrad.averaging.ratelimit import UNLIMITED, RateLimits
 from swarmgrad.averaging.secure import KEY_BYTES, EncryptedChannel, FrameCipher
 from swarmgrad.averaging.transport import Channel, ChannelHandler, Libp2pTransport, Transport
 from swarmgrad.averaging.wire import FrameError, expect_kind, field
@@ -65,11 +66,13 @@ class DirectTransport(Transport):
         connect_timeout: float = DEFAULT_TIMING.connect_timeout,
         control_timeout: float = DEFAULT_TIMING.control_timeout,
         remember_seconds: float = 60.0,  # an unreachable peer's NAT or firewall does not change by the second
+        limits: RateLimits = UNLIMITED,
     ):
         self.libp2p, self.host, self.port = libp2p, host, port
         self.advertise_hosts = advertise_hosts or [host]
         self.trusted_network, self.connect_timeout, self.remember_seconds = trusted_network, connect_timeout, remember_seconds
         self.control_timeout = control_timeout
+        self.limits = limits  # the peer's caps, shared with the libp2p fallback's channels
         # a token must be used this soon after it was issued: the answer to the setup, then up to
         # four addresses tried in turn (both ends use the same Timing)
         self.token_seconds = 2 * control_timeout + 4 * connect_timeout
@@ -196,6 +199,7 @@ class DirectTransport(Transport):
             else:
                 channel = EncryptedChannel.take_over(peer_id, reader, writer, name)
                 channel.cipher = FrameCipher(key, sending=0)
+            channel.limit(self.limits)
             self._connections.add(channel)
             return channel
         raise last_error
@@ -235,6 +239,7 @@ class DirectTransport(Transport):
         else:
             channel = EncryptedChannel.take_over(pending.peer_id, reader, writer, name)
             channel.cipher = FrameCipher(pending.key, sending=1)
+        channel.limit(self.limits)
         self._connections.add(channel)
         try:
             await self._serve_connection(channel)
@@ -276,14 +281,16 @@ class DirectTransport(Transport):
 
 
 def default_transport(node: SwarmNode, direct: bool = True, trusted_network: bool = False,
-                      timing: Timing = DEFAULT_TIMING) -> Transport:
-    """What a peer's runtime uses unless told otherwise: direct TCP where reachable, libp2p otherwise."""
-    libp2p = Libp2pTransport(node.p2p)
+                      timing: Timing = DEFAULT_TIMING, limits: RateLimits = UNLIMITED) -> Transport:
+    """What a peer's runtime uses unless told otherwise: direct TCP where reachable, libp2p otherwise.
+    ``limits``: the peer's upload and download caps, one bucket each for every channel of both."""
+    libp2p = Libp2pTransport(node.p2p, limits)
     if not direct:
         return libp2p
     return DirectTransport(libp2p, host=node.config.host, port=node.config.data_port,
                            advertise_hosts=_data_hosts(node), trusted_network=trusted_network,
-                           connect_timeout=timing.connect_timeout, control_timeout=timing.control_timeout)
+                           connect_timeout=timing.connect_timeout, control_timeout=timing.control_timeout,
+                           limits=limits)
 
 
 def _data_hosts(node: SwarmNode) -> list[str]:

@@ -8,13 +8,17 @@ destination, e.g. the slice of the result tensor it belongs to.
 
 ``FastChannel`` takes over the transport of an existing stream (a p2pd stream from hivemind, or a
 TCP connection), carrying over whatever its StreamReader had already buffered.
+
+Rate caps (``ratelimit.py``): a channel given a peer's ``RateLimits`` writes in paced pieces, and its
+protocol stops reading the socket while the download bucket is in debt.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
+from swarmgrad.averaging.ratelimit import CHUNK_BYTES, RateLimits, TokenBucket
 from swarmgrad.averaging.transport import Channel
 from swarmgrad.averaging.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -46,20 +50,26 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._closed: BaseException | None = None  # EOF or connection error
         self._can_write = asyncio.Event()
         self._can_write.set()
-        self._reading_paused = False
+        self._reading_paused = False  # our buffer is full of unread bytes
+        self.download: TokenBucket | None = None  # the peer's download cap, when it has one
+        self._throttle: asyncio.TimerHandle | None = None  # reading paused until the download debt is paid
 
     # ---- asyncio callbacks ----------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        # a capped download reads in small pieces, so one read cannot take far more than the budget
+        limit = CHUNK_BYTES if self.download is not None else None
         if self._target is not None:
-            return self._target[self._target_filled :]
+            return self._target[self._target_filled :][:limit]
         if self._start == self._end:  # empty: start over at the front
             self._start = self._end = 0
         elif len(self._buffer) - self._end < MIN_FREE_BYTES:
             self._move_unread_to_front()
-        return self._view[self._end :]
+        return self._view[self._end :][:limit]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.download is not None:
+            self._charge_download(nbytes)
         if self._target is not None:
             self._target_filled += nbytes
             if self._target_filled == len(self._target):
@@ -77,6 +87,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._throttle is not None:
+            self._throttle.cancel()
+            self._throttle = None
         self._closed = exc or EOFError("channel closed")
         self._can_write.set()
         self._wake()
@@ -128,6 +141,20 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _resume_reading(self) -> None:
         if self._reading_paused and self.transport is not None:
             self._reading_paused = False
+            if self._throttle is None:  # else the throttle's end resumes it
+                self.transport.resume_reading()
+
+    def _charge_download(self, nbytes: int) -> None:
+        """Pay for bytes that arrived; while in debt, leave them in the kernel (TCP slows the sender)."""
+        assert self.download is not None
+        delay = self.download.charge(nbytes)
+        if delay > 0 and self._throttle is None and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+            self._throttle = asyncio.get_running_loop().call_later(delay, self._end_throttle)
+
+    def _end_throttle(self) -> None:
+        self._throttle = None
+        if not self._reading_paused and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
     async def _wait(self) -> None:
@@ -154,6 +181,16 @@ class FastChannel(Channel):
         # set by a transport that pools connections: called by close() instead of closing
         self.on_close: Callable[[FastChannel], Awaitable[None]] | None = None
         self.aborted = False
+        self.upload: TokenBucket | None = None  # the peer's upload cap, when it has one (``limit``)
+        self._send_lock: asyncio.Lock | None = None  # paced frames are written in pieces: one frame at a time
+        self._torn = False  # a paced send stopped mid-frame: the stream is unusable
+
+    def limit(self, limits: RateLimits) -> FastChannel:
+        """Charge this channel's traffic to the peer's buckets (shared by all its channels)."""
+        self.upload, self._protocol.download = limits.upload, limits.download
+        if limits.upload is not None and self._send_lock is None:
+            self._send_lock = asyncio.Lock()
+        return self
 
     @classmethod
     def take_over(
@@ -178,11 +215,31 @@ class FastChannel(Channel):
         if self._protocol._closed is not None and self._transport.is_closing():
             raise ConnectionResetError(f"channel to {self.peer_id} is closed")
         prefix = pack_prefix_and_header(header, len(payload))
-        if len(payload):
-            self._transport.writelines((prefix, payload))  # one writev, no join copy
-        else:
-            self._transport.write(prefix)
+        await self._write((prefix, payload) if len(payload) else (prefix,))  # one writev, no join copy
         self.bytes_sent += len(prefix) + len(payload)
+
+    async def _write(self, pieces: Sequence[bytes | memoryview]) -> None:
+        """Write one frame's pieces: at once, or, under an upload cap, in paced chunks."""
+        if self.upload is None:
+            self._transport.writelines(pieces)
+            return
+        assert self._send_lock is not None
+        async with self._send_lock:
+            try:
+                for piece in pieces:
+                    view = memoryview(piece)
+                    if view.format != "B" or view.ndim != 1:
+                        view = view.cast("B")
+                    for start in range(0, len(view), CHUNK_BYTES):
+                        chunk = view[start : start + CHUNK_BYTES]
+                        await self.upload.take(len(chunk))
+                        await self._protocol._can_write.wait()
+                        if self._transport.is_closing():
+                            raise ConnectionResetError(f"channel to {self.peer_id} is closed")
+                        self._transport.write(chunk)
+            except BaseException:
+                self._torn = True  # cancelled or reset between pieces: never reuse this stream
+                raise
 
     async def recv_header(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, int]:
         """The next frame's header and its payload length; read the payload next."""
@@ -207,7 +264,8 @@ class FastChannel(Channel):
     @property
     def idle(self) -> bool:
         """Between frames, not aborted, connection open: safe to hand to the next exchange."""
-        return not (self.aborted or self._pending_payload or self._protocol._closed or self._transport.is_closing())
+        return not (self.aborted or self._torn or self._pending_payload or self._protocol._closed
+                    or self._transport.is_closing())
 
     def reset_counters(self) -> None:
         self.bytes_sent = self.bytes_received = 0

@@ -17,6 +17,7 @@ import logging
 from typing import Callable
 
 from swarmgrad.averaging.direct import default_transport
+from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, RateLimits
 from swarmgrad.averaging.state_transfer import StateServer
 from swarmgrad.averaging.transport import Transport
 from swarmgrad.dht.membership import Member, Membership, Role, check_run_id
@@ -32,13 +33,16 @@ class NetworkRuntime:
     ``node``: an already started SwarmNode to use (the caller keeps it); otherwise one is started
     from ``network``. ``direct=False`` keeps tensors on libp2p streams; ``trusted_network=True``
     sends them unencrypted on the direct plane (both ends must opt in). ``before_publish`` fills in
-    what each presence heartbeat announces (the peer layer's progress).
+    what each presence heartbeat announces (the peer layer's progress). ``upload_limit_mbps`` /
+    ``download_limit_mbps`` cap the data plane (every channel of this peer together; None: no cap).
     """
 
     def __init__(self, run_id: str, network: NodeConfig | None = None, *, node: SwarmNode | None = None,
                  role: Role | None = None, direct: bool = True, trusted_network: bool = False,
-                 timing: Timing = DEFAULT_TIMING, before_publish: Callable[[Membership], None] | None = None):
+                 timing: Timing = DEFAULT_TIMING, before_publish: Callable[[Membership], None] | None = None,
+                 upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS, download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS):
         self.run_id = check_run_id(run_id)
+        self.limits = RateLimits.from_mbps(upload_limit_mbps, download_limit_mbps)
         self.timing = timing
         self._owns_node = node is None
         self.node = node if node is not None else SwarmNode(network or NodeConfig())
@@ -73,7 +77,7 @@ class NetworkRuntime:
                                    "averagers can use one runtime)")
             self.node.runtime = self
             self._entered.append(("node's runtime", self._release_node))
-            self.transport = default_transport(self.node, self.direct, self.trusted_network, self.timing)
+            self.transport = default_transport(self.node, self.direct, self.trusted_network, self.timing, self.limits)
             await self.transport.start()
             self._entered.append(("transport", self.transport.stop))
             self.state_server = StateServer(self.transport, self.state_protocol, idle_seconds=self.timing.join_timeout)

@@ -78,7 +78,7 @@ class EncryptedChannel(FastChannel):
         pieces = [_LENGTH.pack(len(sealed_header)), sealed_header]
         if len(payload):
             pieces.append(self.cipher.seal(payload))
-        self._transport.writelines(pieces)
+        await self._write(pieces)
         self.bytes_sent += sum(len(piece) for piece in pieces)
 
     async def recv_header(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, int]:

@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from swarmgrad.averaging.ratelimit import UNLIMITED, RateLimits
 from swarmgrad.averaging.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     PREFIX,
@@ -153,16 +154,17 @@ class Libp2pTransport(Transport):
 
     name = "libp2p"
 
-    def __init__(self, p2p: P2P):
+    def __init__(self, p2p: P2P, limits: RateLimits = UNLIMITED):
         self.p2p = p2p
+        self.limits = limits  # the peer's caps; they pace the stream to p2pd, and so what p2pd sends
 
     async def open(self, peer_id: str, protocol: str) -> Channel:
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
-        return _fast_channel(peer_id, reader, writer, self.name)
+        return _fast_channel(peer_id, reader, writer, self.name, self.limits)
 
     async def serve(self, protocol: str, handler: ChannelHandler) -> None:
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            channel = _fast_channel(info.peer_id.to_base58(), reader, writer, self.name)
+            channel = _fast_channel(info.peer_id.to_base58(), reader, writer, self.name, self.limits)
             try:
                 await handler(channel)
             except FrameError as error:
@@ -179,7 +181,8 @@ class Libp2pTransport(Transport):
         await self.p2p.remove_binary_stream_handler(protocol)
 
 
-def _fast_channel(peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str) -> Channel:
+def _fast_channel(peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str,
+                  limits: RateLimits) -> Channel:
     from swarmgrad.averaging.framestream import FastChannel  # framestream builds on this module
 
-    return FastChannel.take_over(peer_id, reader, writer, name)
+    return FastChannel.take_over(peer_id, reader, writer, name).limit(limits)
