@@ -27,6 +27,7 @@ import torch
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, settle_run, wait_for_manifest
 from swarmgrad.runtime import run
 from swarmgrad.tasks import Task, get_task
@@ -144,7 +145,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     if metrics is not None:
         metrics.attach(peer)
     reason, final, started = "stopped", None, time.time()
-    with stop, peer:
+    with stop, peer, BackgroundEvaluator(task, model, local.eval_batches) as evaluator:
         if announce is not None:
             announce(peer.maddrs)
         if local.wait_peers > 1:
@@ -177,18 +178,19 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
                 emit(_progress_event(peer))
+            result = _report_evaluation(peer, evaluator.poll(), emit)
+            if result is not None and local.target_accuracy is not None and result["accuracy"] >= local.target_accuracy:
+                reason, final = "target_accuracy", result
+                break
             if local.eval_every > 0 and now - last_eval >= local.eval_every and peer.epoch != eval_epoch:
-                evaluated_at = time.time()  # the model's time: the event says when it had this accuracy
-                # say so first: a long evaluation (seconds on a big model) is not a hung round
-                emit({**_progress_event(peer), "evaluating": True})
-                result = task.evaluate(model, max_batches=local.eval_batches)
-                last_eval, eval_epoch = time.monotonic(), peer.epoch
-                _publish(peer, result, evaluated_at)  # for the run's dashboards; training goes on meanwhile
-                emit({"event": "eval", "t": evaluated_at, "peer_id": peer.peer_id, "step": peer.status().step,
-                      "epoch": peer.epoch, **_finite_metrics(result)})
-                if local.target_accuracy is not None and result["accuracy"] >= local.target_accuracy:
-                    reason, final = "target_accuracy", result
-                    break
+                last_eval = now  # the next point is --eval-every from this one, whether this one runs or not
+                # the snapshot's time, step and epoch: the event says when the model had this accuracy
+                if evaluator.offer({"t": time.time(), "step": peer.status().step, "epoch": peer.epoch}):
+                    eval_epoch = peer.epoch
+                    emit({**_progress_event(peer), "evaluating": True})
+        if final is None:  # the evaluation under way when training stopped is reported, then the final state's
+            evaluator.wait()
+            _report_evaluation(peer, evaluator.poll(), emit)
         emit(_progress_event(peer))
         if final is None and local.final_eval:
             evaluated_at = time.time()
@@ -199,9 +201,21 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
         status = peer.status()
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
                "reason": reason, "final": None if final is None else _finite_metrics(final),
-               "status": status.to_json(), "seconds": time.time() - started}
+               "status": status.to_json(), "seconds": time.time() - started, "evaluations_skipped": evaluator.skipped}
     emit(summary)
     return summary
+
+
+def _report_evaluation(peer: Peer, finished: tuple[dict[str, float], dict[str, Any]] | None,
+                       emit: Emit) -> dict[str, float] | None:
+    """Publish and emit a finished background evaluation (``evaluator.poll()``); its metrics, or None."""
+    if finished is None:
+        return None
+    result, snapshot = finished
+    _publish(peer, result, snapshot["t"])  # for the run's dashboards; training goes on meanwhile
+    # t, step and epoch are the snapshot's: readers compare evaluations of the same state
+    emit({"event": "eval", **snapshot, "peer_id": peer.peer_id, **_finite_metrics(result)})
+    return result
 
 
 def _publish(peer: Peer, metrics: dict[str, float], evaluated_at: float) -> concurrent.futures.Future[bool]:
