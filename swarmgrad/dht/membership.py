@@ -83,6 +83,7 @@ class MemberRecord(RecordBody):
     epsilon: Annotated[float, pydantic.Field(ge=0)] | None = None  # privacy spent so far; inf without noise
     progress: Progress | None = None  # training members only
     stats: TrainingStats | None = None  # training members only
+    paused: bool = False  # a member that paused (peer.pause(), SIGUSR1): in the run, but in no round
 
 
 def reachability(maddrs: list[str]) -> Reachability:
@@ -110,6 +111,7 @@ class Member:
     epsilon: float | None = None  # differential privacy spent so far, when the member releases privately
     progress: Progress | None = None
     stats: TrainingStats | None = None
+    paused: bool = False  # do not expect it in rounds until it resumes
 
     @property
     def reachability(self) -> Reachability:
@@ -148,6 +150,7 @@ async def _read_listing(node: SwarmNode, run_id: str) -> tuple[list[Member], set
             epsilon=record.body.epsilon,
             progress=record.body.progress,
             stats=record.body.stats,
+            paused=record.body.paused,
         )
         for owner, record in records.items()
         if record.body.state == "alive" and record.expires > now
@@ -185,6 +188,7 @@ class Membership:
         self.epsilon: float | None = None
         self.progress: Progress | None = None
         self.stats: TrainingStats | None = None
+        self.paused = False  # announced as is; set by a peer that pauses
         self.members: list[Member] = []  # with watch=True: the latest listing (this member included)
         self.members_read_at = -math.inf  # time.monotonic() of that listing
         self._arriving = False  # the last reread found a member the one before did not list
@@ -246,6 +250,7 @@ class Membership:
             epsilon=self.epsilon,
             progress=self.progress,
             stats=self.stats,
+            paused=self.paused,
         )
         # a frequent heartbeat needs latency more than durability: the next one follows soon. A leave
         # has no next one, and the node usually shuts down right after it, which would cut off the
