@@ -263,7 +263,7 @@ def test_a_large_run_beats_less_often_so_presence_costs_the_swarm_linear_time():
 def fake_member_record(state: str = "alive", expires_in: float = 30.0) -> SimpleNamespace:
     """What ``Membership.read`` uses of a verified member record."""
     body = SimpleNamespace(state=state, maddrs=[], role="peer", version="0", step=0, samples_per_second=0.0,
-                           updated_at=time.time(), epsilon=None, progress=None, stats=None)
+                           updated_at=time.time(), epsilon=None, progress=None, stats=None, paused=False)
     return SimpleNamespace(body=body, expires=time.time() + expires_in)
 
 
