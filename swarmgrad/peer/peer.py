@@ -9,6 +9,13 @@
 one event loop (the app's, or a background thread's for the sync API); the training thread only
 does local work, except while a swarm step (averaging) is due, when it waits for it.
 
+Pausing (``peer.pause()`` / ``peer.resume()``, the CLI's SIGUSR1 / SIGUSR2): a paused peer leaves
+the round in flight at once (its groupmates' deadline drops it), starts no new one, and stays a
+member of the run, marked paused in its presence record. ``step()`` while paused trains nothing and
+sends nothing: it drops the batch's gradients and returns. The first ``step()`` after ``resume()``
+takes the swarm's state if the swarm moved on meanwhile (and drops that batch, computed from the
+stale model); otherwise training goes on from where it paused.
+
 The pieces: a ``NetworkRuntime`` (node, transport, state server, presence), a ``ProgressTracker``
 (this peer's progress in its presence record, and everyone else's), a policy (the strategy: what it
 contributes, how it applies the average), an averaging backend, and the ``RoundDriver`` that runs
@@ -31,6 +38,7 @@ import torch
 
 from swarmgrad.averaging import Averager, GossipAverager, NetworkRuntime
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
+from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.averaging.settings import Aggregator, Averaging
 from swarmgrad.averaging.state_transfer import StateTransferError, download_state
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
@@ -73,6 +81,7 @@ class PeerStatus:
     state_downloads: int = 0
     settings: str = ""  # digest of the run settings this peer trains with
     warning: str | None = None  # why this peer trains alone, when it can tell
+    paused: bool = False  # peer.pause() (SIGUSR1): no rounds, no training, until resume()
     last_report: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -108,7 +117,9 @@ class Peer:
 
     Local settings: ``checkpoint_dir`` (resume from and save to it), ``network`` (a NodeConfig for
     host, port, identity, client mode, relays), ``timing`` (presence refresh, deadlines),
-    ``manifest`` (a run manifest this peer keeps published while it runs).
+    ``manifest`` (a run manifest this peer keeps published while it runs), ``upload_limit_mbps`` /
+    ``download_limit_mbps`` (caps in Mbit/s on everything this peer's averaging, gossip and state
+    transfer send / receive, together; None: no cap).
     """
 
     def __init__(
@@ -133,6 +144,8 @@ class Peer:
         trusted_network: bool = False,
         timing: Timing | None = None,
         manifest: RunManifest | None = None,
+        upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
+        download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
     ):
         self.run_id = check_run_id(run_id)
         self.model, self.optimizer = model, optimizer
@@ -146,7 +159,8 @@ class Peer:
             node_config = node_config.model_copy(update={"initial_peers": [*node_config.initial_peers, *initial_peers]})
         self.timing = timing = timing or DEFAULT_TIMING
         self.runtime = NetworkRuntime(self.run_id, node_config, direct=direct, trusted_network=trusted_network,
-                                      timing=timing)
+                                      timing=timing, upload_limit_mbps=upload_limit_mbps,
+                                      download_limit_mbps=download_limit_mbps)
         self.node = self.runtime.node
         self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon, stats=self._stats)
         self.evaluations = EvaluationLog(self.node, self.run_id, task=self.requested.task or "")
@@ -164,6 +178,10 @@ class Peer:
         self._tasks: list[asyncio.Task] = []
         self._last_checkpoint = time.monotonic()
         self._opened = False
+        self._paused = False
+        self._resynced = True  # False after a resume, until the first step checked the swarm's epoch
+        self._round: asyncio.Task | None = None  # the swarm step in flight, which pause() cancels
+        self._pause_changed: asyncio.Event | None = None  # set on each pause/resume (the loop's)
 
     # ---- public: sync -----------------------------------------------------------------------------
 
@@ -188,11 +206,47 @@ class Peer:
             self._background = None
 
     def step(self, batch_size: int, loss: float | torch.Tensor | None = None) -> None:
-        """Call after ``loss.backward()`` on a batch of ``batch_size`` samples; the peer steps the optimizer."""
+        """Call after ``loss.backward()`` on a batch of ``batch_size`` samples; the peer steps the optimizer.
+        While paused it drops the batch and returns at once."""
+        if self._paused or (not self._resynced and self._loop_run(self._resync())):
+            self._drop_batch(batch_size)
+            return
         if self._local_step(batch_size, loss):
-            if self._background is None:
-                raise RuntimeError("use `with peer:` (or `async with` and astep) before stepping")
-            self._background.run(self._swarm_step())
+            self._loop_run(self._swarm_step())
+
+    def pause(self) -> concurrent.futures.Future[None]:
+        """Leave the round in flight and take part in none until ``resume()``. Returns at once (safe
+        from another thread or a signal handler); the future is done once the peer has paused."""
+        return self._loop_submit(self.apause(), "pause")
+
+    def resume(self) -> concurrent.futures.Future[None]:
+        """Take part in rounds again; the next ``step()`` takes the swarm's state if it moved on."""
+        return self._loop_submit(self.aresume(), "resume")
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def wait_while_paused(self, seconds: float | None = None) -> bool:
+        """Block while the peer is paused, at most ``seconds``; True when it is not paused (any more).
+        For training loops that should not even compute batches while paused."""
+        if self._background is None:
+            raise RuntimeError("use `with peer:` first")
+        if not self._paused:
+            return True
+        return self._background.run(self._await_resumed(seconds))
+
+    def _loop_run(self, coroutine: Any) -> Any:
+        if self._background is None:
+            coroutine.close()
+            raise RuntimeError("use `with peer:` (or `async with` and astep) before stepping")
+        return self._background.run(coroutine)
+
+    def _loop_submit(self, coroutine: Any, what: str) -> concurrent.futures.Future[None]:
+        if self._background is None:
+            coroutine.close()
+            raise RuntimeError(f"use `with peer:` first (or `await peer.a{what}()` inside `async with`)")
+        return self._background.submit(coroutine)
 
     # ---- public: async ----------------------------------------------------------------------------
 
@@ -220,8 +274,78 @@ class Peer:
 
     async def astep(self, batch_size: int, loss: float | torch.Tensor | None = None) -> None:
         """The asyncio twin of ``step``."""
+        if self._paused or (not self._resynced and await self._resync()):
+            self._drop_batch(batch_size)
+            return
         if self._local_step(batch_size, loss):
             await self._swarm_step()
+
+    async def apause(self) -> None:
+        """The asyncio twin of ``pause``."""
+        if self._paused:
+            return
+        self._paused = True
+        if self._round is not None:
+            self._round.cancel()  # leave now: the group's deadline drops this peer (invariant 3)
+            await asyncio.gather(self._round, return_exceptions=True)
+        self.tracker.set_averaging(False)
+        self._announce_pause()
+        logger.info("paused at epoch %d: in no round until resumed", self.epoch)
+
+    async def aresume(self) -> None:
+        """The asyncio twin of ``resume``."""
+        if not self._paused:
+            return
+        self._paused, self._resynced = False, False
+        self._announce_pause()
+        logger.info("resumed at epoch %d", self.epoch)
+
+    async def _await_resumed(self, seconds: float | None) -> bool:
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while self._paused:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            event = self._pause_event()
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    def _pause_event(self) -> asyncio.Event:
+        if self._pause_changed is None:
+            self._pause_changed = asyncio.Event()
+        return self._pause_changed
+
+    def _announce_pause(self) -> None:
+        self.runtime.presence.paused = self._paused
+        self.runtime.presence.publish_soon()
+        self._pause_event().set()
+
+    def _drop_batch(self, batch_size: int) -> None:
+        """A paused peer trains nothing: the batch's gradients go, nothing is counted."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.model.zero_grad(set_to_none=True)
+
+    async def _resync(self) -> bool:
+        """The first step after a resume: take the swarm's state if it moved on while this peer was
+        paused. True when it did (the batch at hand came from the old model)."""
+        assert self.policy is not None
+        self._resynced = True
+        await self.runtime.presence.read()
+        epoch = self.tracker.local.epoch
+        donors = self.tracker.ahead_of(epoch)
+        if not donors:
+            return False
+        try:
+            await self._catch_up(donors, epoch + 1 if self.policy.synchronous else 0)
+        except StateTransferError as error:
+            logger.warning("after resuming: could not take the swarm's state (%s); training on", error)
+            return False
+        return True
 
     def wait_for_peers(self, count: int, seconds: float = 60.0) -> int:  # a user's choice: others start within a minute
         """Block until ``count`` peers (this one included) train in the run, or ``seconds`` pass;
@@ -260,7 +384,8 @@ class Peer:
             rounds_failed=counters.rounds_failed, solo_steps=self.driver.solo_steps if self.driver else 0,
             bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
             state_downloads=counters.state_downloads, settings=self.tracker.settings,
-            warning=self.driver.warning if self.driver else None, last_report=counters.last_report,
+            warning=self.driver.warning if self.driver else None, paused=self._paused,
+            last_report=counters.last_report,
         )
 
     def publish_evaluation(self, accuracy: float, loss: float | None = None, *, samples: int | None = None,
@@ -381,7 +506,21 @@ class Peer:
 
     async def _swarm_step(self) -> None:
         assert self.driver is not None
-        if await self.driver.swarm_step():
+        if self._paused:
+            return
+        # its own task, so that pause() can cancel the round without cancelling the caller's task
+        self._round = asyncio.ensure_future(self.driver.swarm_step())
+        try:
+            advanced = await self._round
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            cancelling = getattr(current, "cancelling", lambda: 0)()  # Python 3.11+: is the caller cancelled too?
+            if not (self._paused and self._round.cancelled()) or cancelling:
+                raise
+            return  # paused mid-round: the epoch stays as it was, nothing was applied (invariant 2)
+        finally:
+            self._round = None
+        if advanced:
             self._publish_state()
             if self.checkpoint_dir is not None and time.monotonic() - self._last_checkpoint >= self.checkpoint_every:
                 await self._save_checkpoint()
