@@ -50,12 +50,12 @@ def scenario(text: str):
 
 def test_builtin_scenarios_load_and_fit_this_machine():
     names = builtin_scenarios()
-    assert set(names) >= {"home-broadband", "edge-and-cloud", "churn-heavy"}
+    assert set(names) >= {"home-broadband", "edge-and-cloud", "churn-heavy", "home-nat"}
     assert all(names.values()), "every built-in scenario has a description"
     for name in names:
         loaded = load_scenario(name)
         assert loaded.name == name
-        assert 1 <= len(loaded.expanded_peers()) <= 6
+        assert 1 <= len(loaded.expanded_peers()) <= 8
         assert (loaded.task, loaded.strategy, loaded.averaging_kind, loaded.compression) == \
             ("fashion-mnist", "diloco", "moshpit", "int8")
 
@@ -68,6 +68,11 @@ def test_builtin_scenarios_say_what_they_promise():
     assert [p.label for p in edge] == ["cloud"] * 2 + ["edge"] * 4
     assert all(p.up_mbit == 1000 and p.delay_ms == 2 and p.slowdown == 1 for p in edge[:2])
     assert all(5 <= p.up_mbit <= 20 and 40 <= p.delay_ms <= 80 and p.loss == 0.01 and p.slowdown == 3 for p in edge[2:])
+    nat = load_scenario("home-nat").expanded_peers()  # home-broadband's links, 6 of 8 behind NAT
+    assert [p.nat for p in nat] == ["none"] * 2 + ["home"] * 4 + ["symmetric", "cgnat"]
+    assert all(10 <= p.down_mbit <= 100 and 5 <= p.up_mbit <= 20 and 10 <= p.delay_ms <= 40 and p.loss == 0.005
+               for p in nat)
+    assert nat[2].link().nat == "home" and "home NAT" in nat[2].describe()
     churn = load_scenario("churn-heavy")
     d = churn.duration
     assert [(e.at / d, e.action) for e in churn.schedule()] == \

@@ -64,7 +64,9 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.lab import nat
 from swarmgrad.lab.host import check_requirements
+from swarmgrad.lab.nat import NAT_TYPES
 from swarmgrad.lab.signals import DeferredSignals, LabTerminated, restore_handlers, terminate_on_signals
 from swarmgrad.lab.sweep import (
     ENV_MARKER,
@@ -104,6 +106,7 @@ class LinkSpec:
     down_mbit: float
     delay_ms: float
     loss: float
+    nat: str = "none"  # "home", "symmetric" or "cgnat": routers in front of the peer (lab/nat.py)
 
     def __post_init__(self) -> None:
         for name in ("up_mbit", "down_mbit"):
@@ -117,6 +120,8 @@ class LinkSpec:
         loss = _number(self, "loss")
         if not 0 <= loss < 1:
             raise ConfigError(f"LinkSpec.loss must be a probability in [0, 1), got {loss!r}")
+        if self.nat not in NAT_TYPES:
+            raise ConfigError(f"LinkSpec.nat must be one of {', '.join(NAT_TYPES)}, got {self.nat!r}")
 
 
 def _number(spec: LinkSpec, name: str) -> float:
@@ -209,8 +214,18 @@ class EmulatedNetwork:
         return namespace(self.prefix, i)
 
     def address(self, i: int) -> str:
+        """Where peer ``i``'s processes bind: its lab address, or behind a NAT its LAN address."""
+        self._check_index(i)
+        return nat.peer_address(i, self.links[i].nat) or address(i)
+
+    def public_address(self, i: int) -> str:
+        """Peer ``i``'s address on the lab's wire: its own, or its outermost NAT router's."""
         self._check_index(i)
         return address(i)
+
+    def _edge_namespace(self, i: int) -> str:
+        """The namespace that holds peer ``i``'s ``lab0``: its own, or its outermost router's."""
+        return ([namespace(self.prefix, i)] + nat.router_namespaces(self.prefix, i, self.links[i].nat))[-1]
 
     def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
         """Command line that runs ``argv`` inside peer ``i``'s namespace."""
@@ -236,7 +251,7 @@ class EmulatedNetwork:
         included (the kernel's counters of ``lab0``): the same measure for any software in the lab.
         Received bytes count before the link's loss is applied."""
         self._check_index(i)
-        result = subprocess.run([self.tools.get("ip", "ip"), "-n", self.namespace(i), "-s", "-j", "link", "show",
+        result = subprocess.run([self.tools.get("ip", "ip"), "-n", self._edge_namespace(i), "-s", "-j", "link", "show",
                                  TUN_NAME], capture_output=True, text=True, check=False, timeout=10)  # a local netlink read
         if result.returncode != 0:
             raise StartupError(f"cannot read the traffic counters of peer {i}: {result.stderr.strip()[-300:]}")
@@ -305,19 +320,23 @@ class EmulatedNetwork:
                                f"swarmgrad.lab.network.cleanup({self.prefix!r}) if that lab is dead")
         self._owns_prefix = True
         names = [namespace(self.prefix, i) for i in range(n)]
+        routers = [name for i in range(n) for name in nat.router_namespaces(self.prefix, i, self.links[i].nat)]
         # Namespaces first, then the tuns (opened here, in the root namespace, so that this process
-        # holds their fds for the hub), then move each tun into its namespace.
-        run_tool([ip, "-batch", "-"], "\n".join(f"netns add {name}" for name in names) + "\n")
+        # holds their fds for the hub), then move each tun into its namespace (a NAT router's for
+        # a peer behind one).
+        run_tool([ip, "-batch", "-"], "\n".join(f"netns add {name}" for name in names + routers) + "\n")
         for i in range(n):
             self._tun_fds.append(_open_tun(tun_temp_name(self.prefix, i)))
         run_tool([ip, "-batch", "-"], "".join(
-            f"link set {tun_temp_name(self.prefix, i)} netns {names[i]}\n" for i in range(n)))
+            f"link set {tun_temp_name(self.prefix, i)} netns {self._edge_namespace(i)}\n" for i in range(n)))
         for i, link in enumerate(self.links):
             self._configure(i, link)
+            if link.nat != "none":
+                self._build_routers(i, link)
         self._start_hub()
 
     def _configure(self, i: int, link: LinkSpec) -> None:
-        ns = namespace(self.prefix, i)
+        ns = self._edge_namespace(i)
         ip_lines = [
             "link set lo up",
             f"link set {tun_temp_name(self.prefix, i)} name {TUN_NAME}",
@@ -342,15 +361,40 @@ class EmulatedNetwork:
         run_tool([self.tools["ip"], "-n", ns, "-batch", "-"], "\n".join(ip_lines) + "\n")
         if tc_lines:
             run_tool([self.tools["tc"], "-n", ns, "-batch", "-"], "\n".join(tc_lines) + "\n")
+        rules = self._loss_rules(i, "INPUT")
+        if rules and link.nat == "none":  # a NAT router applies them in its FORWARD chain
+            script = "*filter\n" + "\n".join(rules) + "\nCOMMIT\n"
+            run_tool([self.tools["ip"], "netns", "exec", ns, self.tools["iptables-restore"]], script)
+
+    def _loss_rules(self, i: int, chain: str) -> list[str]:
         rules = []
         for j, other in enumerate(self.links):
             if j != i and other.loss > 0:  # the sender's uplink loss, applied where it is silent
-                rules.append(f"-A INPUT -i {TUN_NAME} -s {address(j)}/32 {_random_drop(other.loss)}")
-        if link.loss > 0:  # this peer's downlink loss
-            rules.append(f"-A INPUT -i {TUN_NAME} {_random_drop(link.loss)}")
-        if rules:
-            script = "*filter\n" + "\n".join(rules) + "\nCOMMIT\n"
-            run_tool([self.tools["ip"], "netns", "exec", ns, self.tools["iptables-restore"]], script)
+                rules.append(f"-A {chain} -i {TUN_NAME} -s {address(j)}/32 {_random_drop(other.loss)}")
+        if self.links[i].loss > 0:  # this peer's downlink loss
+            rules.append(f"-A {chain} -i {TUN_NAME} {_random_drop(self.links[i].loss)}")
+        return rules
+
+    def _build_routers(self, i: int, link: LinkSpec) -> None:
+        """Peer ``i``'s NAT routers (lab/nat.py): a veth from the peer to the first router, and
+        from it to the next; each router forwards, masquerades and lets in only established flows."""
+        ip = self.tools["ip"]
+        routers = nat.routers(i, link.nat, TUN_NAME)
+        inner = [namespace(self.prefix, i)] + nat.router_namespaces(self.prefix, i, link.nat)
+        for k, router in enumerate(routers):
+            here, inside = inner[k + 1], inner[k]
+            inside_if = nat.LAN_IF if k == 0 else nat.WAN_IF  # the peer's interface, or the inner router's outside
+            run_tool([ip, "-n", here, "link", "add", nat.LAN_IF, "mtu", str(self.mtu), "type", "veth", "peer", "name",
+                      inside_if, "mtu", str(self.mtu), "netns", inside])
+            run_tool([ip, "-n", here, "link", "set", nat.LAN_IF, "addrgenmode", "none"])
+            run_tool([ip, "-n", inside, "link", "set", inside_if, "addrgenmode", "none"])
+        run_tool([ip, "-n", inner[0], "-batch", "-"], "\n".join(["link set lo up", *nat.peer_lines(i)]) + "\n")
+        for k, router in enumerate(routers):
+            here = inner[k + 1]
+            run_tool([ip, "-n", here, "-batch", "-"], "\n".join(["link set lo up", *nat.router_lines(router)]) + "\n")
+            run_tool([ip, "netns", "exec", here, *nat.enable_forwarding_argv()])
+            loss = self._loss_rules(i, "FORWARD") if router.outside_if == TUN_NAME else []
+            run_tool([ip, "netns", "exec", here, self.tools["iptables-restore"]], nat.router_rules(router, loss))
 
     def _tbf(self, mbit: float) -> str:
         rate_bytes = mbit * 1e6 / 8

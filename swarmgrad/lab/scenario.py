@@ -25,6 +25,7 @@ with their links, and churn events::
     up_mbit = 5
     down_mbit = 20
     slowdown = 3              # every local step takes 3x as long (slower hardware)
+    nat = "home"              # behind a home router: none | home | symmetric | cgnat (lab/nat.py)
     start = false             # joins later, see churn
 
     [[churn]]
@@ -52,6 +53,7 @@ import pydantic
 
 from swarmgrad.commands.run_options import RUN_OPTIONS, run_config_from, run_flags
 from swarmgrad.errors import ConfigError
+from swarmgrad.lab.nat import NatType
 from swarmgrad.lab.network import LinkSpec
 from swarmgrad.peer.config import RunConfig
 
@@ -83,13 +85,15 @@ class PeerSpec(_Strict):
     count: int = pydantic.Field(1, ge=1, le=MAX_LAB_PEERS)
     start: bool = True
     label: str | None = pydantic.Field(None, max_length=20)
+    nat: NatType = "none"  # routers in front of it (lab/nat.py)
 
     def link(self) -> LinkSpec:
-        return LinkSpec(self.up_mbit, self.down_mbit, self.delay_ms, self.loss)
+        return LinkSpec(self.up_mbit, self.down_mbit, self.delay_ms, self.loss, self.nat)
 
     def describe(self) -> str:
-        """``10/50 Mbit/s 20 ms 0.5%``: up/down, one-way delay, loss."""
-        return f"{_rate(self.up_mbit)}/{_rate(self.down_mbit)} Mbit/s {self.delay_ms:g} ms {self.loss * 100:g}%"
+        """``10/50 Mbit/s 20 ms 0.5%``: up/down, one-way delay, loss (and ``home NAT``, if any)."""
+        link = f"{_rate(self.up_mbit)}/{_rate(self.down_mbit)} Mbit/s {self.delay_ms:g} ms {self.loss * 100:g}%"
+        return link if self.nat == "none" else f"{link} {self.nat} NAT"
 
 
 class ChurnSpec(_Strict):

@@ -41,13 +41,14 @@ def tun_temp_stem(prefix: str) -> str:
 
 
 def lab_namespaces(prefix: str) -> list[str]:
-    """The namespaces named ``<prefix>-<i>`` that exist now."""
-    pattern = re.compile(re.escape(prefix) + r"-\d+$")
+    """The namespaces named ``<prefix>-<i>`` (a peer's) or ``<prefix>-<i>-nat|cgn`` (its NAT routers) that exist now."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)(?:-nat|-cgn)?$")
     try:
         names = os.listdir(NETNS_DIR)
     except FileNotFoundError:
         return []
-    return sorted((name for name in names if pattern.match(name)), key=lambda s: int(s.rsplit("-", 1)[1]))
+    found = [(match, name) for name in names if (match := pattern.match(name))]
+    return [name for match, name in sorted(found, key=lambda item: (int(item[0].group(1)), item[1]))]
 
 
 def root_links(prefix: str) -> list[str]:
