@@ -219,6 +219,8 @@ def peer(
     identity: Optional[Path] = typer.Option(None, "--identity", "-i", help="Key file, so the peer keeps its id across restarts.", rich_help_panel="Network"),
     client_mode: bool = typer.Option(False, "--client-mode", help="Dial out only (behind NAT, no port open).", rich_help_panel="Network", show_default=False),
     trusted_network: bool = typer.Option(False, "--trusted-network", help="Send tensors unencrypted (trusted LAN only).", rich_help_panel="Network", show_default=False),
+    upload_limit_mbps: Optional[float] = typer.Option(None, "--upload-limit-mbps", help="Cap on what this peer sends to the swarm (averaging, gossip, state), in Mbit/s (default: no cap).", rich_help_panel="Network"),
+    download_limit_mbps: Optional[float] = typer.Option(None, "--download-limit-mbps", help="Cap on what this peer receives from the swarm, in Mbit/s (default: no cap).", rich_help_panel="Network"),
     wait: Optional[float] = typer.Option(None, "--wait", help=f"Seconds to wait for the run's manifest and peers (default {_local_default('wait')}).", rich_help_panel="Network"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default off).", rich_help_panel="Monitoring"),
     metrics_host: Optional[str] = typer.Option(None, "--metrics-host", help=f"Listen address of --metrics-port (default {_local_default('metrics_host')}; 0.0.0.0 for a Prometheus elsewhere).", rich_help_panel="Monitoring"),
@@ -232,7 +234,7 @@ def peer(
 
     On a terminal it shows a live panel (step, epoch, peers, loss, samples/s, rounds, traffic, held-out accuracy); on a pipe, a line every few seconds; with --json, events on stdout. Each held-out evaluation is published as a signed record of the run, for its dashboards.
 
-    Stops on Ctrl-C/SIGTERM, --max-seconds, --max-steps or --target-accuracy; leaves the run cleanly.
+    Stops on Ctrl-C/SIGTERM, --max-seconds, --max-steps or --target-accuracy; leaves the run cleanly. SIGUSR1 pauses the peer (it leaves any round, trains nothing, stays in the run marked paused) and SIGUSR2 resumes it.
 
     Precedence: each option is taken from its flag, else from its SWARMGRAD_* environment variable (SWARMGRAD_INNER_STEPS for --inner-steps; lists comma or space separated), else from the --config TOML file (flat; keys are the flag names without --, e.g. inner-steps = 20), else its default. Run settings left unset take the run's when joining a run that has a manifest.
     """
@@ -255,7 +257,8 @@ def peer(
                          target_accuracy=options.target_accuracy, eval_every=options.eval_every,
                          final_eval=not options.no_final_eval, checkpoint_dir=options.checkpoint_dir,
                          threads=options.threads, trusted_network=options.trusted_network,
-                         wait_peers=options.wait_peers, wait_seconds=options.wait, slowdown=options.slowdown)
+                         wait_peers=options.wait_peers, wait_seconds=options.wait, slowdown=options.slowdown,
+                         upload_limit_mbps=options.upload_limit_mbps, download_limit_mbps=options.download_limit_mbps)
     call_reporting_errors(lambda: run_peer(network, options.run_id, config, create=options.create, local=local,
                                            json_output=json_output, metrics_port=options.metrics_port,
                                            metrics_host=options.metrics_host))

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Callable, ClassVar, Generic, Mapping, Optiona
 
 import pydantic
 
+from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, MAX_LIMIT_MBPS
 from swarmgrad.commands.run_options import RUN_OPTIONS, flag_name, key_name, problem_message
 from swarmgrad.dht.config import NodeConfig, check_run_id
 from swarmgrad.errors import ConfigError
@@ -67,6 +68,7 @@ Addresses = Annotated[list[str], pydantic.BeforeValidator(_split_list)]
 RunId = Annotated[str, pydantic.AfterValidator(_run_id)]
 Positive = Annotated[int, pydantic.Field(ge=1)]
 Seconds = Annotated[float, pydantic.Field(ge=0)]
+Mbps = Annotated[float, pydantic.Field(gt=0, le=MAX_LIMIT_MBPS)]
 
 
 class CommandOptions(pydantic.BaseModel):
@@ -130,6 +132,8 @@ class PeerOptions(CommandOptions):
     identity: Optional[Path] = None
     client_mode: bool = False
     trusted_network: bool = False
+    upload_limit_mbps: Optional[Mbps] = DEFAULT_LIMIT_MBPS  # caps on the data plane; None: none
+    download_limit_mbps: Optional[Mbps] = DEFAULT_LIMIT_MBPS
     wait: Annotated[float, pydantic.Field(ge=1)] = 30.0  # seconds for the run's manifest and peers
     wait_peers: Positive = 1
     metrics_port: Optional[Annotated[int, pydantic.Field(ge=0, le=65535)]] = None  # Prometheus /metrics; 0: any port

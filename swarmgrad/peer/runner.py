@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import RunConfig
@@ -67,6 +68,8 @@ class LocalOptions:
     checkpoint_dir: Path | None = None
     threads: int | None = None
     timing: Timing | None = None  # None: the Peer's default
+    upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS  # caps on the peer's data plane
+    download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS
 
 
 def no_initial_peers(run_id: str) -> str:
@@ -116,7 +119,8 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
           emit: Emit, announce: Callable[[list[str]], None] | None = None,
           metrics: PeerMetrics | None = None) -> dict[str, Any]:
     """Train ``config.task`` with ``config`` until a stop condition or SIGTERM/SIGINT; returns the
-    final summary (also emitted as ``done``). ``manifest``: the run's, which the peer keeps published.
+    final summary (also emitted as ``done``). SIGUSR1 pauses the peer, SIGUSR2 resumes it (events
+    ``paused`` and ``resumed``); a paused peer computes no batches. ``manifest``: the run's, which the peer keeps published.
     ``announce(maddrs)`` is called once the peer listens, before it waits for ``local.wait_peers``.
     ``metrics``: a served PeerMetrics, which then reports this peer. Every held-out evaluation is
     published as this peer's evaluation record of the run."""
@@ -138,14 +142,16 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     optimizer = make_optimizer(model.parameters(), hparams)
     dataset = task.train_data(shard, num_shards, config.seed)
     batches = endless_batches(dataset, batch_size, seed=shard)
-    stop = _StopSignal()
+    stop, pauses = _StopSignal(), _PauseSignal()
     peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
                 checkpoint_dir=local.checkpoint_dir, network=network, trusted_network=local.trusted_network,
-                manifest=manifest, timing=local.timing)
+                manifest=manifest, timing=local.timing, upload_limit_mbps=local.upload_limit_mbps,
+                download_limit_mbps=local.download_limit_mbps)
     if metrics is not None:
         metrics.attach(peer)
     reason, final, started = "stopped", None, time.time()
-    with stop, peer, BackgroundEvaluator(task, model, local.eval_batches) as evaluator:
+    with stop, pauses, peer, BackgroundEvaluator(task, model, local.eval_batches) as evaluator:
+        pauses.attach(peer)
         if announce is not None:
             announce(peer.maddrs)
         if local.wait_peers > 1:
@@ -167,6 +173,14 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
             if local.max_steps is not None and peer.status().step >= local.max_steps:
                 reason = "max_steps"
                 break
+            for kind in pauses.changes():
+                emit({**_progress_event(peer), "event": kind})
+            if peer.paused:  # no batches: an edge device paused to save its battery or its link
+                peer.wait_while_paused(PROGRESS_EVERY)
+                if time.monotonic() - last_progress >= PROGRESS_EVERY:
+                    last_progress = time.monotonic()
+                    emit(_progress_event(peer))
+                continue
             tick = time.monotonic()
             inputs, targets = next(batches)
             loss = task.loss_fn(model(inputs), targets)
@@ -281,6 +295,55 @@ class _StopSignal:
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.received = signal.Signals(signum).name
+
+
+class _PauseSignal:
+    """SIGUSR1 pauses the peer and SIGUSR2 resumes it, at once (a round in flight is left even while
+    the training thread waits on it); ``changes()`` gives the loop each change once it took effect.
+    Installed before the peer starts, so an early signal is kept, not the default (which ends the
+    process), and applied once the peer runs."""
+
+    def __init__(self) -> None:
+        self._peer: Peer | None = None
+        self._wanted: bool | None = None  # paused or not, as last asked
+        self._pending: list[tuple[str, concurrent.futures.Future[None]]] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _PauseSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._peer = None
+
+    def attach(self, peer: Peer) -> None:
+        self._peer = peer
+        if self._wanted:  # paused before it ran (a resume before that cancelled it out)
+            self._apply(True)
+
+    def changes(self) -> list[str]:
+        """``paused`` / ``resumed`` for each change since the last call, after it took effect."""
+        done, self._pending = self._pending, []
+        for _, future in done:
+            with contextlib.suppress(Exception):  # logged by the peer; the event still says what was asked
+                future.result(timeout=30)
+        return [kind for kind, _ in done]
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        wanted = signum == signal.SIGUSR1
+        if wanted != bool(self._wanted):
+            self._wanted = wanted
+            if self._peer is not None:
+                self._apply(wanted)
+
+    def _apply(self, paused: bool) -> None:
+        assert self._peer is not None
+        future = self._peer.pause() if paused else self._peer.resume()
+        self._pending.append(("paused" if paused else "resumed", future))
 
 
 def json_lines(event: dict[str, Any]) -> None:

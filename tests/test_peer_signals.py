@@ -1,0 +1,73 @@
+"""Edge-peer options of `swarmgrad peer` (issue 16): the rate caps as options, and pause/resume by
+SIGUSR1/SIGUSR2 on real `swarmgrad peer` processes (real p2pd daemons, a real DHT, loopback)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+
+import pytest
+from peer_processes import Swarm
+from typer.testing import CliRunner
+
+from swarmgrad.cli import app
+
+
+def cli(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def test_caps_are_options_with_flags_variables_and_one_clear_error():
+    printed = cli("peer", "digits", "-r", "r", "--upload-limit-mbps", "8", "--print-config", "--json",
+                  env={"SWARMGRAD_DOWNLOAD_LIMIT_MBPS": "2.5"})
+    assert printed.exit_code == 0, printed.output
+    options = json.loads(printed.stdout)
+    assert options["upload-limit-mbps"] == 8.0 and options["download-limit-mbps"] == 2.5
+    defaults = json.loads(cli("peer", "digits", "-r", "r", "--print-config", "--json").stdout)
+    assert defaults["upload-limit-mbps"] is None and defaults["download-limit-mbps"] is None
+    for bad in ("0", "-3", "inf"):
+        result = cli("peer", "digits", "-r", "r", "--upload-limit-mbps", bad, "--print-config")
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "--upload-limit-mbps" in result.output, result.output
+
+
+@pytest.fixture
+def swarm():
+    run = Swarm(f"sig-{secrets.token_hex(4)}")
+    yield run
+    run.close()
+
+
+def test_sigusr1_pauses_and_sigusr2_resumes_a_cli_peer(swarm):
+    common = ["--inner-steps", "20", "--eval-every", "0", "--no-final-eval", "--max-seconds", "150",
+              "--num-shards", "2", "--wait", "90", "--upload-limit-mbps", "40", "--download-limit-mbps", "40"]
+    creator = swarm.peer("--create", "--shard", "0", "--wait-peers", "2", *common, name="creator")
+    volunteer = swarm.peer("--shard", "1", "--wait-peers", "2", *common, task=None, name="volunteer")
+    creator.ready(90)
+    volunteer.ready(90)
+    for peer in (creator, volunteer):
+        peer.wait_event("progress", 90, lambda event: event["rounds_ok"] >= 1)
+
+    volunteer.signal(signal.SIGUSR1)
+    paused = volunteer.wait_event("paused", 30)
+    held = volunteer.wait_event("progress", 30, lambda event: event["paused"] and event["t"] > paused["t"] + 1)
+    epoch = creator.progress_value("epoch")
+    creator.wait_event("progress", 90, lambda event: event["epoch"] >= epoch + 2)  # the swarm moves on without it
+    still = volunteer.wait_event("progress", 30, lambda event: event["paused"] and event["t"] > held["t"] + 2)
+    assert still["step"] == held["step"] == paused["step"], volunteer.describe()  # it trains nothing meanwhile
+
+    volunteer.signal(signal.SIGUSR2)
+    resumed = volunteer.wait_event("resumed", 30)
+    caught_up = volunteer.wait_event("progress", 60, lambda event: not event["paused"]
+                                     and event["state_downloads"] > still["state_downloads"]
+                                     and event["step"] > still["step"])
+    assert caught_up["epoch"] >= epoch + 2 and resumed["t"] > paused["t"]
+
+    for peer in (volunteer, creator):
+        peer.signal(signal.SIGTERM)
+        done = peer.done(60)
+        assert done["reason"] == "signal SIGTERM" and not done["status"]["paused"]
+        assert peer.wait_exit(30) == 0, peer.describe()
+    kinds = [event["event"] for event in volunteer.events]
+    assert kinds.count("paused") == 1 and kinds.count("resumed") == 1
