@@ -33,13 +33,14 @@ def ago(timestamp: float, now: float | None = None) -> str:
 
 def members_table(members: Iterable[Member], title: str | None = None) -> Table:
     table = Table(title=title)
-    for column in ("peer", "address", "role", "step", "samples/s", "epsilon", "last seen"):
+    for column in ("peer", "address", "reach", "role", "step", "samples/s", "epsilon", "last seen"):
         table.add_column(column, justify="right" if column in ("step", "samples/s", "epsilon") else "left")
     now = time.time()
     for member in members:
         table.add_row(
             short_id(member.peer_id),
             member.maddrs[0] if member.maddrs else "(client)",
+            member.reachability + (" (paused)" if member.paused else ""),
             member.role,
             str(member.step),
             f"{member.samples_per_second:.1f}",

@@ -390,9 +390,9 @@ def test_the_grid_is_sized_by_the_members_that_average():
         [SimpleNamespace(role="bootstrap", peer_id=f"b{i}") for i in range(30)]
     runtime = SimpleNamespace(run_id="grid", node=SimpleNamespace(peer_id="p0"), timing=Timing(), members=lambda: members)
     averager = Averager(runtime, [torch.zeros(4)], settings=moshpit(4), codec="none")
-    coordinates, slice_peers = averager._position(0)
-    assert len(coordinates) == 2 and len(slice_peers) == 4 and "p0" in slice_peers
+    place, slice_peers = averager._position(0, frozenset())
+    assert len(place.split(".")) == 2 and len(slice_peers) == 4 and "p0" in slice_peers
     assert {member.role for member in members if member.peer_id in slice_peers} <= {"peer", "client"}
     members[:] = members[:4]
-    coordinates, slice_peers = averager._position(0)
-    assert len(coordinates) == 1 and slice_peers == {"p0", "p1", "p2", "p3"}
+    place, slice_peers = averager._position(0, frozenset())
+    assert place == "*" and slice_peers == {"p0", "p1", "p2", "p3"}

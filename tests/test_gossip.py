@@ -74,9 +74,9 @@ def test_exponential_graph_visits_every_offset():
 def lone_averager(values: torch.Tensor, weight: float = 1.0) -> GossipAverager:
     """An averager whose pushes are faked (no node, no transport; a runtime that lists one other
     training member): for the local push-sum arithmetic."""
-    members = [SimpleNamespace(peer_id=peer, role="peer") for peer in ("me", "other")]
+    members = [SimpleNamespace(peer_id=peer, role="peer", paused=False) for peer in ("me", "other")]
     runtime = SimpleNamespace(node=SimpleNamespace(peer_id="me"), run_id="arith", timing=Timing(),
-                              transport=None, members=lambda: members)
+                              transport=None, members=lambda: members, can_reach=lambda _peer: True)
     averager = GossipAverager(runtime, [values], weight=weight, codec="int8", aggregator="mean")
     averager.schema.flatten_into(averager.tensors, averager._values)
     return averager

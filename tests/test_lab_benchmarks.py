@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import chaos
+import nat
 import time_to_accuracy as tta
 
 from swarmgrad.lab.scenario import load_scenario
@@ -126,3 +127,46 @@ def test_quick_benchmark_runs_swarmgrad_and_hivemind_on_one_network_and_cleans_u
     assert lab_namespaces() <= before
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
     assert leftover.stdout.strip() == "", leftover.stdout
+
+
+def test_the_nat_benchmark_compares_home_nat_with_its_twin_without_routers():
+    natted = load_scenario("home-nat")
+    plain = nat.without_nat(natted)
+    assert [p.nat for p in plain.expanded_peers()] == ["none"] * 8
+    def links(scenario):
+        return [(p.up_mbit, p.down_mbit, p.delay_ms, p.loss) for p in scenario.expanded_peers()]
+
+    assert links(plain) == links(natted)  # the same links, only the routers gone
+    small = nat.quick(natted)
+    assert [p.nat for p in small.expanded_peers()] == ["none", "home", "symmetric", "cgnat"]
+    assert small.target_accuracy is None and small.task == "digits"
+
+
+def test_the_nat_verdicts_fail_a_type_below_the_share_and_a_slow_run():
+    rows = [{"nat": "none", "peers": 1, "reported": 1, "min_share": 1.0, "rounds": 9, "epochs": 9, "unreachable": 0,
+             "downloads": 0},
+            {"nat": "home", "peers": 2, "reported": 2, "min_share": 0.85, "rounds": 15, "epochs": 18, "unreachable": 2,
+             "downloads": 1}]
+    verdicts = nat.checks({"by_nat": rows, "time_to_88": 130.0}, {"by_nat": rows, "time_to_88": 100.0}, 0.88)
+    assert [v["ok"] for v in verdicts] == [True, False, False, False]
+
+
+@pytest.mark.skipif(lab_unavailable() is not None, reason=f"emulated network unavailable: {lab_unavailable()}")
+def test_quick_nat_benchmark_every_nat_type_averages(tmp_path):
+    """One public peer and one of each NAT type train digits behind real routers; each averages in
+    at least 90% of its rounds after warm-up and none sits a round out, as in the twin without NAT."""
+    import json
+    import os
+    import subprocess
+
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "nat.py"), "--quick", "--out", str(tmp_path), "--json"],
+                            capture_output=True, text=True, timeout=420, env={**os.environ, "TMPDIR": str(tmp_path)},
+                            check=False)
+    report = json.loads(result.stdout) if result.stdout.strip() else None
+    assert report is not None, result.stderr[-3000:]
+    rows = {row["nat"]: row for row in report["behind_nat"]["by_nat"]}
+    assert set(rows) == {"none", "home", "symmetric", "cgnat"}
+    for row in rows.values():
+        assert row["reported"] == 1 and row["epochs"] >= 3 and row["min_share"] >= nat.MIN_SHARE, (rows, report["checks"])
+        assert row["unreachable"] == 0
+    assert result.returncode == 0, report["checks"]

@@ -250,7 +250,7 @@ def test_a_large_run_beats_less_often_so_presence_costs_the_swarm_linear_time():
     async def get_records(key, body_type):
         return listings.pop(0)
 
-    presence = Membership(SimpleNamespace(get_records=get_records), "big-run", ttl=6.0, refresh=0.5, watch=True,
+    presence = Membership(SimpleNamespace(get_records=get_records, remember_addresses=lambda *_: None), "big-run", ttl=6.0, refresh=0.5, watch=True,
                           members_per_read=16)
     for _ in range(FIRST_FAST_READS - 1):  # a joiner's first rereads: every refresh, to list the swarm at once
         run_async(presence.read())
@@ -276,7 +276,7 @@ def test_a_member_one_read_misses_stays_listed_until_its_record_expires_or_it_le
     async def get_records(key, body_type):
         return reads.pop(0)
 
-    presence = Membership(SimpleNamespace(get_records=get_records), "flaky-run", ttl=6.0, watch=True)
+    presence = Membership(SimpleNamespace(get_records=get_records, remember_addresses=lambda *_: None), "flaky-run", ttl=6.0, watch=True)
 
     def listed(*records: dict) -> list[str]:
         reads.append(dict(*records))

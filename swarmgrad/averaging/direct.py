@@ -7,8 +7,11 @@ the token, and from then on every frame is AES-256-GCM sealed with that key (``s
 connection with no valid token is closed before it can reach any handler; B learns A's identity
 from the libp2p stream that registered the token, never from the TCP connection.
 
-When B cannot be reached directly (nothing listening, a firewall, a NAT) A falls back to a libp2p
-stream and remembers that choice for ``remember_seconds``. Plaintext frames happen only when both
+When B knows nobody can dial it (behind a NAT: ``dialable=False``) and A offered its own data
+addresses, B connects *back* to A instead and presents the token there: the connection a NATed
+peer opened itself carries the tensors, and nothing bulk goes through a relay. When neither works
+(nothing listening, a firewall, both behind NATs) A falls back to a libp2p stream and remembers
+that choice for ``remember_seconds``. Plaintext frames happen only when both
 sides opted in with ``trusted_network=True``.
 
 One connection per peer pair is reused across rounds: each exchange on it starts with an ``open``
@@ -67,8 +70,10 @@ class DirectTransport(Transport):
         control_timeout: float = DEFAULT_TIMING.control_timeout,
         remember_seconds: float = 60.0,  # an unreachable peer's NAT or firewall does not change by the second
         limits: RateLimits = UNLIMITED,
+        dialable: bool = True,
     ):
         self.libp2p, self.host, self.port = libp2p, host, port
+        self.dialable = dialable  # False: others cannot connect here, so this side connects back
         self.advertise_hosts = advertise_hosts or [host]
         self.trusted_network, self.connect_timeout, self.remember_seconds = trusted_network, connect_timeout, remember_seconds
         self.control_timeout = control_timeout
@@ -79,6 +84,8 @@ class DirectTransport(Transport):
         self.name = "direct-plain" if trusted_network else "direct"
         self._handlers: dict[str, ChannelHandler] = {}
         self._pending: dict[bytes, _PendingConnection] = {}
+        self._awaiting_back: dict[bytes, asyncio.Future] = {}  # tokens of connections asked to come back
+        self._tasks: set[asyncio.Task] = set()  # connections this side opened back, being served
         self._libp2p_only_until: dict[str, float] = {}  # peers we could not reach directly, remembered
         self._idle: dict[str, list[tuple[float, FastChannel]]] = {}  # per peer: (idle since, connection)
         self._connections: set[FastChannel] = set()
@@ -96,6 +103,9 @@ class DirectTransport(Transport):
             logger.info("direct data plane on %s:%d (AES-256-GCM)", self.host, port)
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for channel in list(self._connections):
             await channel.abort()
         self._idle.clear()
@@ -170,22 +180,30 @@ class DirectTransport(Transport):
 
     async def _connect(self, peer_id: str, protocol: str) -> FastChannel:
         key, token = secrets.token_bytes(KEY_BYTES), secrets.token_bytes(TOKEN_BYTES)
-        control = await self.libp2p.open(peer_id, CONTROL_PROTOCOL)
+        request = {"t": "direct", "protocol": protocol, "key": key, "token": token, "plain": self.trusted_network}
+        back = None
+        if self.dialable and self.addresses:  # a peer behind a NAT may connect back to us
+            request["back"] = [list(address) for address in self.addresses]
+            back = self._awaiting_back[token] = asyncio.get_running_loop().create_future()
         try:
-            async with timeout(self.control_timeout):
-                await control.send({"t": "direct", "protocol": protocol, "key": key, "token": token,
-                                    "plain": self.trusted_network})
-                reply = expect_kind(await control.recv(max_payload=0), "direct-ok")
+            control = await self.libp2p.open(peer_id, CONTROL_PROTOCOL)
+            try:
+                async with timeout(self.control_timeout):
+                    await control.send(request)
+                    reply = await control.recv(max_payload=0)
+            finally:
+                await control.close()
+            plain = self.trusted_network and field(reply.header, "plain", bool)
+            if reply.kind == "direct-back" and back is not None:
+                async with timeout(self.control_timeout + self.connect_timeout):
+                    reader, writer = await back
+                return self._channel(peer_id, reader, writer, key, plain, sending=0)
+            reply = expect_kind(reply, "direct-ok")
         finally:
-            await control.close()
-        addresses = field(reply.header, "addresses", list)
-        plain = self.trusted_network and field(reply.header, "plain", bool)
-        for address in addresses[:4]:
-            if not (isinstance(address, list) and len(address) == 2 and isinstance(address[0], str)
-                    and isinstance(address[1], int) and 0 < address[1] < 65536):
-                raise FrameError(f"bad data address {address!r:.80}")
+            self._awaiting_back.pop(token, None)
+        addresses = _addresses(field(reply.header, "addresses", list))
         last_error: Exception = ConnectionError("the peer advertised no data address")
-        for host, port in addresses[:4]:
+        for host, port in addresses:
             try:
                 async with timeout(self.connect_timeout):
                     reader, writer = await asyncio.open_connection(host, port)
@@ -193,16 +211,43 @@ class DirectTransport(Transport):
                 last_error = error
                 continue
             writer.write(token)
-            name = "direct-plain" if plain else "direct"
-            if plain:
-                channel = FastChannel.take_over(peer_id, reader, writer, name)
-            else:
-                channel = EncryptedChannel.take_over(peer_id, reader, writer, name)
-                channel.cipher = FrameCipher(key, sending=0)
-            channel.limit(self.limits)
-            self._connections.add(channel)
-            return channel
+            return self._channel(peer_id, reader, writer, key, plain, sending=0)
         raise last_error
+
+    def _channel(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
+                 plain: bool, sending: int) -> FastChannel:
+        """A connection's channel: sealed with the session key (each side sends with its own nonces)."""
+        name = "direct-plain" if plain else "direct"
+        if plain:
+            channel = FastChannel.take_over(peer_id, reader, writer, name)
+        else:
+            channel = EncryptedChannel.take_over(peer_id, reader, writer, name)
+            channel.cipher = FrameCipher(key, sending=sending)
+        channel.limit(self.limits)
+        self._connections.add(channel)
+        return channel
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect_back(self, peer_id: str, back: list, token: bytes, key: bytes, plain: bool) -> None:
+        """Behind a NAT: open the connection the asker offered, present its token, serve it from here."""
+        for host, port in _addresses(back):
+            try:
+                async with timeout(self.connect_timeout):
+                    reader, writer = await asyncio.open_connection(host, port)
+            except (OSError, asyncio.TimeoutError, TimeoutError):
+                continue
+            writer.write(token)
+            channel = self._channel(peer_id, reader, writer, key, plain, sending=1)
+            try:
+                await self._serve_connection(channel)
+            finally:
+                self._forget(channel)
+            return
+        logger.info("could not connect back to %s at any of its data addresses", peer_id)
 
     # ---- accepting side -------------------------------------------------------------------------
 
@@ -216,6 +261,11 @@ class DirectTransport(Transport):
         if len(key) != KEY_BYTES or len(token) != TOKEN_BYTES or protocol not in self._handlers or not self.addresses:
             await control.send_error("direct connection refused: bad key/token, unknown protocol or no listener")
             return
+        back = request.header.get("back")
+        if not self.dialable and isinstance(back, list) and _addresses(back):
+            await control.send({"t": "direct-back", "plain": plain})
+            self._background(self._connect_back(control.peer_id, back, token, key, plain))
+            return
         now = time.monotonic()
         self._pending = {t: p for t, p in self._pending.items() if p.expires > now}  # drop stale tokens
         self._pending[token] = _PendingConnection(control.peer_id, protocol, key, plain, now + self.token_seconds)
@@ -228,19 +278,16 @@ class DirectTransport(Transport):
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, TimeoutError, OSError):
             writer.close()
             return
+        back = self._awaiting_back.get(token)
+        if back is not None and not back.done():  # a peer behind a NAT connecting back, as we asked
+            back.set_result((reader, writer))
+            return
         pending = self._pending.pop(token, None)
         if pending is None or pending.expires < time.monotonic() or pending.protocol not in self._handlers:
             logger.info("closed a direct connection from %s: no valid token", writer.get_extra_info("peername"))
             writer.close()
             return
-        name = "direct-plain" if pending.plain else "direct"
-        if pending.plain:
-            channel = FastChannel.take_over(pending.peer_id, reader, writer, name)
-        else:
-            channel = EncryptedChannel.take_over(pending.peer_id, reader, writer, name)
-            channel.cipher = FrameCipher(pending.key, sending=1)
-        channel.limit(self.limits)
-        self._connections.add(channel)
+        channel = self._channel(pending.peer_id, reader, writer, pending.key, pending.plain, sending=1)
         try:
             await self._serve_connection(channel)
         finally:
@@ -280,17 +327,28 @@ class DirectTransport(Transport):
             await channel.send({"t": "end"})
 
 
+def _addresses(value: list) -> list[tuple[str, int]]:
+    """Up to four (host, port) pairs from a frame; FrameError for anything else."""
+    found = []
+    for address in value[:4]:
+        if not (isinstance(address, list) and len(address) == 2 and isinstance(address[0], str)
+                and isinstance(address[1], int) and 0 < address[1] < 65536):
+            raise FrameError(f"bad data address {address!r:.80}")
+        found.append((address[0], address[1]))
+    return found
+
+
 def default_transport(node: SwarmNode, direct: bool = True, trusted_network: bool = False,
                       timing: Timing = DEFAULT_TIMING, limits: RateLimits = UNLIMITED) -> Transport:
     """What a peer's runtime uses unless told otherwise: direct TCP where reachable, libp2p otherwise.
     ``limits``: the peer's upload and download caps, one bucket each for every channel of both."""
-    libp2p = Libp2pTransport(node.p2p, limits)
+    libp2p = Libp2pTransport(node.p2p, limits, introduce=node.introduce)
     if not direct:
         return libp2p
     return DirectTransport(libp2p, host=node.config.host, port=node.config.data_port,
                            advertise_hosts=_data_hosts(node), trusted_network=trusted_network,
                            connect_timeout=timing.connect_timeout, control_timeout=timing.control_timeout,
-                           limits=limits)
+                           limits=limits, dialable=node.dialable)
 
 
 def _data_hosts(node: SwarmNode) -> list[str]:

@@ -215,10 +215,12 @@ class GossipAverager:
         return len(pending)
 
     def _live_members(self) -> list[str]:
-        """Training members as of the runtime's last presence refresh, less those a push just failed to reach."""
+        """Training members as of the runtime's last presence refresh, less those a push just failed to
+        reach, those paused, and (behind a NAT) those behind NATs too: nothing could carry the push."""
         now = time.monotonic()
         self._unreachable = {peer: until for peer, until in self._unreachable.items() if until > now}
-        return [m.peer_id for m in self.runtime.members() if m.role == "peer" and m.peer_id not in self._unreachable]
+        return [m.peer_id for m in self.runtime.members() if m.role == "peer" and m.peer_id not in self._unreachable
+                and not m.paused and self.runtime.can_reach(m.peer_id)]
 
     def _mark_unreachable(self, peer: str) -> None:
         # long enough for a departed peer's presence record to expire, so it costs one push timeout

@@ -51,3 +51,32 @@ def grid_order(peer_ids: Sequence[str], salt: str) -> list[str]:
     """The members in grid order: sorted by a hash of (salt, peer id), whatever order they were
     listed in; a new salt lays the swarm out afresh."""
     return sorted(peer_ids, key=lambda peer: hashlib.sha256(f"{salt}/{peer}".encode()).digest())
+
+
+def slices_reach_everyone(order: Sequence[str], reachable: set[str], dim: int, sides: Sequence[int]) -> bool:
+    """Whether every slice along ``dim`` holds a member others can dial: a slice of members that
+    nobody can dial (behind NATs) cannot average, since someone must own each part."""
+    seen: set[int] = set()
+    for rank in range(len(order)):
+        if rank in seen:
+            continue
+        ranks = slice_ranks(rank, len(order), dim, sides)
+        seen.update(ranks)
+        if not any(order[r] in reachable for r in ranks):
+            return False
+    return True
+
+
+def hub_groups(order: Sequence[str], reachable: set[str], group_size: int) -> list[list[str]]:
+    """Groups for a round in which the grid would leave some slice without a dialable member:
+    ceil(N / g) groups (fewer, and larger, when fewer members can be dialled), each led by a
+    dialable member, the others dealt round-robin in ``order`` (a hash the caller salts per round,
+    so groups change every round and the swarm still mixes). Empty when nobody can be dialled."""
+    hubs = [peer for peer in order if peer in reachable]
+    if not hubs:
+        return []
+    count = min(len(hubs), max(1, math.ceil(len(order) / group_size)))
+    groups: list[list[str]] = [[] for _ in range(count)]
+    for position, peer in enumerate(hubs[:count] + [p for p in order if p not in set(hubs[:count])]):
+        groups[position % count].append(peer)
+    return groups

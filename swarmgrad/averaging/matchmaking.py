@@ -84,6 +84,11 @@ def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[st
     return groups
 
 
+def leader_of(group: list[str], unreachable: frozenset[str]) -> str:
+    """The group's first member that others can dial, or its first member when none can be."""
+    return next((peer for peer in group if peer not in unreachable), group[0])
+
+
 class Matchmaker:
     """Finds this peer's group for a key; serves other leaders' invitations."""
 
@@ -97,6 +102,7 @@ class Matchmaker:
     async def find_group(
         self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
         expected: int | None = None, expected_members: frozenset[str] | None = None,
+        unreachable: frozenset[str] = frozenset(),
     ) -> GroupPlan | None:
         """The agreed plan for this round, or None when no group of at least min_group_size formed.
 
@@ -104,7 +110,10 @@ class Matchmaker:
         progress); ``expected_members``: which ones (e.g. from the moshpit grid). Once that many, or
         exactly those, have declared there is no need to wait out the window: a view that lists a
         peer that is not there, or misses one that declared, waits the window out as before. The
-        expected members are grouped as if declared, so a read that missed one splits no group."""
+        expected members are grouped as if declared, so a read that missed one splits no group.
+        ``unreachable``: the members others cannot dial; a group's leader is its first member not
+        among them (it must dial everyone to invite them), so one behind a NAT leads only a group
+        of such members."""
         me = self.node.peer_id
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
@@ -130,7 +139,7 @@ class Matchmaker:
                 peers = sorted(set(peers) | expected_members)
             if not looking.committed:
                 group = self._my_group(key, peers, group_size)
-                if group and group[0] == me:
+                if group and leader_of(group, unreachable) == me:
                     looking.committed = True
                     return await self._lead(key, group, min_group_size, share)
             # a follower: the leader we accepted (or will accept) sends the plan

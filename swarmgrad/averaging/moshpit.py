@@ -29,7 +29,14 @@ import torch
 from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.codecs.base import all_finite
-from swarmgrad.averaging.grid import grid_order, grid_position, grid_sides, slice_ranks
+from swarmgrad.averaging.grid import (
+    grid_order,
+    grid_position,
+    grid_sides,
+    hub_groups,
+    slice_ranks,
+    slices_reach_everyone,
+)
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
@@ -64,6 +71,7 @@ class AveragingReport:
 
 
 AVERAGING_ROLES = ("peer", "client")  # client: a training peer that others cannot dial
+UNREACHABLE_GROUP = "no member of this round's group can be dialled (all behind NAT): left out of the round"
 
 
 def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -195,16 +203,24 @@ class Averager:
         started = time.monotonic()
         index = self.round_index if round_index is None else round_index
         self.round_index = index + 1
-        key, slice_peers = self._round_key(index, attempt)
+        key, slice_peers, unreachable = self._round_key(index, attempt)
         report = AveragingReport(ok=False, round_index=index, key=key)
         if not (math.isfinite(weight) and weight > 0):
             report.error = f"weight must be finite and positive, got {weight}"
             return report
+        if slice_peers is not None and slice_peers <= unreachable:
+            report.group, report.error = [self.node.peer_id], UNREACHABLE_GROUP
+            logger.info("round %d: %s", index, UNREACHABLE_GROUP)
+            return report
         if not self._prepare_contribution(report):
             return report
+        # a member others cannot dial owns no part (they would have to dial it), and leads no group
+        share = self.share if self.node.dialable else 0.0
+        group_size = max(self.group_size, len(slice_peers or ()))  # a hub round's group may be larger
         plan = await self.matchmaker.find_group(
-            key, group_size=self.group_size, min_group_size=self.min_group_size,
-            window=self.matchmaking_seconds, share=self.share, expected=expected_peers, expected_members=slice_peers,
+            key, group_size=group_size, min_group_size=self.min_group_size,
+            window=self.matchmaking_seconds, share=share, expected=expected_peers, expected_members=slice_peers,
+            unreachable=unreachable,
         )
         if plan is None:
             report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
@@ -281,35 +297,60 @@ class Averager:
         tensor.set_(result.view(tensor.shape))
         self._buffer, self._result = result, self._buffer
 
-    def _round_key(self, index: int, attempt: int = 0) -> tuple[str, frozenset[str] | None]:
-        """This round's DHT key (the slice of the grid this peer is in, along dimension index mod d)
-        and the peers this peer's view of the membership puts in that slice: None when the caller
-        fixed the coordinates, or while members are still arriving (a view that misses a newcomer
-        would end matchmaking before the newcomer's declaration is read)."""
+    def _round_key(self, index: int, attempt: int = 0) -> tuple[str, frozenset[str] | None, frozenset[str]]:
+        """This round's DHT key (the slice of the grid this peer is in, along dimension index mod d,
+        or its hub group when that grid would leave a slice with no member others can dial), the
+        peers this peer's view of the membership puts there (None when the caller fixed the
+        coordinates, or while members are still arriving: a view that misses a newcomer would end
+        matchmaking before the newcomer's declaration is read), and which members cannot be dialled."""
+        unreachable = self._unreachable()
         if self.coordinates is not None:
-            coordinates, slice_peers = self.coordinates, None
+            dim = index % len(self.coordinates)
+            place = ".".join(str(c) if d != dim else "*" for d, c in enumerate(self.coordinates))
+            slice_peers = None
         else:
-            coordinates, slice_peers = self._position(index)
+            place, slice_peers = self._position(index, unreachable)
             if not self.runtime.presence.settled:
                 slice_peers = None
-        dim = index % len(coordinates)
-        others = ".".join(str(c) if d != dim else "*" for d, c in enumerate(coordinates))
         round_name = f"r{index}" if attempt == 0 else f"r{index}.{attempt}"
         key = (f"swarmgrad/{self.run_id}/moshpit/{self.name}/{self.schema.digest[:12]}/{self.codec.spec}/"
-               f"{round_name}/{others}")
-        return key, slice_peers
+               f"{round_name}/{place}")
+        return key, slice_peers, unreachable
 
-    def _position(self, index: int) -> tuple[list[int], frozenset[str]]:
-        """This peer's cell for round ``index``, from its rank among the members that average (as
-        of the last presence refresh; bootstrap nodes and monitors never join a group), and whom
-        that puts in its slice along this round's dimension. Every d rounds the order is drawn
-        afresh."""
+    def _averaging_members(self) -> list:
+        """Members that take part in rounds: training roles, not paused (a paused one would be waited for)."""
+        return [m for m in self.runtime.members() if m.role in AVERAGING_ROLES and not getattr(m, "paused", False)]
+
+    def _unreachable(self) -> frozenset[str]:
+        """Members others cannot dial, by the addresses they publish (presence), this peer by its own
+        check. A member not listed yet counts as dialable, as every member did before NATs were
+        known: all members then agree on a slice's leader however far their views are."""
+        found = {m.peer_id for m in self._averaging_members() if m.reachability != "public"}
         me = self.node.peer_id
-        peers = {member.peer_id for member in self.runtime.members() if member.role in AVERAGING_ROLES} | {me}
+        return frozenset((found - {me}) if self.node.dialable else (found | {me}))
+
+    def _position(self, index: int, unreachable: frozenset[str]) -> tuple[str, frozenset[str]]:
+        """This peer's place in round ``index`` (its slice's coordinates, ``*`` along this round's
+        dimension, or ``hub<j>``) from its rank among the members that average (as of the last
+        presence refresh; bootstrap nodes and monitors never join a group), and whom that puts with
+        it. Every d rounds the grid order is drawn afresh; hub groups are drawn every round."""
+        me = self.node.peer_id
+        peers = {member.peer_id for member in self._averaging_members()} | {me}
         sides = (self.group_size,) * self.grid_dims if self.grid_dims else grid_sides(len(peers), self.group_size)
         order = grid_order(list(peers), f"{self.run_id}/{self.name}/{index // len(sides)}")
-        rank = order.index(me)
-        return grid_position(rank, sides), frozenset(order[r] for r in slice_ranks(rank, len(order), index % len(sides), sides))
+        dim = index % len(sides)
+        reachable = peers - unreachable
+        if not unreachable & peers or slices_reach_everyone(order, reachable, dim, sides):
+            rank = order.index(me)
+            coordinates = grid_position(rank, sides)
+            place = ".".join(str(c) if d != dim else "*" for d, c in enumerate(coordinates))
+            return place, frozenset(order[r] for r in slice_ranks(rank, len(order), dim, sides))
+        groups = hub_groups(grid_order(list(peers), f"{self.run_id}/{self.name}/hub/{index}"), reachable,
+                            self.group_size)
+        for number, group in enumerate(groups):
+            if me in group:
+                return f"hub{number}", frozenset(group)
+        return "unreachable", frozenset({me})
 
     # ---- incoming all-reduce streams -------------------------------------------------------------
 

@@ -64,6 +64,18 @@ class NetworkRuntime:
         """The run's live members as of the last presence refresh (this peer included)."""
         return self.presence.members
 
+    def can_reach(self, peer_id: str) -> bool:
+        """Whether a connection with ``peer_id`` can be made for bulk data: one of the two must be
+        dialable (a peer behind a NAT connects back to a dialable one, direct.py); between two
+        NATed peers there is only a relay, which hivemind's p2pd caps at 128 KiB a connection."""
+        if self.node.dialable:
+            return True
+        return any(m.peer_id == peer_id and m.reachability == "public" for m in self.presence.members)
+
+    def reachable_first(self, peers: list[str]) -> list[str]:
+        """``peers`` this peer can reach for bulk data, or all of them when it can reach none."""
+        return [peer for peer in peers if self.can_reach(peer)] or list(peers)
+
     async def __aenter__(self) -> NetworkRuntime:
         try:
             if self._owns_node:

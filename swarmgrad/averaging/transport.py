@@ -154,11 +154,15 @@ class Libp2pTransport(Transport):
 
     name = "libp2p"
 
-    def __init__(self, p2p: P2P, limits: RateLimits = UNLIMITED):
+    def __init__(self, p2p: P2P, limits: RateLimits = UNLIMITED,
+                 introduce: Callable[[str], Awaitable[None]] | None = None):
         self.p2p = p2p
         self.limits = limits  # the peer's caps; they pace the stream to p2pd, and so what p2pd sends
+        self.introduce = introduce  # SwarmNode.introduce: connects to a relayed peer through its relays
 
     async def open(self, peer_id: str, protocol: str) -> Channel:
+        if self.introduce is not None:
+            await self.introduce(peer_id)
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
         return _fast_channel(peer_id, reader, writer, self.name, self.limits)
 

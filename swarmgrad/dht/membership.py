@@ -236,6 +236,7 @@ class Membership:
     async def announce(self, state: Literal["alive", "left"] = "alive") -> bool:
         if self.before_publish is not None and state == "alive":
             self.before_publish(self)
+        await self.node.refresh_maddrs()  # behind a NAT: the relays it holds a slot on now
         now = time.time()
         # A record replaces the stored one only if it expires later, so a leave outlives the last beat.
         expires = max(now + min(self.ttl * self.stretch, MemberRecord.max_ttl), self._last_expires + 1e-3)
@@ -275,6 +276,8 @@ class Membership:
         self._arriving = bool(merged.keys() - {member.peer_id for member in self.members})
         self._reads += 1
         self.members = sorted(merged.values(), key=lambda member: member.peer_id)
+        for member in self.members:
+            self.node.remember_addresses(member.peer_id, member.maddrs)
         self.members_read_at = time.monotonic()
         return self.members
 

@@ -23,11 +23,13 @@ from hivemind.p2p import P2P, P2PDaemonError
 from swarmgrad.dht.addresses import listen_address
 from swarmgrad.dht.config import NodeConfig
 from swarmgrad.dht.identity import Identity
+from swarmgrad.dht.reachability import DialBackServer, ask_dial_back
 from swarmgrad.dht.records import BodyT, RecordError, SignedRecord, SignedRecordValidator, open_envelope, seal
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.runtime import timeout
 
 logger = logging.getLogger(__name__)
+DIAL_BACK_SECONDS = 5.0  # one dial-back check: a round trip and one TCP connect by the checker
 SHUTDOWN_SECONDS = 10.0  # p2pd exits in well under a second; one that takes longer has hung or died
 VERIFIED_RECORDS = 8192  # distinct record copies a node remembers as checked (digests: under 2 MB)
 # hivemind's caching is for reads that stop at the first copy found; every swarmgrad read is
@@ -84,6 +86,10 @@ class SwarmNode:
         self.runtime = None  # the NetworkRuntime that owns this node's transport, at most one
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
+        # False once a dial-back check (or the config) says nobody can dial us: the daemon then
+        # reserves slots on relays, and the DHT runs as a client (others must not route through us)
+        self.dialable = self.config.reachability != "private" and not self.config.client_mode
+        self._relayed_addresses: dict[str, list[str]] = {}  # peers others reach only through relays
 
     @property
     def peer_id(self) -> str:
@@ -101,10 +107,20 @@ class SwarmNode:
             raise ConfigError("a client-mode node accepts no connections, so it needs --initial-peers to join")
         self.p2p = await self._start_daemon()
         try:
+            if self.dialable and self.config.reachability == "auto" and self._check_reachability():
+                if await ask_dial_back(self.p2p, self._initial_peer_ids(), self._listen_port(),
+                                       deadline=DIAL_BACK_SECONDS) is False:
+                    logger.info("nobody can dial this node (behind a NAT or firewall): restarting p2pd to "
+                                "reserve relay slots; the DHT runs as a client")
+                    self.dialable = False
+                    await self.p2p.shutdown()
+                    self.p2p = await self._start_daemon()
+            if self.dialable:
+                await DialBackServer(self.p2p, DIAL_BACK_SECONDS / 2).start()
             self.dht = await DHTNode.create(
                 p2p=self.p2p,
                 initial_peers=self.config.initial_peers or None,
-                client_mode=self.config.client_mode,
+                client_mode=self.config.client_mode or not self.dialable,
                 record_validator=_RememberingValidator(),
                 wait_timeout=self.config.request_timeout,
                 ensure_bootstrap_success=bool(self.config.initial_peers),
@@ -135,10 +151,63 @@ class SwarmNode:
 
     @property
     def maddrs(self) -> list[str]:
-        """Full multiaddrs (with /p2p/<id>) others can dial; empty in client mode."""
+        """Full multiaddrs (with /p2p/<id>) others can dial; empty in client mode. Behind a NAT only
+        the relayed ones (``/p2p-circuit``): its own addresses are no use to anyone else."""
         if self.p2p is None or not self.p2p._visible_maddrs:
             return []
-        return [f"{address}/p2p/{self.peer_id}" for address in self.p2p._visible_maddrs]
+        found = [str(address) for address in self.p2p._visible_maddrs]
+        if not self.dialable:
+            # p2pd's identify lists no relayed address even once it holds a reservation, so the
+            # relays it was told to reserve on (its initial peers) are named here
+            relays = [f"{relay}/p2p-circuit" for relay in self.config.initial_peers if self.config.use_relay]
+            found = list(dict.fromkeys([address for address in found if "/p2p-circuit" in address] + relays))
+        return [address if address.endswith(f"/p2p/{self.peer_id}") else f"{address}/p2p/{self.peer_id}"
+                for address in found]
+
+    def remember_addresses(self, peer_id: str, maddrs: list[str]) -> None:
+        """What a peer published (its presence record): kept if it can be reached only through relays,
+        because then p2pd cannot find it by itself; see :meth:`introduce`."""
+        if maddrs and all("/p2p-circuit" in address for address in maddrs):
+            self._relayed_addresses[peer_id] = list(maddrs)[:8]
+        else:
+            self._relayed_addresses.pop(peer_id, None)
+
+    async def introduce(self, peer_id: str) -> None:
+        """Before a stream to a relayed peer: connect to it through its relays (a no-op when connected).
+        Failures are left to the stream that follows, which then says why."""
+        addresses = self._relayed_addresses.get(peer_id)
+        if not addresses or self.p2p is None or peer_id == self.peer_id:
+            return
+        from hivemind.p2p import PeerID
+
+        try:
+            target = PeerID.from_base58(peer_id)
+            async with timeout(self.config.request_timeout):
+                await self.p2p._client.connect(target, [_DaemonAddress(a, peer_id) for a in addresses])
+        except Exception as error:  # noqa: BLE001 - the stream's own error is the one to report
+            logger.debug("could not connect to %s through its relays: %s", peer_id, error)
+
+    async def refresh_maddrs(self) -> None:
+        """Ask the daemon for its current addresses: a NATed node's relayed ones come and go."""
+        if self.p2p is not None and not self.dialable and not self.config.client_mode:
+            try:
+                await asyncio.wait_for(self.p2p.get_visible_maddrs(latest=True), timeout=self.config.request_timeout)
+            except (asyncio.TimeoutError, OSError, ConnectionError, P2PDaemonError, ValueError) as error:
+                logger.debug("could not refresh this node's addresses: %s", error)
+
+    def _check_reachability(self) -> bool:
+        return bool(self.config.initial_peers) and not self.config.on_loopback
+
+    def _initial_peer_ids(self) -> list[str]:
+        return list(dict.fromkeys(address.rsplit("/p2p/", 1)[1] for address in self.config.initial_peers
+                                  if "/p2p/" in address))
+
+    def _listen_port(self) -> int:
+        for address in self.p2p._visible_maddrs if self.p2p else []:
+            parts = str(address).split("/")
+            if "tcp" in parts:
+                return int(parts[parts.index("tcp") + 1])
+        return self.config.port
 
     async def store(self, key: str, body: BodyT, expires: float, *, all_replicas: bool = True) -> bool:
         """Sign ``body`` and store it in our own slot of ``key``; False if no DHT node took it in time.
@@ -190,21 +259,26 @@ class SwarmNode:
         config = self.config
         deadline = time.monotonic() + config.bootstrap_timeout
         delay = 0.25
+        behind_nat = not self.dialable and not config.client_mode
+        relays: dict = {}
+        if behind_nat and config.use_relay and config.initial_peers:
+            # reserve at once on the initial peers (public by definition: we reached them)
+            relays = {"use_auto_relay": True, "trusted_relays": config.initial_peers, "force_reachability": "private"}
         with _identity_file(self.identity) as identity_path:
             while True:
                 try:
-                    return await P2P.create(
+                    return await _daemon_class(config, serve_relay=self.dialable, static_relays=bool(relays)).create(
                         initial_peers=config.initial_peers or None,
                         host_maddrs=[str(listen_address(config.host, config.port))],
                         announce_maddrs=config.announce_maddrs or None,
                         identity_path=str(identity_path),
                         no_listen=config.client_mode,
-                        dht_mode="client" if config.client_mode else "server",
+                        dht_mode="client" if config.client_mode or behind_nat else "server",
                         use_relay=config.use_relay,
-                        use_auto_relay=config.use_auto_relay,
-                        nat_port_map=False,  # no UPnP traffic: peers announce what they are told to
-                        auto_nat=False,
+                        nat_port_map=False,  # no UPnP traffic, ever: peers announce what they are told to
+                        auto_nat=config.punches_holes,
                         use_ipfs=False,
+                        **({"use_auto_relay": config.use_auto_relay} | relays),
                         check_if_identity_free=False,
                         startup_timeout=max(1.0, min(15.0, deadline - time.monotonic())),
                     )
@@ -225,6 +299,63 @@ class SwarmNode:
                 logger.info("no initial peer answered yet; retrying in %.1f s", delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 4.0)
+
+
+class _DaemonAddress:
+    """A multiaddr in the binary form p2pd reads. hivemind's Multiaddr writes ``/p2p/<id>`` as a CID,
+    which p2pd's parser rejects ("length greater than remaining number of bytes"): the peer ids go
+    in as bare multihashes here, and the target's own trailing ``/p2p/<id>`` is left out."""
+
+    P2P_CODE, CIRCUIT_CODE = 421, 290
+
+    def __init__(self, text: str, target: str):
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        if text.endswith(f"/p2p/{target}"):
+            text = text[: -len(f"/p2p/{target}")]
+        head, *rest = text.split("/p2p/")
+        encoded = Multiaddr(head).to_bytes()
+        for part in rest:
+            peer, _, tail = part.partition("/")
+            digest = PeerID.from_base58(peer).to_bytes()
+            encoded += _varint(self.P2P_CODE) + _varint(len(digest)) + digest
+            if tail == "p2p-circuit":
+                encoded += _varint(self.CIRCUIT_CODE)
+            elif tail:
+                raise ValueError(f"unsupported relayed address {text!r}")
+        self._bytes = encoded
+
+    def to_bytes(self) -> bytes:
+        return self._bytes
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _daemon_class(config: NodeConfig, *, serve_relay: bool, static_relays: bool) -> type[P2P]:
+    """hivemind's P2P, with the relay service's bounds on its p2pd command line (P2P.create has no
+    parameters for them); a node nobody can dial relays for nobody. With ``static_relays`` it
+    reserves on the trusted relays at once (p2pd's relay discovery waits for 4 candidates or 3
+    minutes before it reserves anywhere)."""
+    if not config.use_relay:
+        return P2P
+    flags = [f"-relayService={int(serve_relay)}"] + (["-relayDiscovery=0"] if static_relays else [])
+    if serve_relay:
+        flags += [f"-relayMaxReservations={config.relay_reservations}", f"-relayMaxCircuits={config.relay_circuits}",
+                  f"-relayDataLimit={int(config.relay_mbytes * 2**20)}", f"-relayTimeLimit={config.relay_seconds:g}s"]
+
+    class BoundedRelayP2P(P2P):
+        def _make_process_args(self, *args, **kwargs) -> list[str]:  # hivemind calls it on the instance
+            return P2P._make_process_args(*args, **kwargs) + flags
+
+    return BoundedRelayP2P
 
 
 @contextlib.contextmanager

@@ -37,12 +37,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from swarmgrad.averaging import Averager, GossipAverager, NetworkRuntime
+from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.averaging.settings import Aggregator, Averaging
 from swarmgrad.averaging.state_transfer import StateTransferError, download_state
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
-from swarmgrad.dht.membership import TrainingStats, check_run_id
+from swarmgrad.dht.membership import TrainingStats, check_run_id, reachability
 from swarmgrad.dht.node import NodeConfig
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
@@ -82,6 +83,8 @@ class PeerStatus:
     settings: str = ""  # digest of the run settings this peer trains with
     warning: str | None = None  # why this peer trains alone, when it can tell
     paused: bool = False  # peer.pause() (SIGUSR1): no rounds, no training, until resume()
+    reachability: str = "public"  # how others reach it: public, relayed (behind a NAT) or client
+    rounds_unreachable: int = 0  # rounds sat out because nobody in its group could be dialled
     last_report: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -96,6 +99,7 @@ class PeerStatus:
 class _Counters:
     rounds_ok: int = 0
     rounds_failed: int = 0
+    rounds_unreachable: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     state_downloads: int = 0
@@ -385,6 +389,7 @@ class Peer:
             bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
             state_downloads=counters.state_downloads, settings=self.tracker.settings,
             warning=self.driver.warning if self.driver else None, paused=self._paused,
+            reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report,
         )
 
@@ -531,6 +536,7 @@ class Peer:
         # back in step before the swarm moves on again. A fresh joiner takes the donors' state.
         assert self.policy is not None and self.runtime.transport is not None
         keep_optimizer = self.policy.local_optimizer and bool(self.optimizer.state)
+        donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
         snapshot = await download_state(self.runtime.transport, self.runtime.state_protocol, donors,
                                         seconds=self.timing.join_timeout, min_version=min_version,
                                         keep=not_optimizer if keep_optimizer else None)
@@ -565,6 +571,7 @@ class Peer:
                 logger.warning("round listener failed: %s: %s", type(error).__name__, error)
         counters.rounds_ok += int(outcome.ok)
         counters.rounds_failed += int(not outcome.ok)
+        counters.rounds_unreachable += int(getattr(report, "error", None) == UNREACHABLE_GROUP)
         counters.bytes_sent += getattr(report, "bytes_sent", 0)
         counters.bytes_received += getattr(report, "bytes_received", 0)
         counters.last_report = {key: value for key, value in asdict(report).items()

@@ -175,8 +175,8 @@ class ProgressTracker:
         other_settings: list[str] = []
         for member in self.presence.members:
             record = member.progress
-            if member.peer_id == self.peer_id or record is None or member.expires < wall:
-                continue
+            if member.peer_id == self.peer_id or record is None or member.expires < wall or member.paused:
+                continue  # a paused member is neither waited for nor asked for its state
             if record.settings != self.settings:
                 other_settings.append(member.peer_id)
                 continue
