@@ -4,9 +4,9 @@ defaults), how they become the run's RunConfig, and the manifest round trip. No 
 from __future__ import annotations
 
 import json
-import tomllib
 
 import pytest
+import tomllib
 import typer
 from typer.testing import CliRunner
 

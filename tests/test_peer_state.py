@@ -13,8 +13,8 @@ from swarmgrad.averaging.state_transfer import StateSnapshot, _parse_description
 from swarmgrad.averaging.wire import FrameError
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from swarmgrad.peer.state import StateMismatch, TrainingState, not_optimizer
 from swarmgrad.peer.config import DiLoCo, SyncSGD
+from swarmgrad.peer.state import StateMismatch, TrainingState, not_optimizer
 
 # ---- StateSnapshot ------------------------------------------------------------------------------------
 

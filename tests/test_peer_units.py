@@ -20,7 +20,15 @@ from swarmgrad.averaging.state_transfer import StateSnapshot
 from swarmgrad.dht.membership import Progress
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer import Peer
-from swarmgrad.peer.config import DiLoCo, GossipSGD, RunConfig, RunConfigMismatch, SyncSGD, resolve_against_run, run_config
+from swarmgrad.peer.config import (
+    DiLoCo,
+    GossipSGD,
+    RunConfig,
+    RunConfigMismatch,
+    SyncSGD,
+    resolve_against_run,
+    run_config,
+)
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
 from swarmgrad.peer.state import StateMismatch, TrainingState
 
