@@ -24,7 +24,7 @@ from swarmgrad.runtime import run
 async def main(args: argparse.Namespace) -> None:
     tensor = torch.full((args.numel,), args.value)
     settings = Moshpit(group_size=args.group_size, matchmaking_seconds=args.window, round_timeout=args.timeout)
-    network = NodeConfig(initial_peers=[args.initial_peer], host=args.host)
+    network = NodeConfig(initial_peers=args.initial_peer.split(","), host=args.host)
     async with NetworkRuntime(args.run_id, network) as runtime, \
             Averager(runtime, [tensor], settings=settings, grid_dims=args.grid_dims or None, codec=args.codec,
                      aggregator=args.aggregator) as averager:
@@ -51,7 +51,7 @@ if __name__ == "__main__":
     if os.environ.get("SWARMGRAD_TEST_LOG"):  # a test that wants to see why, on stderr
         logging.basicConfig(level=os.environ["SWARMGRAD_TEST_LOG"], format="%(asctime)s %(name)s %(message)s")
     parser = argparse.ArgumentParser()
-    parser.add_argument("initial_peer")
+    parser.add_argument("initial_peer")  # one multiaddr, or several separated by commas
     parser.add_argument("run_id")
     parser.add_argument("value", type=float)
     parser.add_argument("numel", type=int)

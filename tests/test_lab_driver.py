@@ -201,7 +201,7 @@ class _Net:
 def _lab(tmp_path, text: str) -> Lab:
     lab = Lab(scenario(text), tmp_path, json_output=True)
     lab.prepare()
-    lab.net, lab.bootstrap_maddr = _Net(), "/ip4/10.77.0.4/tcp/31337/p2p/12D3KooWboot"
+    lab.net, lab.bootstrap_maddr = _Net(), "/ip4/11.77.0.4/tcp/31337/p2p/12D3KooWboot"
     return lab
 
 
@@ -211,12 +211,12 @@ def test_peer_commands(tmp_path):
     first = lab.peer_command(lab.peers[0], max_seconds=60, wait_peers=3)
     other = lab.peer_command(lab.peers[2], max_seconds=60, wait_peers=3)
     assert first[1:6] == ["-m", "swarmgrad.cli", "-v", "peer", "fashion-mnist"]
-    for flag, value in (("--host", "10.77.0.1"), ("--shard", "0"), ("--num-shards", "3"), ("--threads", "1"),
+    for flag, value in (("--host", "11.77.0.1"), ("--shard", "0"), ("--num-shards", "3"), ("--threads", "1"),
                         ("--slowdown", "2"), ("--eval-every", "3"), ("--target-accuracy", "0.9"),
                         ("--initial-peers", lab.bootstrap_maddr), ("--identity", str(tmp_path / "peer-0.key"))):
         assert first[first.index(flag) + 1] == value
     assert "--json" in first and "--no-final-eval" not in first
-    assert other[other.index("--host") + 1] == "10.77.0.3" and other[other.index("--eval-every") + 1] == "0"
+    assert other[other.index("--host") + 1] == "11.77.0.3" and other[other.index("--eval-every") + 1] == "0"
     assert "--no-final-eval" in other and "--target-accuracy" not in other
     assert len({p.peer_id for p in lab.peers}) == 3  # identities made up front: ids known before start
 

@@ -79,8 +79,8 @@ def lab():
 
 
 def test_natted_peers_bind_private_addresses_and_show_their_routers_address(lab):
-    assert lab.address(0) == lab.public_address(0) == "10.77.0.1"
-    assert lab.address(2) == nat.lan_address(2, 2) and lab.public_address(2) == "10.77.0.3"
+    assert lab.address(0) == lab.public_address(0) == "11.77.0.1"
+    assert lab.address(2) == nat.lan_address(2, 2) and lab.public_address(2) == "11.77.0.3"
     for i in (2, 3, 4):  # what a public peer sees of a NATed one: its outermost router's address
         seen = _dial(lab, i, 0, f"{lab.public_address(0)}:{PORT}")[0]
         assert seen.split(":")[0] == lab.public_address(i), (i, seen)

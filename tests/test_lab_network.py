@@ -173,11 +173,11 @@ try:
 except socket.timeout:
     print(True)
 """
-    assert _client(wan, 0, probe, "10.77.0.200").split() == ["True", "True"]
+    assert _client(wan, 0, probe, "11.77.0.200").split() == ["True", "True"]
     links = subprocess.run(wan.exec_argv(0, ["ip", "-o", "link"]), capture_output=True, text=True, check=False).stdout
     assert sorted(line.split(":")[1].strip() for line in links.splitlines()) == ["lab0", "lo"]
     routes = subprocess.run(wan.exec_argv(0, ["ip", "route"]), capture_output=True, text=True, check=False).stdout
-    assert "default" not in routes and "10.77.0.0/16 dev lab0" in routes
+    assert "default" not in routes and "11.77.0.0/16 dev lab0" in routes
     host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
     assert " lab0:" not in host_links and " labdown:" not in host_links
 
@@ -332,7 +332,7 @@ def test_bad_network_arguments_are_config_errors():
         EmulatedNetwork([])
     with pytest.raises(ConfigError):
         EmulatedNetwork([LinkSpec(1, 1, 0, 0)], prefix="bad prefix/")
-    assert network.address(0) == "10.77.0.1" and network.address(250) == "10.77.1.1"
+    assert network.address(0) == "11.77.0.1" and network.address(250) == "11.77.1.1"
 
 
 def test_missing_root_or_tools_is_a_startup_error(monkeypatch):

@@ -84,9 +84,11 @@ def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[st
     return groups
 
 
-def leader_of(group: list[str], unreachable: frozenset[str]) -> str:
-    """The group's first member that others can dial, or its first member when none can be."""
-    return next((peer for peer in group if peer not in unreachable), group[0])
+def leader_of(group: list[str], unreachable: frozenset[str], clients: frozenset[str] = frozenset()) -> str:
+    """The group's first member that others can dial; else (all behind NATs) its first one with a
+    relayed address; else its first member."""
+    return next((peer for peer in group if peer not in unreachable),
+                next((peer for peer in group if peer not in clients), group[0]))
 
 
 class Matchmaker:
@@ -102,7 +104,7 @@ class Matchmaker:
     async def find_group(
         self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
         expected: int | None = None, expected_members: frozenset[str] | None = None,
-        unreachable: frozenset[str] = frozenset(),
+        unreachable: frozenset[str] = frozenset(), clients: frozenset[str] = frozenset(),
     ) -> GroupPlan | None:
         """The agreed plan for this round, or None when no group of at least min_group_size formed.
 
@@ -111,9 +113,9 @@ class Matchmaker:
         exactly those, have declared there is no need to wait out the window: a view that lists a
         peer that is not there, or misses one that declared, waits the window out as before. The
         expected members are grouped as if declared, so a read that missed one splits no group.
-        ``unreachable``: the members others cannot dial; a group's leader is its first member not
-        among them (it must dial everyone to invite them), so one behind a NAT leads only a group
-        of such members."""
+        ``unreachable``: the members others cannot dial, ``clients`` those nobody can reach at all;
+        a group's leader is its first member others can dial (it must reach everyone to invite
+        them), else its first one reachable through a relay, which then owns every part."""
         me = self.node.peer_id
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
@@ -139,7 +141,7 @@ class Matchmaker:
                 peers = sorted(set(peers) | expected_members)
             if not looking.committed:
                 group = self._my_group(key, peers, group_size)
-                if group and leader_of(group, unreachable) == me:
+                if group and leader_of(group, unreachable, clients) == me:
                     looking.committed = True
                     return await self._lead(key, group, min_group_size, share)
             # a follower: the leader we accepted (or will accept) sends the plan
@@ -206,6 +208,8 @@ class Matchmaker:
         plan = None
         if len(members) >= min_group_size:
             shares = [share] + [accepted[peer][1] for peer in members[1:]]
+            if not any(shares):  # all behind NATs: the leader owns every part, the others dial it
+                shares[0] = 1.0
             round_id = f"{key}#{me[-8:]}.{secrets.token_hex(4)}"
             plan = GroupPlan(round_id, tuple(members), tuple(shares), self.codec, self.schema_digest, self.aggregator)
         message = {"t": "begin", "plan": plan.to_wire()} if plan else {"t": "cancel"}

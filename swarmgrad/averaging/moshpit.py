@@ -45,6 +45,7 @@ from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION
 from swarmgrad.averaging.transport import Channel
 from swarmgrad.averaging.wire import expect_kind
 from swarmgrad.averaging.wire import field as frame_field
+from swarmgrad.dht.membership import reachability
 from swarmgrad.errors import ConfigError
 from swarmgrad.runtime import timeout
 
@@ -71,7 +72,7 @@ class AveragingReport:
 
 
 AVERAGING_ROLES = ("peer", "client")  # client: a training peer that others cannot dial
-UNREACHABLE_GROUP = "no member of this round's group can be dialled (all behind NAT): left out of the round"
+UNREACHABLE_GROUP = "no member of this round's group can be reached (none publishes an address): left out of the round"
 
 
 def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -208,7 +209,8 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             report.error = f"weight must be finite and positive, got {weight}"
             return report
-        if slice_peers is not None and slice_peers <= unreachable:
+        clients = self._clients()
+        if slice_peers is not None and slice_peers <= clients:
             report.group, report.error = [self.node.peer_id], UNREACHABLE_GROUP
             logger.info("round %d: %s", index, UNREACHABLE_GROUP)
             return report
@@ -220,7 +222,7 @@ class Averager:
         plan = await self.matchmaker.find_group(
             key, group_size=group_size, min_group_size=self.min_group_size,
             window=self.matchmaking_seconds, share=share, expected=expected_peers, expected_members=slice_peers,
-            unreachable=unreachable,
+            unreachable=unreachable, clients=clients,
         )
         if plan is None:
             report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
@@ -329,6 +331,12 @@ class Averager:
         me = self.node.peer_id
         return frozenset((found - {me}) if self.node.dialable else (found | {me}))
 
+    def _clients(self) -> frozenset[str]:
+        """Members nobody can reach at all, not even through a relay: they publish no address."""
+        found = {m.peer_id for m in self._averaging_members() if m.reachability == "client"}
+        me = self.node.peer_id
+        return frozenset((found | {me}) if reachability(self.node.maddrs) == "client" else (found - {me}))
+
     def _position(self, index: int, unreachable: frozenset[str]) -> tuple[str, frozenset[str]]:
         """This peer's place in round ``index`` (its slice's coordinates, ``*`` along this round's
         dimension, or ``hub<j>``) from its rank among the members that average (as of the last
@@ -340,7 +348,9 @@ class Averager:
         order = grid_order(list(peers), f"{self.run_id}/{self.name}/{index // len(sides)}")
         dim = index % len(sides)
         reachable = peers - unreachable
-        if not unreachable & peers or slices_reach_everyone(order, reachable, dim, sides):
+        # the grid, unless a slice of this round would hold only NATed members while some member is
+        # public; with nobody public, NATed members meet over hole-punched or relayed connections
+        if not unreachable & peers or not reachable or slices_reach_everyone(order, reachable, dim, sides):
             rank = order.index(me)
             coordinates = grid_position(rank, sides)
             place = ".".join(str(c) if d != dim else "*" for d, c in enumerate(coordinates))

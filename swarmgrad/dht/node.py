@@ -90,6 +90,11 @@ class SwarmNode:
         # reserves slots on relays, and the DHT runs as a client (others must not route through us)
         self.dialable = self.config.reachability != "private" and not self.config.client_mode
         self._relayed_addresses: dict[str, list[str]] = {}  # peers others reach only through relays
+        self._introductions: set[asyncio.Task] = set()  # background connections to relayed peers
+        # public for sure: said by the config, or by a dial-back check; a node off loopback with no
+        # initial peers is a bootstrap node, public by its purpose
+        self._known_public = self.config.reachability == "public" or (
+            self.dialable and not self.config.initial_peers and not self.config.on_loopback)
 
     @property
     def peer_id(self) -> str:
@@ -108,11 +113,14 @@ class SwarmNode:
         self.p2p = await self._start_daemon()
         try:
             if self.dialable and self.config.reachability == "auto" and self._check_reachability():
-                if await ask_dial_back(self.p2p, self._initial_peer_ids(), self._listen_port(),
-                                       deadline=DIAL_BACK_SECONDS) is False:
+                dialable = await ask_dial_back(self.p2p, self._initial_peer_ids(), self._listen_port(),
+                                               deadline=DIAL_BACK_SECONDS)
+                if dialable is False:
                     logger.info("nobody can dial this node (behind a NAT or firewall): restarting p2pd to "
                                 "reserve relay slots; the DHT runs as a client")
                     self.dialable = False
+                if dialable is not None and self.config.punches_holes:  # p2pd starts again knowing it
+                    self._known_public = bool(dialable)
                     await self.p2p.shutdown()
                     self.p2p = await self._start_daemon()
             if self.dialable:
@@ -136,6 +144,9 @@ class SwarmNode:
 
     async def shutdown(self) -> None:
         """Stop the DHT and the daemon; bounded, so a daemon that died (or hangs) cannot hold a peer up."""
+        for task in list(self._introductions):
+            task.cancel()
+        await asyncio.gather(*self._introductions, return_exceptions=True)
         if self.dht is not None:
             try:
                 await asyncio.wait_for(self.dht.protocol.shutdown(), timeout=SHUTDOWN_SECONDS)
@@ -166,9 +177,17 @@ class SwarmNode:
 
     def remember_addresses(self, peer_id: str, maddrs: list[str]) -> None:
         """What a peer published (its presence record): kept if it can be reached only through relays,
-        because then p2pd cannot find it by itself; see :meth:`introduce`."""
+        because then p2pd cannot find it by itself; see :meth:`introduce`. Behind a NAT ourselves,
+        we connect to such a peer at once, in the background: hole punching then has time to
+        upgrade the relayed connection to a direct one before a round needs it (a stream opened on
+        a relayed connection stays on it, and hivemind's p2pd resets those after 128 KiB)."""
         if maddrs and all("/p2p-circuit" in address for address in maddrs):
+            known = peer_id in self._relayed_addresses
             self._relayed_addresses[peer_id] = list(maddrs)[:8]
+            if not known and not self.dialable and self.config.punches_holes and peer_id != self.peer_id:
+                task = asyncio.get_running_loop().create_task(self.introduce(peer_id))
+                self._introductions.add(task)
+                task.add_done_callback(self._introductions.discard)
         else:
             self._relayed_addresses.pop(peer_id, None)
 
@@ -181,9 +200,8 @@ class SwarmNode:
         from hivemind.p2p import PeerID
 
         try:
-            target = PeerID.from_base58(peer_id)
             async with timeout(self.config.request_timeout):
-                await self.p2p._client.connect(target, [_DaemonAddress(a, peer_id) for a in addresses])
+                await self.p2p._client.connect(PeerID.from_base58(peer_id), [_DaemonAddress(a, peer_id) for a in addresses])
         except Exception as error:  # noqa: BLE001 - the stream's own error is the one to report
             logger.debug("could not connect to %s through its relays: %s", peer_id, error)
 
@@ -264,6 +282,10 @@ class SwarmNode:
         if behind_nat and config.use_relay and config.initial_peers:
             # reserve at once on the initial peers (public by definition: we reached them)
             relays = {"use_auto_relay": True, "trusted_relays": config.initial_peers, "force_reachability": "private"}
+        elif self._known_public and config.punches_holes:
+            # AutoNAT would find it out later, and go-libp2p then starts a relay service of its own
+            # in place of the one holding reservations, which are lost: say so from the start
+            relays = {"force_reachability": "public"}
         with _identity_file(self.identity) as identity_path:
             while True:
                 try:

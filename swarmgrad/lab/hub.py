@@ -35,8 +35,8 @@ import signal
 import sys
 import time
 
-# The lab's addresses: 10.77.<i // 250>.<i % 250 + 1> for peer i (see network.address).
-SUBNET_OCTETS = (10, 77)
+# The lab's addresses: 11.77.<i // 250>.<i % 250 + 1> for peer i (see network.address).
+SUBNET_OCTETS = (11, 77)
 HOSTS_PER_OCTET = 250
 
 # Reads per tun per wake-up: bounded so that one busy sender cannot starve the others or the timer.

@@ -1,7 +1,7 @@
 """An emulated internet on one machine: one network namespace per peer, each with its own access link.
 
 Every peer ``i`` lives in namespace ``<prefix>-<i>`` and has one interface, ``lab0`` (a tun device),
-with address :func:`address` ``(i)`` in 10.77.0.0/16. Its :class:`LinkSpec` sets, for its access
+with address :func:`address` ``(i)`` in 11.77.0.0/16 (see ``SUBNET`` for why public-looking). Its :class:`LinkSpec` sets, for its access
 link to the rest of the lab:
 
 * ``up_mbit``: a tbf qdisc on ``lab0`` egress (what the peer sends);
@@ -18,8 +18,9 @@ link to the rest of the lab:
   at once instead of seeing a loss. Side effect: a packet lost on ``a``'s uplink has still used
   ``b``'s downlink.
 
-Namespaces have no default route and no NAT; the hub forwards only between lab addresses, so peers
-reach each other and nothing else.
+Public peers' namespaces have no default route; a peer with ``nat`` set sits behind NAT routers
+(:mod:`swarmgrad.lab.nat`) whose outermost holds its ``lab0``. The hub forwards only between lab
+addresses, so peers reach each other and nothing else.
 
 MTU: one MTU for the whole lab. ``mtu=None`` picks what takes about 4 ms to send at the slowest
 finite link rate, within 1500..65000 bytes: large packets keep the Python hub at a few hundred
@@ -84,9 +85,13 @@ from swarmgrad.lab.sweep import (
 
 TUN_NAME = "lab0"
 IFB_NAME = "labdown"
-HOSTS_PER_OCTET = 250  # peer i -> 10.77.<i // 250>.<i % 250 + 1>; keep in sync with hub.py
+HOSTS_PER_OCTET = 250  # peer i -> 11.77.<i // 250>.<i % 250 + 1>; keep in sync with hub.py
 MAX_PEERS = HOSTS_PER_OCTET * 256
-SUBNET = "10.77.0.0/16"
+# Globally routable-looking on purpose: libp2p treats RFC 1918 and RFC 2544 addresses as private
+# and never starts hole punching towards them, so a lab in 10/8 (its old range) or 198.18/15 could
+# not show it. Nothing leaves the lab: its namespaces have no default route and the hub forwards
+# only between lab addresses, so these addresses are never routed to the internet.
+SUBNET = "11.77.0.0/16"
 PREFIX_LEN = 16
 MIN_MTU, MAX_MTU = 1500, 65000
 SERIALIZATION_S = 0.004  # auto MTU: about this long on the wire at the slowest link
@@ -135,7 +140,7 @@ def address(i: int) -> str:
     """Peer ``i``'s IPv4 address in the lab (the address its processes should bind to)."""
     if not 0 <= i < MAX_PEERS:
         raise ConfigError(f"peer index must be in [0, {MAX_PEERS}), got {i}")
-    return f"10.77.{i // HOSTS_PER_OCTET}.{i % HOSTS_PER_OCTET + 1}"
+    return f"11.77.{i // HOSTS_PER_OCTET}.{i % HOSTS_PER_OCTET + 1}"
 
 
 def namespace(prefix: str, i: int) -> str:
