@@ -34,7 +34,9 @@ def ago(timestamp: float, now: float | None = None) -> str:
 def members_table(members: Iterable[Member], title: str | None = None) -> Table:
     table = Table(title=title)
     for column in ("peer", "address", "reach", "role", "step", "samples/s", "epsilon", "last seen"):
-        table.add_column(column, justify="right" if column in ("step", "samples/s", "epsilon") else "left")
+        # on a narrow terminal the long multiaddr folds; every other cell stays whole
+        table.add_column(column, justify="right" if column in ("step", "samples/s", "epsilon") else "left",
+                         overflow="fold" if column == "address" else "ellipsis", no_wrap=column != "address")
     now = time.time()
     for member in members:
         table.add_row(
