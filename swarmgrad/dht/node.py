@@ -289,7 +289,7 @@ class SwarmNode:
         with _identity_file(self.identity) as identity_path:
             while True:
                 try:
-                    return await _daemon_class(config, serve_relay=self.dialable, static_relays=bool(relays)).create(
+                    return await _daemon_class(config, serve_relay=self.dialable, static_relays="trusted_relays" in relays).create(
                         initial_peers=config.initial_peers or None,
                         host_maddrs=[str(listen_address(config.host, config.port))],
                         announce_maddrs=config.announce_maddrs or None,

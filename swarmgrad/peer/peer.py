@@ -84,7 +84,7 @@ class PeerStatus:
     warning: str | None = None  # why this peer trains alone, when it can tell
     paused: bool = False  # peer.pause() (SIGUSR1): no rounds, no training, until resume()
     reachability: str = "public"  # how others reach it: public, relayed (behind a NAT) or client
-    rounds_unreachable: int = 0  # rounds sat out because nobody in its group could be dialled
+    rounds_unreachable: int = 0  # rounds sat out: nobody in its group publishes an address to reach it by
     last_report: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
