@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -30,12 +31,27 @@ async def main(args: argparse.Namespace) -> None:
                      aggregator=args.aggregator) as averager:
         print(json.dumps({"ready": runtime.peer_id}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # the test says when to start the round
+        if args.wait_direct:
+            await _until_direct(runtime, args.wait_direct)
         report = await averager.step(weight=args.weight)
         links = await _connections(runtime.node.p2p, [peer for peer in report.group if peer != runtime.peer_id])
         print(json.dumps({"ok": report.ok, "error": report.error, "value": float(tensor[0]), "links": links,
                           "transports": report.transports, "dialable": runtime.node.dialable,
                           "maddrs": runtime.node.maddrs}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # stay up until told: others may still need us
+
+
+async def _until_direct(runtime: NetworkRuntime, seconds: float) -> None:
+    """Wait (up to ``seconds``) until every other training member listed has a direct libp2p
+    connection: hole punching runs in the background from the moment presence lists a NATed peer,
+    and a round that starts before it finished would run over the relay."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        others = [m.peer_id for m in runtime.members() if m.role == "peer" and m.peer_id != runtime.peer_id]
+        links = await _connections(runtime.node.p2p, others)
+        if others and all("direct" in kinds for kinds in links.values()):
+            return
+        await asyncio.sleep(0.2)
 
 
 async def _connections(p2p, peers: list[str]) -> dict[str, list[str]]:
@@ -63,4 +79,5 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--grid-dims", type=int, default=1)  # 0: the grid sized by the membership
+    parser.add_argument("--wait-direct", type=float, default=0.0)  # seconds to wait for hole punching
     run(main(parser.parse_args()))
