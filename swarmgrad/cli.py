@@ -1,4 +1,4 @@
-"""The ``swarmgrad`` command: bootstrap, status, dashboard, peer, keygen, demo and lab.
+"""The ``swarmgrad`` command: bootstrap, status, dashboard, peer, keygen, run, demo and lab.
 
 Logs go to stderr; what scripts read (addresses, JSON) goes to stdout. Errors a user can fix are
 printed as one ``error: ...`` line with a non-zero exit code, never as a traceback.
@@ -351,6 +351,10 @@ def _validated(make_config):
 from swarmgrad.commands.lab import register as _register_lab  # noqa: E402  (after the other commands)
 
 _register_lab(app)
+
+from swarmgrad.commands.run import register as _register_run  # noqa: E402
+
+_register_run(app)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import pydantic
 from swarmgrad.dht.config import check_run_id
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
+from swarmgrad.dht.tickets import Ticket, check_run_key
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.peer.config import RunConfig, resolve_against_run
 from swarmgrad.version import __version__
@@ -41,14 +42,17 @@ class RunManifest(RecordBody):
     version: Annotated[str, pydantic.Field(max_length=32)]  # swarmgrad version of the creator
     data_fingerprint: Text | None = None
     created_at: Annotated[float, pydantic.Field(allow_inf_nan=False)]
+    # a private run's key (dht/tickets.py: 64 hex digits): only peers with a ticket it signed are admitted
+    run_key: Annotated[str, pydantic.Field(pattern="^[0-9a-f]{64}$")] | None = None
 
     @classmethod
-    def create(cls, config: RunConfig, data_fingerprint: str | None) -> RunManifest:
-        """The manifest of a run that trains ``config`` (its task included)."""
+    def create(cls, config: RunConfig, data_fingerprint: str | None, run_key: str | None = None) -> RunManifest:
+        """The manifest of a run that trains ``config`` (its task included); private with ``run_key``."""
         if config.task is None:
             raise ConfigError("a run manifest needs the task the run trains")
         return cls(task=config.task, settings=config.settings_json(), version=__version__,
-                   data_fingerprint=data_fingerprint, created_at=time.time())
+                   data_fingerprint=data_fingerprint, created_at=time.time(),
+                   run_key=None if run_key is None else check_run_key(run_key))
 
     def run_config(self) -> RunConfig:
         """The run's settings, task included (what :meth:`create` was given); bad ones are a ConfigError."""
@@ -67,7 +71,10 @@ class RunManifest(RecordBody):
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(f"{self.task}\n{self.settings}\n{self.data_fingerprint}".encode()).hexdigest()[:16]
+        text = f"{self.task}\n{self.settings}\n{self.data_fingerprint}"
+        if self.run_key is not None:  # a public run's digest is what it always was
+            text += f"\n{self.run_key}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def manifest_key(run_id: str) -> str:
@@ -115,19 +122,38 @@ def check_compatible(manifest: RunManifest, task: str | None, data_fingerprint: 
                            "point --data-dir at the same dataset")
 
 
+def check_admission(run_id: str, manifest: RunManifest | None, ticket: Ticket | None) -> None:
+    """Refuse to join a private run without a ticket of its key, or a public one with a ticket
+    (the peer meant to join a private run: the wrong run id, or the wrong initial peers)."""
+    if manifest is None:
+        return
+    if manifest.run_key is not None and ticket is None:
+        raise StartupError(f"run {run_id!r} is private (run key {manifest.run_key[:16]}...): its peers ignore "
+                           "peers without a ticket; ask its creator for one (`swarmgrad run grant`) and pass --ticket")
+    if ticket is not None and manifest.run_key is None:
+        raise StartupError(f"run {run_id!r} is public, but this peer has a ticket for a private run: check the run "
+                           "id, or drop --ticket")
+    if ticket is not None and ticket.run_key != manifest.run_key:
+        raise StartupError(f"this peer's ticket is signed by run key {ticket.run_key[:16]}..., not run {run_id!r}'s "
+                           f"({manifest.run_key[:16]}...): ask its creator for a ticket")
+    if ticket is not None and ticket.run_id is not None and ticket.run_id != run_id:
+        raise StartupError(f"this peer's ticket is for run {ticket.run_id!r}, not {run_id!r}")
+
+
 def settle_run(run_id: str, mine: RunConfig, manifest: RunManifest | None, *, create: bool,
-               fingerprint: Callable[[], str | None]) -> tuple[RunConfig, RunManifest | None]:
+               fingerprint: Callable[[], str | None], ticket: Ticket | None = None) -> tuple[RunConfig, RunManifest | None]:
     """What this peer trains with, given the run's manifest (None: the run has none, or this is its
     first peer) and the manifest it keeps published. ``fingerprint()`` gives this peer's data
     fingerprint, asked for only when creating the run.
 
     Creating: this peer's settings, which must be the run's if it exists already. Joining: the
     run's settings, after checking that every one this peer chose agrees (RunConfigMismatch names
-    each field and both values); without a manifest, this peer's own."""
+    each field and both values); without a manifest, this peer's own. A creator's ``ticket`` makes
+    the run private, with the key that signed it; a joiner's must be for the run's key."""
     if create:
         if mine.task is None:
             raise ConfigError("--create needs the TASK to train")
-        created = RunManifest.create(mine, fingerprint())
+        created = RunManifest.create(mine, fingerprint(), run_key=ticket.run_key if ticket is not None else None)
         if manifest is not None and manifest.digest != created.digest:
             raise StartupError(f"run {run_id!r} already exists with other settings (task {manifest.task!r}); "
                                "join it without --create, or pick another --run-id")
@@ -138,6 +164,7 @@ def settle_run(run_id: str, mine: RunConfig, manifest: RunManifest | None, *, cr
         logger.warning("run %r has no manifest: training with this peer's settings (use --create to publish them)",
                        run_id)
         return mine, None
+    check_admission(run_id, manifest, ticket)
     check_compatible(manifest, mine.task, None)  # a different task is refused; the data is checked once loaded
     return resolve_against_run(run_id, mine, manifest.run_config()), manifest
 
