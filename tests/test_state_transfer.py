@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from swarmgrad.averaging import state_transfer
-from swarmgrad.averaging.state_transfer import StateServer, StateSnapshot, StateTransferError, download_state
+from swarmgrad.averaging.state_transfer import (
+    StateServer,
+    StateSnapshot,
+    StateTransferError,
+    download_result,
+    download_state,
+)
 from swarmgrad.averaging.transport import Libp2pTransport
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.peer.config import DiLoCo
@@ -428,3 +434,60 @@ def test_training_state_round_trip_through_a_download(swarm):
     train(other_model, other_optimizer, 2, seed=9)
     for a, b in zip(model.parameters(), other_model.parameters()):
         assert torch.equal(a, b)
+
+
+# ---- round results: what a peer that missed a round replays -----------------------------------------
+
+
+@asynccontextmanager
+async def keeping_results(swarm, protocol: str, kept: list[dict[int, torch.Tensor]]):
+    """Donor i keeps the round results kept[i] (epoch -> flat tensor)."""
+    async with AsyncExitStack() as stack:
+        for transport, results in zip(swarm.transports[1:], kept):
+            server = await stack.enter_async_context(StateServer(transport, protocol))
+            for epoch, result in results.items():
+                server.publish_result(epoch, result)
+        yield
+
+
+def test_a_round_result_comes_as_bfloat16_from_the_donor_that_kept_it(swarm):
+    result = torch.randn(300_001, generator=torch.Generator().manual_seed(5))
+
+    async def scenario():
+        protocol = new_protocol()
+        async with keeping_results(swarm, protocol, [{}, {7: result}]):
+            return await download_result(swarm.transports[0], protocol, donor_ids(swarm), 7, result.numel())
+
+    got = run(swarm, scenario())
+    assert got.dtype == torch.float32 and torch.equal(got, result.to(torch.bfloat16).float())
+    assert torch.allclose(got, result, rtol=2**-8, atol=0)
+
+
+def test_a_donor_keeps_only_its_last_results(swarm):
+    results = {epoch: torch.full((10,), float(epoch)) for epoch in range(1, 4)}
+
+    async def scenario(epoch: int):
+        protocol = new_protocol()
+        async with keeping_results(swarm, protocol, [results]):
+            return await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], epoch, 10)
+
+    assert state_transfer.KEPT_RESULTS == 2
+    assert torch.equal(run(swarm, scenario(3)), results[3]) and torch.equal(run(swarm, scenario(2)), results[2])
+    with pytest.raises(StateTransferError, match="result of round 1 is not kept here"):
+        run(swarm, scenario(1))
+
+
+@pytest.mark.parametrize("bad", ["size", "nan"])
+def test_a_result_of_another_size_or_not_finite_is_refused(swarm, bad):
+    result = torch.ones(1000)
+    if bad == "nan":
+        result[17] = float("nan")
+
+    async def scenario():
+        protocol = new_protocol()
+        async with keeping_results(swarm, protocol, [{4: result}]):
+            return await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], 4,
+                                         999 if bad == "size" else 1000)
+
+    with pytest.raises(StateTransferError, match="2000 bytes exceeds" if bad == "size" else "NaN or Inf"):
+        run(swarm, scenario())

@@ -1,7 +1,9 @@
 """Handing a peer's whole state (named tensors plus small metadata) to a peer that joins late.
 
 A donor keeps its latest ``StateSnapshot`` (and the one before, so a download that started just
-before the donor moved on can finish). A joiner asks every candidate donor for its snapshot's
+before the donor moved on can finish), and the results of its last rounds: a peer that missed a
+round (or whose download ended with the swarm a round further) replays that round's result on its
+own state instead of downloading the whole state again, for a fraction of the bytes. A joiner asks every candidate donor for its snapshot's
 description, picks the freshest version held by the most donors, and fetches the bytes in parts
 spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
 has its parts fetched from the others, and nothing is used until every byte arrived and every
@@ -12,6 +14,7 @@ Protocol (one channel per donor, any number of requests on it, then ``done``: on
 plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
     -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
+    -> {"t": "result", "epoch"}               <- {"t": "result", "epoch", "numel"} + bfloat16 bytes
     -> {"t": "done"}
 """
 
@@ -37,7 +40,13 @@ from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)
 
-PART_BYTES = 4 * 1024 * 1024
+# small enough that a peer keeping its optimizer state skips the parts holding it even in a state
+# of a few MB, large enough that a part's round trip is a small share of its transfer
+PART_BYTES = 1024 * 1024
+# a round's result travels as bfloat16: half the bytes, and its rounding (2^-8 relative) is below
+# what the round's own codec already changed
+RESULT_DTYPE = torch.bfloat16
+KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or two rounds behind
 ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
 MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
@@ -131,10 +140,12 @@ class StateServer:
     """Serves this peer's latest snapshots to joiners over ``protocol``."""
 
     def __init__(self, transport: Transport, protocol: str, keep: int = 2,
-                 idle_seconds: float = DEFAULT_TIMING.join_timeout):
+                 idle_seconds: float = DEFAULT_TIMING.join_timeout, keep_results: int = KEPT_RESULTS):
         self.transport, self.protocol, self.keep, self.idle_seconds = transport, protocol, keep, idle_seconds
+        self.keep_results = keep_results
         self._snapshots: dict[int, StateSnapshot] = {}
         self._described: dict[int, bytes] = {}
+        self._results: dict[int, torch.Tensor] = {}
 
     async def __aenter__(self) -> StateServer:
         await self.transport.serve(self.protocol, self._serve)
@@ -153,6 +164,15 @@ class StateServer:
         for version in sorted(self._snapshots)[: -self.keep]:
             self._snapshots.pop(version)
             self._described.pop(version)
+
+    def publish_result(self, epoch: int, result: torch.Tensor) -> None:
+        """Keep what round ``epoch`` applied here (a flat float tensor: the swarm's average, or this
+        peer's own values when it stepped alone), for a peer that missed the round to replay."""
+        if self.keep_results < 1:
+            return
+        self._results[epoch] = result.detach().to("cpu").reshape(-1).to(RESULT_DTYPE, copy=True)
+        for old in sorted(self._results)[: -self.keep_results]:
+            self._results.pop(old)
 
     async def _serve(self, channel: Channel) -> None:
         while True:
@@ -179,6 +199,14 @@ class StateServer:
                 index = int_field(request.header, "index", 0, max(0, math.ceil(snapshot.nbytes / PART_BYTES) - 1))
                 part = snapshot.data[index * PART_BYTES : (index + 1) * PART_BYTES]
                 await channel.send({"t": "part", "version": version, "index": index}, memoryview(part.numpy()))
+            elif request.kind == "result":
+                epoch = field(request.header, "epoch", int)
+                result = self._results.get(epoch)
+                if result is None:
+                    await channel.send_error(f"the result of round {epoch} is not kept here")
+                    return
+                await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
+                                   memoryview(result.view(torch.uint8).numpy()))
             else:
                 raise FrameError(f"unexpected request {request.kind!r}")
 
@@ -310,6 +338,52 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
         if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
             raise StateTransferError(f"donor state has NaN or Inf in {name!r}; not using it")
     return snapshot
+
+
+async def download_result(transport: Transport, protocol: str, donors: list[str], epoch: int, numel: int, *,
+                          seconds: float = DEFAULT_TIMING.control_timeout) -> torch.Tensor:
+    """The result of round ``epoch`` (``numel`` floats, as float32) from the first of ``donors``, in
+    order, that kept it; all within ``seconds``. StateTransferError when none did."""
+    if not donors:
+        raise StateTransferError("no peer to take the round's result from")
+    failures = []
+    deadline = asyncio.get_running_loop().time() + seconds
+    for donor in donors:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        try:
+            async with timeout(left):
+                return await _fetch_result(transport, protocol, donor, epoch, numel)
+        except (FrameError, RemoteError, StateTransferError, EOFError, OSError, ConnectionError,
+                asyncio.TimeoutError, TimeoutError) as error:
+            failures.append(f"{donor}: {error or type(error).__name__}")
+    raise StateTransferError(f"no donor handed over the result of round {epoch} "
+                             f"({len(failures)} of {len(donors)} asked: {'; '.join(failures[:2])})")
+
+
+async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: int, numel: int) -> torch.Tensor:
+    element = torch.empty(0, dtype=RESULT_DTYPE).element_size()
+    channel = await transport.open(donor, protocol)
+    clean = False
+    try:
+        await channel.send({"t": "result", "epoch": epoch})
+        header, length = await channel.recv_header(max_payload=numel * element)
+        if header.get("t") != "result" or header.get("epoch") != epoch or header.get("numel") != numel:
+            raise FrameError(f"expected the result of round {epoch} ({numel} values), got {header.get('t')!r} "
+                             f"of round {header.get('epoch')!r} ({header.get('numel')!r} values)")
+        if length != numel * element:
+            raise FrameError(f"the result is {length} bytes, expected {numel * element}")
+        received = torch.empty(numel, dtype=RESULT_DTYPE)
+        await channel.recv_payload_into(memoryview(received.view(torch.uint8).numpy()))
+        await channel.send({"t": "done"})
+        clean = True
+    finally:
+        await (channel.close() if clean else channel.abort())
+    result = received.to(torch.float32)
+    if not bool(torch.isfinite(result).all()):
+        raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")
+    return result
 
 
 def expect_kind_header(header: dict, kind: str, version: int, index: int) -> None:

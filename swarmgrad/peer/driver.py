@@ -87,14 +87,16 @@ class RoundDriver:
 
     ``catch_up(donors, min_version)`` takes the swarm's state (the peer's job: it owns the state);
     when it fails the peer trains on locally and retries after ``timing.catch_up_retry``.
-    ``record(outcome)`` counts each round. ``run_id`` only names the run in warnings.
+    ``record(outcome)`` counts each round. ``keep_result(epoch, tensor)`` is handed what each epoch
+    applied (the swarm's average, or the peer's own values when it stepped alone), before it is
+    applied: a peer that missed the round replays it from there. ``run_id`` only names the run in warnings.
     """
 
     def __init__(self, policy: Policy, backend: AveragingBackend, tracker: Tracker, timing: Timing,
                  catch_up: CatchUp, record: Callable[[RoundOutcome], None] = lambda outcome: None,
-                 run_id: str = ""):
+                 run_id: str = "", keep_result: Callable[[int, torch.Tensor], None] = lambda epoch, result: None):
         self.policy, self.backend, self.tracker, self.timing = policy, backend, tracker, timing
-        self.catch_up, self.record, self.run_id = catch_up, record, run_id
+        self.catch_up, self.record, self.run_id, self.keep_result = catch_up, record, run_id, keep_result
         self.solo_steps = 0  # epochs this peer finished alone
         self.warning: str | None = None  # why this peer trains alone, when it can tell
         self._retry_at = 0.0
@@ -125,6 +127,7 @@ class RoundDriver:
             outcome = await self.backend.average(epoch, attempt, self.policy.weight(), self.expected_peers(epoch))
             self.record(outcome)
             if outcome.ok and outcome.average is not None:
+                self.keep_result(epoch, outcome.average)
                 self.policy.apply(outcome.average)
                 self.tracker.next_epoch(epoch + 1)
                 return True
@@ -134,6 +137,8 @@ class RoundDriver:
             if not self.tracker.others_at(epoch):
                 break  # nobody else is training: finish the epoch alone
         logger.info("epoch %d: no group after %d attempt(s); stepping on local values", epoch, attempts)
+        self.policy.prepare()
+        self.keep_result(epoch, self.policy.contribution)  # before solo(): sync's apply clears the contribution
         self.policy.solo()
         self.solo_steps += 1
         self.tracker.next_epoch(epoch + 1)

@@ -41,17 +41,18 @@ from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.averaging.settings import Aggregator, Averaging
-from swarmgrad.averaging.state_transfer import StateTransferError, download_state
+from swarmgrad.averaging.state_transfer import StateTransferError
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
 from swarmgrad.dht.membership import TrainingStats, check_run_id, reachability
 from swarmgrad.dht.node import NodeConfig
 from swarmgrad.errors import ConfigError
+from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
 from swarmgrad.peer.config import RunConfig, Strategy, resolve_against_run
 from swarmgrad.peer.driver import AveragingBackend, GossipBackend, MoshpitBackend, RoundDriver, RoundOutcome
 from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, publish_manifest, read_manifest
 from swarmgrad.peer.progress import ProgressTracker
-from swarmgrad.peer.state import TrainingState, not_optimizer
+from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies import Policy, make_policy
 from swarmgrad.runtime import BackgroundLoop
 from swarmgrad.timing import DEFAULT_TIMING, Timing
@@ -80,6 +81,7 @@ class PeerStatus:
     bytes_sent: int = 0
     bytes_received: int = 0
     state_downloads: int = 0
+    rounds_replayed: int = 0  # rounds it missed and applied afterwards, from a peer that kept their result
     settings: str = ""  # digest of the run settings this peer trains with
     warning: str | None = None  # why this peer trains alone, when it can tell
     paused: bool = False  # peer.pause() (SIGUSR1): no rounds, no training, until resume()
@@ -102,7 +104,6 @@ class _Counters:
     rounds_unreachable: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-    state_downloads: int = 0
     loss: float | None = None
     last_report: dict[str, Any] | None = field(default=None)
 
@@ -176,6 +177,7 @@ class Peer:
         self.policy: Policy | None = None
         self.per_sample = None
         self.driver: RoundDriver | None = None
+        self.catch_up: CatchUp | None = None
         self._averager: Averager | GossipAverager | None = None
         self._counters = _Counters()
         self._background: BackgroundLoop | None = None
@@ -345,7 +347,7 @@ class Peer:
         if not donors:
             return False
         try:
-            await self._catch_up(donors, epoch + 1 if self.policy.synchronous else 0)
+            await self.catch_up(donors, epoch + 1 if self.policy.synchronous else 0)
         except StateTransferError as error:
             logger.warning("after resuming: could not take the swarm's state (%s); training on", error)
             return False
@@ -387,7 +389,8 @@ class Peer:
             epsilon=self.epsilon, peers=len(self.tracker.swarm.peers), rounds_ok=counters.rounds_ok,
             rounds_failed=counters.rounds_failed, solo_steps=self.driver.solo_steps if self.driver else 0,
             bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
-            state_downloads=counters.state_downloads, settings=self.tracker.settings,
+            state_downloads=self.catch_up.downloads if self.catch_up else 0,
+            rounds_replayed=self.catch_up.replayed if self.catch_up else 0, settings=self.tracker.settings,
             warning=self.driver.warning if self.driver else None, paused=self._paused,
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report,
@@ -464,8 +467,9 @@ class Peer:
         schema = getattr(self._averager, "schema", None)
         self.tracker.settings = f"{config.digest}.{schema.digest[:8]}" if schema is not None else config.digest
         self.tracker.next_epoch(self.tracker.local.epoch)
-        self.driver = RoundDriver(self.policy, backend, self.tracker, self.timing, self._catch_up, self._record,
-                                  run_id=self.run_id)
+        self.catch_up = CatchUp(self.runtime, self.policy, self.state, self.tracker, self.timing, self._publish_state)
+        self.driver = RoundDriver(self.policy, backend, self.tracker, self.timing, self.catch_up, self._record,
+                                  run_id=self.run_id, keep_result=self.runtime.state_server.publish_result)
 
     async def _join(self) -> None:
         """Resume from the checkpoint, then take the swarm's state if it is further along (invariant 8)."""
@@ -479,6 +483,8 @@ class Peer:
                 self._restore_extra(extra)
                 self.tracker.next_epoch(snapshot.version)
                 fresh = False
+                assert self.catch_up is not None
+                self.catch_up.in_step = True  # a state the swarm had: rounds missed since can be replayed
                 logger.info("resumed from checkpoint %s at epoch %d", self.checkpoint_dir, snapshot.version)
         await self.runtime.presence.read()  # who is here now, with the settings just published
         epoch = self.tracker.local.epoch
@@ -487,7 +493,7 @@ class Peer:
             donors = self.tracker.others_at(epoch)  # gossip: any peer's state beats a random start
         if donors:
             try:
-                await self._catch_up(donors, epoch + 1 if self.policy.synchronous else 0)
+                await self.catch_up(donors, epoch + 1 if self.policy.synchronous else 0)
                 return
             except StateTransferError as error:
                 logger.warning("could not download the swarm's state (%s); starting from local values", error)
@@ -530,23 +536,6 @@ class Peer:
             if self.checkpoint_dir is not None and time.monotonic() - self._last_checkpoint >= self.checkpoint_every:
                 await self._save_checkpoint()
 
-    async def _catch_up(self, donors: list[str], min_version: int) -> None:
-        # a peer that steps its own optimizer and has its state keeps it, and so downloads about
-        # half the bytes (Adam: params + 2 moments): a peer on a slow link that fell behind gets
-        # back in step before the swarm moves on again. A fresh joiner takes the donors' state.
-        assert self.policy is not None and self.runtime.transport is not None
-        keep_optimizer = self.policy.local_optimizer and bool(self.optimizer.state)
-        donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
-        snapshot = await download_state(self.runtime.transport, self.runtime.state_protocol, donors,
-                                        seconds=self.timing.join_timeout, min_version=min_version,
-                                        keep=not_optimizer if keep_optimizer else None)
-        self.state.restore(snapshot, keep_optimizer=keep_optimizer)
-        self._counters.state_downloads += 1
-        self.tracker.next_epoch(snapshot.version)
-        self._publish_state()
-        logger.info("took the swarm's state at epoch %d (%d bytes from %d donor(s)%s)", snapshot.version,
-                    snapshot.nbytes, len(donors), "; kept its own optimizer state" if keep_optimizer else "")
-
     def _publish_state(self) -> None:
         assert self.runtime.state_server is not None
         epoch = self.tracker.local.epoch
@@ -558,7 +547,7 @@ class Peer:
         loss = counters.loss if counters.loss is not None and abs(counters.loss) <= 1e9 else None
         return TrainingStats(loss=loss, rounds_ok=counters.rounds_ok, rounds_failed=counters.rounds_failed,
                              bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
-                             state_downloads=counters.state_downloads)
+                             state_downloads=self.catch_up.downloads if self.catch_up else 0)
 
     def _record(self, outcome: RoundOutcome) -> None:
         counters, report = self._counters, outcome.report
@@ -570,6 +559,8 @@ class Peer:
             except Exception as error:  # an observer must not break the round's bookkeeping
                 logger.warning("round listener failed: %s: %s", type(error).__name__, error)
         counters.rounds_ok += int(outcome.ok)
+        if outcome.ok and self.catch_up is not None and self.policy is not None and self.policy.synchronous:
+            self.catch_up.in_step = True  # its state is the swarm's now: it may replay rounds it misses
         counters.rounds_failed += int(not outcome.ok)
         counters.rounds_unreachable += int(getattr(report, "error", None) == UNREACHABLE_GROUP)
         counters.bytes_sent += getattr(report, "bytes_sent", 0)

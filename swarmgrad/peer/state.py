@@ -43,11 +43,12 @@ class TrainingState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {f"model/{key}": value for key, value in self.model.state_dict().items()}
+        named.update({f"strategy/{key}": value for key, value in self.strategy.state_tensors().items()})
+        # the optimizer's last: a peer that keeps its own fetches the parts before it, one range
         for index, state in self.optimizer.state_dict()["state"].items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     named[f"{OPTIMIZER_PREFIX}{index}/{key}"] = value
-        named.update({f"strategy/{key}": value for key, value in self.strategy.state_tensors().items()})
         return named
 
     def optimizer_scalars(self) -> dict[str, dict[str, Any]]:

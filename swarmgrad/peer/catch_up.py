@@ -1,0 +1,111 @@
+"""How a peer that fell behind the swarm gets back in step (DESIGN invariant 8).
+
+A peer a round or two behind (its round failed while the others' succeeded, it was paused for a
+moment, or its state download ended with the swarm a round further) replays the rounds it missed:
+it takes each round's result from a peer that applied it (donors keep their last few,
+``StateServer.publish_result``) and applies it to its own state, as if it had averaged with them.
+That moves a bfloat16 copy of the contribution, not the whole state (parameters, strategy state and,
+for a fresh joiner, optimizer moments), so a peer on a slow link is back in time for the next round
+instead of spiralling through downloads that each end with the swarm a round further on. Further
+behind, or when no donor kept a round, the peer downloads the state and then replays whatever
+the swarm finished meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Protocol
+
+from swarmgrad.averaging import NetworkRuntime
+from swarmgrad.averaging.state_transfer import KEPT_RESULTS, StateTransferError, download_result, download_state
+from swarmgrad.peer.state import TrainingState, not_optimizer
+from swarmgrad.peer.strategies import Policy
+from swarmgrad.timing import Timing
+
+logger = logging.getLogger(__name__)
+
+
+class Progress(Protocol):
+    local: Any
+
+    def fresh(self) -> Any: ...
+
+    def ahead_of(self, epoch: int) -> list[str]: ...
+
+    def next_epoch(self, epoch: int) -> None: ...
+
+
+class CatchUp:
+    """``await catch_up(donors, min_version)``: bring this peer to the swarm's epoch, by replaying
+    the rounds it missed where donors kept them, else by downloading the state (then replaying).
+    Raises StateTransferError (changing nothing) when neither works.
+
+    Only a peer whose state came from the swarm (``in_step``: it averaged a round, took the state or
+    resumed a checkpoint) replays: a result moves every peer's parameters by the same step, so one
+    that started from other weights would stay apart from the swarm for good."""
+
+    def __init__(self, runtime: NetworkRuntime, policy: Policy, state: TrainingState, tracker: Progress,
+                 timing: Timing, publish_state: Callable[[], None]):
+        self.runtime, self.policy, self.state, self.tracker = runtime, policy, state, tracker
+        self.timing, self.publish_state = timing, publish_state
+        self.downloads = 0  # whole states taken
+        self.replayed = 0  # rounds replayed from their results
+        self.in_step = False
+
+    @property
+    def epoch(self) -> int:
+        return self.tracker.local.epoch
+
+    async def __call__(self, donors: list[str], min_version: int) -> None:
+        if await self.replay(donors) and not self.tracker.ahead_of(self.epoch):
+            return
+        await self.download(self.tracker.ahead_of(self.epoch) or donors, max(min_version, self.epoch + 1))
+        await self.replay(self.tracker.ahead_of(self.epoch))  # the rounds the swarm finished meanwhile
+
+    async def replay(self, donors: list[str]) -> int:
+        """Apply, one by one, the results of the rounds from this peer's epoch up to the swarm's (at
+        most ``KEPT_RESULTS`` behind: further, the state is the way). Returns how many it applied."""
+        assert self.runtime.transport is not None and self.runtime.state_server is not None
+        behind = self.tracker.fresh().epoch - self.epoch
+        if not (self.policy.synchronous and self.in_step and donors and 0 < behind <= KEPT_RESULTS):
+            return 0
+        applied = 0
+        while donors and applied < KEPT_RESULTS:
+            epoch = self.epoch
+            try:
+                result = await download_result(self.runtime.transport, self.runtime.state_protocol,
+                                               self.runtime.reachable_first(donors), epoch, self.policy.layout.total,
+                                               seconds=self.timing.control_timeout)
+            except StateTransferError as error:
+                logger.info("could not replay round %d: %s", epoch, error)
+                break
+            self.policy.apply(result)
+            self.runtime.state_server.publish_result(epoch, result)  # a peer behind this one may replay it here
+            self.tracker.next_epoch(epoch + 1)
+            applied += 1
+            donors = self.tracker.ahead_of(epoch + 1)
+        if applied:
+            self.replayed += applied
+            self.publish_state()
+            logger.info("replayed %d round(s) the swarm finished without this peer; now at epoch %d", applied,
+                        self.epoch)
+        return applied
+
+    async def download(self, donors: list[str], min_version: int) -> None:
+        """Take the swarm's state. A peer that steps its own optimizer and has its state keeps it,
+        and so downloads about half the bytes (Adam: params + 2 moments); a fresh joiner takes the
+        donors' whole state."""
+        assert self.runtime.transport is not None
+        keep_optimizer = self.policy.local_optimizer and bool(self.state.optimizer.state)
+        donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
+        snapshot = await download_state(self.runtime.transport, self.runtime.state_protocol, donors,
+                                        seconds=self.timing.join_timeout, min_version=min_version,
+                                        keep=not_optimizer if keep_optimizer else None)
+        self.state.restore(snapshot, keep_optimizer=keep_optimizer)
+        self.downloads += 1
+        self.in_step = True
+        self.tracker.next_epoch(snapshot.version)
+        self.publish_state()
+        logger.info("took the swarm's state at epoch %d (%d bytes from %d donor(s)%s)", snapshot.version,
+                    snapshot.nbytes, len(donors), "; kept its own optimizer state" if keep_optimizer else "")
+

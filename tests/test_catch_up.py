@@ -1,0 +1,200 @@
+"""Catching up with a swarm that moved on: a peer a round or two behind replays the rounds it missed
+from a donor's kept results instead of downloading the whole state, and a download that ends with
+the swarm a round further is followed by a replay, not another download (issue 17, item 4).
+
+The first tests drive ``CatchUp`` in-process with the transfers faked (what they check is the
+choice between replay and download); the last runs two real peers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_async
+from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
+
+import swarmgrad as sg
+from swarmgrad.averaging.state_transfer import KEPT_RESULTS, StateTransferError
+from swarmgrad.peer import catch_up as catch_up_module
+from swarmgrad.peer.catch_up import CatchUp
+from swarmgrad.peer.config import DiLoCo
+from swarmgrad.peer.progress import PeerProgress
+from swarmgrad.peer.state import TrainingState
+from swarmgrad.timing import Timing
+
+
+class KeptResults:
+    """What CatchUp uses of a StateServer: the results it keeps."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, torch.Tensor] = {}
+
+    def publish_result(self, epoch: int, result: torch.Tensor) -> None:
+        self.results[epoch] = result.clone()
+
+
+class Harness:
+    """A DiLoCo peer at epoch 0 that took local steps; the swarm's other peer is at ``swarm_epoch``.
+    Results of rounds are served from ``donor_results``; a state download hands over ``donor_state``."""
+
+    def __init__(self, swarm_epoch: int, monkeypatch, in_step: bool = True):
+        model, optimizer = model_and_optimizer(0)
+        self.tracker = FakeTracker((PeerProgress("donor", swarm_epoch, 0.0, 0.0, 0.0, False),))
+        self.policy = attach(DiLoCo(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), model, optimizer, self.tracker)
+        set_grads(self.policy.params, 1)
+        self.policy.after_backward(batch_size=4)
+        self.state = TrainingState(model, optimizer, self.policy)
+        self.server = KeptResults()
+        runtime = SimpleNamespace(transport=object(), state_server=self.server, state_protocol="state",
+                                  reachable_first=lambda donors: list(donors))
+        self.published: list[int] = []
+        self.catch_up = CatchUp(runtime, self.policy, self.state, self.tracker, Timing(),
+                                lambda: self.published.append(self.tracker.local.epoch))
+        self.catch_up.in_step = in_step
+        numel = self.policy.layout.total
+        self.donor_results = {epoch: torch.full((numel,), 0.01 * (epoch + 1)) for epoch in range(swarm_epoch)}
+        self.donor_state_version = swarm_epoch
+        self.swarm_moves_during_download = 0
+        self.asked_results: list[int] = []
+        self.downloads = 0
+        monkeypatch.setattr(catch_up_module, "download_result", self.download_result)
+        monkeypatch.setattr(catch_up_module, "download_state", self.download_state)
+
+    async def download_result(self, transport, protocol, donors, epoch, numel, seconds):
+        self.asked_results.append(epoch)
+        if epoch not in self.donor_results:
+            raise StateTransferError(f"the result of round {epoch} is not kept here")
+        assert donors == ["donor"] and numel == self.policy.layout.total
+        return self.donor_results[epoch]
+
+    async def download_state(self, transport, protocol, donors, seconds, min_version, keep):
+        self.downloads += 1
+        version = self.donor_state_version
+        assert version >= min_version
+        snapshot = self.state.capture(version, {})
+        donor = self.tracker.others[0]  # the swarm finishes rounds while the bytes travel
+        for epoch in range(donor.epoch, donor.epoch + self.swarm_moves_during_download):
+            self.donor_results[epoch] = torch.full((self.policy.layout.total,), 0.01 * (epoch + 1))
+        self.tracker.others = (PeerProgress("donor", donor.epoch + self.swarm_moves_during_download, 0.0, 0.0, 0.0,
+                                            False),)
+        return snapshot
+
+    def start(self) -> torch.Tensor:
+        return self.policy.start.clone()
+
+    def run(self) -> None:
+        run_async(self.catch_up(self.tracker.ahead_of(self.tracker.local.epoch), self.tracker.local.epoch + 1))
+
+
+def test_a_peer_one_round_behind_replays_that_round_instead_of_downloading(monkeypatch):
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    start = h.start()
+    h.run()
+    assert h.downloads == 0 and h.asked_results == [0]
+    assert h.tracker.local.epoch == 1 and h.catch_up.replayed == 1
+    # outer lr 1, no momentum: the new start is the old one minus the round's result, and the
+    # parameters are reset to it (the local steps of the missed epoch are dropped, as by a download)
+    assert torch.allclose(h.policy.start, start - h.donor_results[0])
+    assert all(torch.equal(p.detach(), s) for p, s in zip(h.policy.params, h.policy.layout.views(h.policy.start)))
+    assert torch.equal(h.server.results[0], h.donor_results[0])  # kept, for a peer behind this one
+    assert h.published == [1]
+
+
+def test_two_rounds_behind_replays_both_in_order(monkeypatch):
+    h = Harness(swarm_epoch=2, monkeypatch=monkeypatch)
+    start = h.start()
+    h.run()
+    assert h.downloads == 0 and h.asked_results == [0, 1] and h.tracker.local.epoch == 2
+    assert torch.allclose(h.policy.start, start - h.donor_results[0] - h.donor_results[1])
+
+
+def test_further_behind_than_the_kept_results_downloads_the_state(monkeypatch):
+    h = Harness(swarm_epoch=KEPT_RESULTS + 1, monkeypatch=monkeypatch)
+    h.run()
+    assert h.asked_results == [] and h.downloads == 1 and h.catch_up.replayed == 0
+    assert h.tracker.local.epoch == KEPT_RESULTS + 1
+
+
+def test_a_download_that_ends_with_the_swarm_a_round_further_replays_that_round(monkeypatch):
+    """The spiral this breaks: a slow link's download takes longer than a round, so every download
+    ended one round behind and the next step downloaded again."""
+    h = Harness(swarm_epoch=KEPT_RESULTS + 3, monkeypatch=monkeypatch)
+    h.swarm_moves_during_download = 1
+    h.run()
+    version = KEPT_RESULTS + 3
+    assert h.downloads == 1 and h.asked_results == [version]
+    assert h.tracker.local.epoch == version + 1 and h.catch_up.replayed == 1
+
+
+def test_a_replay_no_donor_can_serve_falls_back_to_the_state(monkeypatch):
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    h.donor_results.clear()
+    h.run()
+    assert h.asked_results == [0] and h.downloads == 1 and h.tracker.local.epoch == 1 and h.catch_up.replayed == 0
+
+
+def test_a_peer_whose_state_is_not_the_swarms_never_replays(monkeypatch):
+    """A fresh joiner's weights are its own: a result moves everyone by the same step, so replaying it
+    would keep the joiner apart from the swarm for good. It takes the state."""
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch, in_step=False)
+    h.run()
+    assert h.asked_results == [] and h.downloads == 1 and h.catch_up.in_step
+
+
+# ---- real peers -------------------------------------------------------------------------------------
+
+INNER = 4
+TIMING = sg.Timing(presence_refresh=0.5)
+
+
+def real_model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+async def train_until(peer: sg.Peer, model: torch.nn.Module, check, seconds: float, what: str, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > seconds:
+            pytest.fail(f"not within {seconds} s: {what}")
+        x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        await peer.astep(batch_size=16)
+        await asyncio.sleep(0.01)
+
+
+def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its_model():
+    async def scenario() -> None:
+        (model_a, opt_a), (model_b, opt_b) = real_model_and_optimizer(), real_model_and_optimizer()
+        settings = {"strategy": sg.DiLoCo(inner_steps=INNER), "compression": "none", "timing": TIMING}
+        async with sg.Peer(model_a, opt_a, run_id="replay-run", **settings) as a:
+            async with sg.Peer(model_b, opt_b, run_id="replay-run", initial_peers=a.maddrs, **settings) as b:
+                await asyncio.gather(a.await_peers(2, 20), b.await_peers(2, 20))
+                await asyncio.gather(
+                    train_until(a, model_a, lambda: a.status().rounds_ok >= 1, 60, "a's first round", 0),
+                    train_until(b, model_b, lambda: b.status().rounds_ok >= 1, 60, "b's first round", 1))
+                await asyncio.gather(train_until(a, model_a, lambda: a.epoch >= 2, 60, "a at epoch 2", 2),
+                                     train_until(b, model_b, lambda: b.epoch >= 2, 60, "b at epoch 2", 3))
+                # b sits out: a finishes the next epoch without it (it steps alone once b is paused)
+                await b.apause()
+                epoch_b = b.epoch
+                await train_until(a, model_a, lambda: a.epoch >= epoch_b + 1, 60, "a a round ahead", 4)
+                assert a.epoch - epoch_b <= KEPT_RESULTS
+                await b.aresume()
+                downloads = b.status().state_downloads
+                x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+                torch.nn.functional.cross_entropy(model_b(x), y).backward()
+                await b.astep(batch_size=16)
+                status = b.status()
+                assert status.rounds_replayed == a.epoch - epoch_b and status.state_downloads == downloads
+                assert b.epoch == a.epoch
+                # the replayed result travelled as bfloat16: b's model is a's up to its rounding
+                for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+                    assert torch.allclose(pa, pb, atol=2e-3, rtol=0), (pa - pb).abs().max()
+
+    run_async(scenario())
