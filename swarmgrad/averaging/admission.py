@@ -86,18 +86,18 @@ class Admission:
         self.refused_peers.add(peer_id)
 
     def _valid(self, peer_id: str, ticket: str | None) -> bool:
-        if ticket is None:
-            logger.debug("private run %s: ignoring %s, which has no ticket", self.run_id, peer_id)
-            return False
         assert self.run_key is not None
-        try:
-            parsed = Ticket.from_json(ticket, source=f"the ticket of {peer_id}")
-        except ConfigError as error:
-            logger.info("private run %s: ignoring %s: %s", self.run_id, peer_id, error)
-            return False
-        problem = parsed.problem(self.run_key, self.run_id, peer_id)
-        if problem is not None:
-            logger.info("private run %s: ignoring %s: its ticket does not admit it: %s", self.run_id, peer_id, problem)
+        parsed, problem = None, "it has no ticket"
+        if ticket is not None:
+            try:
+                parsed = Ticket.from_json(ticket, source="its ticket")
+                problem = parsed.problem(self.run_key, self.run_id, peer_id)
+            except ConfigError as error:
+                problem = str(error)
+        if parsed is None or problem is not None:
+            # every reread sees the record again: say why once per peer, not once per beat
+            level = logging.DEBUG if peer_id in self.refused_peers else logging.INFO
+            logger.log(level, "private run %s: ignoring %s: %s", self.run_id, peer_id, problem)
             return False
         self._admitted[peer_id] = parsed.expires if parsed.expires is not None else math.inf
         return True

@@ -27,11 +27,12 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from swarmgrad.averaging.admission import NOT_ADMITTED, Admission
 from swarmgrad.averaging.framestream import FastChannel
 from swarmgrad.averaging.ratelimit import UNLIMITED, RateLimits
 from swarmgrad.averaging.secure import KEY_BYTES, EncryptedChannel, FrameCipher
 from swarmgrad.averaging.transport import Channel, ChannelHandler, Libp2pTransport, Transport
-from swarmgrad.averaging.wire import FrameError, expect_kind, field
+from swarmgrad.averaging.wire import FrameError, RemoteError, expect_kind, field
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.runtime import timeout
 from swarmgrad.timing import DEFAULT_TIMING, Timing
@@ -73,6 +74,9 @@ class DirectTransport(Transport):
         dialable: bool = True,
     ):
         self.libp2p, self.host, self.port = libp2p, host, port
+        # the setup of every direct connection is a libp2p stream, which libp2p's admission checks;
+        # each exchange on a pooled connection asks again (a ticket expires, a ban comes later)
+        self.admission = libp2p.admission
         self.dialable = dialable  # False: others cannot connect here, so this side connects back
         self.advertise_hosts = advertise_hosts or [host]
         self.trusted_network, self.connect_timeout, self.remember_seconds = trusted_network, connect_timeout, remember_seconds
@@ -137,6 +141,12 @@ class DirectTransport(Transport):
             return await self._lease(await self._connect(peer_id, protocol), protocol)
         except FrameError:
             raise  # the peer answered but broke the protocol: not a reachability problem
+        except RemoteError as error:
+            if str(error).startswith(NOT_ADMITTED):
+                raise  # reachable, but it does not admit us (yet): libp2p would be refused the same
+            logger.info("no direct connection to %s (%s); using libp2p", peer_id, error)
+            self._libp2p_only_until[peer_id] = time.monotonic() + self.remember_seconds
+            return await self.libp2p.open(peer_id, protocol)
         except Exception as error:
             logger.info("no direct connection to %s (%s: %s); using libp2p", peer_id, type(error).__name__, error)
             self._libp2p_only_until[peer_id] = time.monotonic() + self.remember_seconds
@@ -311,6 +321,10 @@ class DirectTransport(Transport):
             if handler is None:
                 await channel.send_error(f"expected an 'open' frame for a served protocol, got {header['t']!r}")
                 return
+            if self.admission is not None and not self.admission.admits(channel.peer_id):
+                self.admission.refuse_stream(channel.peer_id)
+                await channel.send_error(NOT_ADMITTED)
+                return
             channel.reset_counters()
             try:
                 await handler(channel)
@@ -339,10 +353,12 @@ def _addresses(value: list) -> list[tuple[str, int]]:
 
 
 def default_transport(node: SwarmNode, direct: bool = True, trusted_network: bool = False,
-                      timing: Timing = DEFAULT_TIMING, limits: RateLimits = UNLIMITED) -> Transport:
+                      timing: Timing = DEFAULT_TIMING, limits: RateLimits = UNLIMITED,
+                      admission: Admission | None = None) -> Transport:
     """What a peer's runtime uses unless told otherwise: direct TCP where reachable, libp2p otherwise.
-    ``limits``: the peer's upload and download caps, one bucket each for every channel of both."""
-    libp2p = Libp2pTransport(node.p2p, limits, introduce=node.introduce)
+    ``limits``: the peer's upload and download caps, one bucket each for every channel of both.
+    ``admission``: who may open streams here (None: anyone)."""
+    libp2p = Libp2pTransport(node.p2p, limits, introduce=node.introduce, admission=admission)
     if not direct:
         return libp2p
     return DirectTransport(libp2p, host=node.config.host, port=node.config.data_port,

@@ -16,12 +16,14 @@ import asyncio
 import logging
 from typing import Callable
 
+from swarmgrad.averaging.admission import DEFAULT_LOOKUP_INTERVAL, Admission
 from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, RateLimits
 from swarmgrad.averaging.state_transfer import StateServer
 from swarmgrad.averaging.transport import Transport
-from swarmgrad.dht.membership import Member, Membership, Role, check_run_id
+from swarmgrad.dht.membership import Member, Membership, Role, _read_listing, check_run_id
 from swarmgrad.dht.node import NodeConfig, SwarmNode
+from swarmgrad.dht.tickets import Ticket
 from swarmgrad.timing import DEFAULT_TIMING, Timing
 
 logger = logging.getLogger(__name__)
@@ -35,13 +37,21 @@ class NetworkRuntime:
     sends them unencrypted on the direct plane (both ends must opt in). ``before_publish`` fills in
     what each presence heartbeat announces (the peer layer's progress). ``upload_limit_mbps`` /
     ``download_limit_mbps`` cap the data plane (every channel of this peer together; None: no cap).
+    ``ticket``: this peer's membership ticket of a private run: the runtime then admits only peers
+    with a ticket of the same run key (``admission``: their records, their streams) and announces its own.
     """
 
     def __init__(self, run_id: str, network: NodeConfig | None = None, *, node: SwarmNode | None = None,
                  role: Role | None = None, direct: bool = True, trusted_network: bool = False,
                  timing: Timing = DEFAULT_TIMING, before_publish: Callable[[Membership], None] | None = None,
-                 upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS, download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS):
+                 upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS, download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
+                 ticket: Ticket | None = None):
         self.run_id = check_run_id(run_id)
+        self.ticket = ticket
+        # one answer to "who may talk to me" for the presence listing and every served stream
+        self.admission = Admission(self.run_id, ticket.run_key if ticket is not None else None,
+                                   lookup_interval=min(timing.presence_refresh, DEFAULT_LOOKUP_INTERVAL))
+        self.admission.lookup = self._look_up_members
         self.limits = RateLimits.from_mbps(upload_limit_mbps, download_limit_mbps)
         self.timing = timing
         self._owns_node = node is None
@@ -53,7 +63,9 @@ class NetworkRuntime:
         self.state_server: StateServer | None = None
         self.presence = Membership(self.node, self.run_id, role=self.role, ttl=timing.presence_ttl,
                                    refresh=timing.presence_refresh, watch=True,
-                                   members_per_read=timing.members_per_read, before_publish=before_publish)
+                                   members_per_read=timing.members_per_read, before_publish=before_publish,
+                                   admit=self.admission.admit_record if ticket is not None else None,
+                                   ticket=ticket.to_json() if ticket is not None else None)
         self._entered: list[tuple[str, Callable]] = []
 
     @property
@@ -89,7 +101,11 @@ class NetworkRuntime:
                                    "averagers can use one runtime)")
             self.node.runtime = self
             self._entered.append(("node's runtime", self._release_node))
-            self.transport = default_transport(self.node, self.direct, self.trusted_network, self.timing, self.limits)
+            if self.ticket is not None:  # before anything is served or announced
+                self.ticket.check(self.ticket.run_key, self.run_id, self.peer_id)
+                self.admission.admit_self(self.peer_id)
+            self.transport = default_transport(self.node, self.direct, self.trusted_network, self.timing, self.limits,
+                                               self.admission if self.ticket is not None else None)
             await self.transport.start()
             self._entered.append(("transport", self.transport.stop))
             self.state_server = StateServer(self.transport, self.state_protocol, idle_seconds=self.timing.join_timeout)
@@ -101,6 +117,10 @@ class NetworkRuntime:
             await self.__aexit__(None, None, None)
             raise
         return self
+
+    async def _look_up_members(self) -> None:
+        """Read the run's member records for the admission (a stream came from a peer not listed yet)."""
+        await _read_listing(self.node, self.run_id, self.admission.admit_record)
 
     async def _release_node(self) -> None:
         self.node.runtime = None

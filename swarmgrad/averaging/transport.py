@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from swarmgrad.averaging.admission import NOT_ADMITTED, Admission
 from swarmgrad.averaging.ratelimit import UNLIMITED, RateLimits
 from swarmgrad.averaging.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -83,6 +84,8 @@ ChannelHandler = Callable[[Channel], Awaitable[None]]
 
 class Transport(ABC):
     name: str
+    # who may open streams to this peer (averaging/admission.py); None: anyone. Every served stream asks it.
+    admission: Admission | None = None
 
     async def start(self) -> None:
         """Bring up whatever the transport listens on (nothing for libp2p: p2pd already listens)."""
@@ -155,8 +158,8 @@ class Libp2pTransport(Transport):
     name = "libp2p"
 
     def __init__(self, p2p: P2P, limits: RateLimits = UNLIMITED,
-                 introduce: Callable[[str], Awaitable[None]] | None = None):
-        self.p2p = p2p
+                 introduce: Callable[[str], Awaitable[None]] | None = None, admission: Admission | None = None):
+        self.p2p, self.admission = p2p, admission
         self.limits = limits  # the peer's caps; they pace the stream to p2pd, and so what p2pd sends
         self.introduce = introduce  # SwarmNode.introduce: connects to a relayed peer through its relays
 
@@ -170,6 +173,11 @@ class Libp2pTransport(Transport):
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             channel = _fast_channel(info.peer_id.to_base58(), reader, writer, self.name, self.limits)
             try:
+                # libp2p authenticated the remote peer id; the direct plane's setup comes this way too
+                if self.admission is not None and not await self.admission.admit(channel.peer_id):
+                    logger.info("refused a stream from %s on %s: not admitted", channel.peer_id, protocol)
+                    await channel.send_error(NOT_ADMITTED)
+                    return
                 await handler(channel)
             except FrameError as error:
                 logger.info("bad frame from %s on %s: %s", channel.peer_id, protocol, error)

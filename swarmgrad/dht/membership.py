@@ -23,6 +23,7 @@ import pydantic
 from swarmgrad.dht.config import check_run_id
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
+from swarmgrad.dht.tickets import MAX_TICKET_BYTES
 from swarmgrad.errors import ConfigError
 from swarmgrad.version import __version__
 
@@ -84,6 +85,8 @@ class MemberRecord(RecordBody):
     progress: Progress | None = None  # training members only
     stats: TrainingStats | None = None  # training members only
     paused: bool = False  # a member that paused (peer.pause(), SIGUSR1): in the run, but in no round
+    # a private run's membership ticket (dht/tickets.py, its JSON): readers take the record only with a valid one
+    ticket: Annotated[str, pydantic.Field(max_length=MAX_TICKET_BYTES)] | None = None
 
 
 def reachability(maddrs: list[str]) -> Reachability:
@@ -133,9 +136,16 @@ async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
     return alive
 
 
-async def _read_listing(node: SwarmNode, run_id: str) -> tuple[list[Member], set[str]]:
-    """The live members of ``run_id``, sorted by peer id, and the ids of those that said they left."""
+# admit(peer_id, ticket) -> whether to take that peer's record (averaging/admission.py: private runs)
+RecordFilter = Callable[[str, "str | None"], bool]
+
+
+async def _read_listing(node: SwarmNode, run_id: str, admit: RecordFilter | None = None) -> tuple[list[Member], set[str]]:
+    """The live members of ``run_id``, sorted by peer id, and the ids of those that said they left;
+    records ``admit`` refuses are skipped entirely (their members, progress and leaves)."""
     records = await node.get_records(members_key(run_id), MemberRecord)
+    if admit is not None:
+        records = {owner: record for owner, record in records.items() if admit(owner, record.body.ticket)}
     now = time.time()
     members = [
         Member(
@@ -169,12 +179,14 @@ class Membership:
     ``members_per_read``, a run of more members than that beats every refresh x members /
     members_per_read, its record living as much longer (a listing costs O(members) to read and to
     serve, and every beat is a store); an epoch change still publishes at once.
-    ``before_publish``: called before each heartbeat, to fill in what it announces.
+    ``before_publish``: called before each heartbeat, to fill in what it announces. ``admit``: which
+    records rereads take (private runs); ``ticket``: this member's own ticket, announced with it.
     """
 
     def __init__(self, node: SwarmNode, run_id: str, role: Role = "peer", ttl: float = DEFAULT_TTL, *,
                  refresh: float | None = None, watch: bool = False, members_per_read: int | None = None,
-                 before_publish: Callable[[Membership], None] | None = None):
+                 before_publish: Callable[[Membership], None] | None = None, admit: RecordFilter | None = None,
+                 ticket: str | None = None):
         if not 1.0 <= ttl <= MemberRecord.max_ttl:
             raise ConfigError(f"membership ttl must be within 1..{MemberRecord.max_ttl:.0f} s, got {ttl}")
         self.node, self.run_id, self.role, self.ttl = node, check_run_id(run_id), role, ttl
@@ -189,6 +201,7 @@ class Membership:
         self.progress: Progress | None = None
         self.stats: TrainingStats | None = None
         self.paused = False  # announced as is; set by a peer that pauses
+        self.admit, self.ticket = admit, ticket
         self.members: list[Member] = []  # with watch=True: the latest listing (this member included)
         self.members_read_at = -math.inf  # time.monotonic() of that listing
         self._arriving = False  # the last reread found a member the one before did not list
@@ -252,6 +265,7 @@ class Membership:
             progress=self.progress,
             stats=self.stats,
             paused=self.paused,
+            ticket=self.ticket,
         )
         # a frequent heartbeat needs latency more than durability: the next one follows soon. A leave
         # has no next one, and the node usually shuts down right after it, which would cut off the
@@ -269,7 +283,7 @@ class Membership:
         time, on a loaded swarm) stays listed until its last record expires or it says it left: every
         peer lays out the moshpit grid from this list, and a member dropping out of one peer's view
         for a beat would shift that peer's rank and send it to the wrong group."""
-        alive, left = await _read_listing(self.node, self.run_id)
+        alive, left = await _read_listing(self.node, self.run_id, self.admit)
         now = time.time()
         merged = {member.peer_id: member for member in self.members if member.expires > now and member.peer_id not in left}
         merged.update((member.peer_id, member) for member in alive)

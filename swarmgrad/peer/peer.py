@@ -45,12 +45,13 @@ from swarmgrad.averaging.state_transfer import StateTransferError
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
 from swarmgrad.dht.membership import TrainingStats, check_run_id, reachability
 from swarmgrad.dht.node import NodeConfig
+from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
 from swarmgrad.peer.config import RunConfig, Strategy, resolve_against_run
 from swarmgrad.peer.driver import AveragingBackend, GossipBackend, MoshpitBackend, RoundDriver, RoundOutcome
-from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, publish_manifest, read_manifest
+from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, check_admission, publish_manifest, read_manifest
 from swarmgrad.peer.progress import ProgressTracker
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies import Policy, make_policy
@@ -88,6 +89,8 @@ class PeerStatus:
     reachability: str = "public"  # how others reach it: public, relayed (behind a NAT) or client
     rounds_unreachable: int = 0  # rounds sat out: nobody in its group publishes an address to reach it by
     last_report: dict[str, Any] | None = None
+    refused_records: int = 0  # private run: member records of peers without a valid ticket, ignored
+    refused_streams: int = 0  # private run: their streams, refused
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -151,6 +154,7 @@ class Peer:
         manifest: RunManifest | None = None,
         upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
         download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
+        ticket: Ticket | None = None,
     ):
         self.run_id = check_run_id(run_id)
         self.model, self.optimizer = model, optimizer
@@ -165,7 +169,7 @@ class Peer:
         self.timing = timing = timing or DEFAULT_TIMING
         self.runtime = NetworkRuntime(self.run_id, node_config, direct=direct, trusted_network=trusted_network,
                                       timing=timing, upload_limit_mbps=upload_limit_mbps,
-                                      download_limit_mbps=download_limit_mbps)
+                                      download_limit_mbps=download_limit_mbps, ticket=ticket)
         self.node = self.runtime.node
         self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon, stats=self._stats)
         self.evaluations = EvaluationLog(self.node, self.run_id, task=self.requested.task or "")
@@ -393,7 +397,8 @@ class Peer:
             rounds_replayed=self.catch_up.replayed if self.catch_up else 0, settings=self.tracker.settings,
             warning=self.driver.warning if self.driver else None, paused=self._paused,
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
-            last_report=counters.last_report,
+            last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
+            refused_streams=self.runtime.admission.refused_streams,
         )
 
     def publish_evaluation(self, accuracy: float, loss: float | None = None, *, samples: int | None = None,
@@ -430,6 +435,7 @@ class Peer:
         found = self.manifest  # a caller that settled the run already (`swarmgrad peer`) hands it over
         if found is None and self.node.config.initial_peers:
             found = await read_manifest(self.node, self.run_id)
+        check_admission(self.run_id, found, self.runtime.ticket)  # a private run's, or a ticket for none
         self.config = resolve_against_run(self.run_id, self.requested, found.run_config() if found else None)
         self._check_local_privacy(self.config)
         self.evaluations.task = (self.config.task or "")[:64]

@@ -1,0 +1,134 @@
+"""Private runs with real peers (real p2pd daemons, a real DHT, loopback): two peers holding tickets
+of the run key average together; an intruder that joins without a valid ticket is never listed,
+none of its streams is served, and it trains alone. A peer without a ticket that plays by the rules
+is told at startup that the run is private."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from conftest import run_async
+
+import swarmgrad as sg
+from swarmgrad.averaging.admission import NOT_ADMITTED
+from swarmgrad.averaging.wire import RemoteError
+from swarmgrad.dht.identity import Identity
+from swarmgrad.dht.tickets import Ticket
+from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.peer.manifest import RunManifest
+
+STEPS = 40
+INNER = 8
+TIMING = sg.Timing(presence_refresh=0.5)
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+async def train(peer: sg.Peer, model: torch.nn.Module, seed: int) -> sg.PeerStatus:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        await peer.astep(batch_size=16, loss=loss)
+        await asyncio.sleep(0.01)  # the other peers share this loop
+    return peer.status()
+
+
+def identity(tmp_path, name: str) -> tuple[sg.NodeConfig, str]:
+    path = tmp_path / f"{name}.key"
+    key = Identity.generate()
+    key.save(path)
+    return sg.NodeConfig(identity_path=path), key.peer_id
+
+
+@pytest.mark.parametrize("intruder_ticket", ["none", "another run key"])
+def test_a_private_run_takes_no_record_and_no_stream_from_a_peer_without_a_valid_ticket(tmp_path, intruder_ticket):
+    run_id = f"private-{intruder_ticket.replace(' ', '-')}"
+    run_key = Identity.generate()
+    config = sg.RunConfig(task="digits", strategy=sg.DiLoCo(inner_steps=INNER))
+    manifest = RunManifest.create(config, None, run_key=run_key.public_key.hex())
+    (net_a, id_a), (net_b, id_b), (net_c, id_c) = (identity(tmp_path, name) for name in "abc")
+    ticket_a, ticket_b = (Ticket.issue(run_key, peer, run_id=run_id) for peer in (id_a, id_b))
+    # the intruder skips every check a peer makes of itself: it hands itself a manifest that says the
+    # run is public, or one that names its own key and a ticket signed by that key
+    if intruder_ticket == "none":
+        intruder_manifest, ticket_c = RunManifest.create(config, None), None
+    else:
+        own_key = Identity.generate()
+        intruder_manifest = RunManifest.create(config, None, run_key=own_key.public_key.hex())
+        ticket_c = Ticket.issue(own_key, id_c, run_id=run_id)
+
+    async def scenario():
+        models = [model_and_optimizer() for _ in range(3)]
+        a = sg.Peer(*models[0], run_id=run_id, config=config, manifest=manifest, ticket=ticket_a, network=net_a,
+                    timing=TIMING)
+        async with a:
+            b = sg.Peer(*models[1], run_id=run_id, initial_peers=a.maddrs, ticket=ticket_b, network=net_b,
+                        timing=TIMING)
+            c = sg.Peer(*models[2], run_id=run_id, initial_peers=a.maddrs, config=config, manifest=intruder_manifest,
+                        ticket=ticket_c, network=net_c, timing=TIMING)
+            async with b, c:
+                await asyncio.gather(a.await_peers(2, 20), b.await_peers(2, 20))
+                # the intruder opens streams itself: over the direct plane's setup, and over libp2p
+                refusals = []
+                for target in (a, b):
+                    with pytest.raises(RemoteError) as refused:
+                        await c.runtime.transport.open(target.peer_id, target.runtime.state_protocol)
+                    refusals.append(str(refused.value))
+                    channel = await c.runtime.transport.libp2p.open(target.peer_id, target.runtime.state_protocol)
+                    with pytest.raises(RemoteError) as refused:
+                        await asyncio.wait_for(channel.recv(), 10)
+                    await channel.close()
+                    refusals.append(str(refused.value))
+                statuses = await asyncio.gather(*(train(peer, model, seed) for seed, (peer, (model, _)) in
+                                                  enumerate(zip((a, b, c), models))))
+                listed = [{member.peer_id for member in peer.runtime.members()} for peer in (a, b)]
+                refused_peers = [peer.runtime.admission.refused_peers for peer in (a, b)]
+                intruder_sees = {member.peer_id for member in c.runtime.members()}
+        return statuses, listed, refused_peers, refusals, intruder_sees
+
+    (status_a, status_b, status_c), listed, refused_peers, refusals, intruder_sees = run_async(scenario())
+    if ticket_c is None:
+        assert intruder_sees == {id_a, id_b, id_c}  # it did read the run, and tried to take part
+    else:  # it holds its own run key's ticket: to it, the others are the intruders
+        assert intruder_sees == {id_c} and status_c.refused_records >= 1
+    for status, members, refused in zip((status_a, status_b), listed, refused_peers):
+        assert status.rounds_ok >= 1, status  # the ticketed pair averages
+        assert members == {id_a, id_b}, members  # 0 of the intruder's records taken...
+        assert status.refused_records >= 1 and refused == {id_c}
+        assert status.refused_streams >= 2, status  # ...and 0 of its streams served: each was refused
+    assert all(message.startswith(NOT_ADMITTED) for message in refusals), refusals
+    assert status_c.rounds_ok == 0 and status_c.state_downloads == 0, status_c  # no group, no state: alone
+
+
+def test_a_peer_without_a_ticket_is_told_the_run_is_private_and_one_with_anothers_ticket_cannot_start(tmp_path):
+    run_id = "private-refusals"
+    run_key = Identity.generate()
+    config = sg.RunConfig(task="digits", strategy=sg.DiLoCo(inner_steps=INNER))
+    manifest = RunManifest.create(config, None, run_key=run_key.public_key.hex())
+    (net_a, id_a), (net_b, id_b) = identity(tmp_path, "a"), identity(tmp_path, "b")
+
+    async def scenario() -> tuple[str, str, int]:
+        a = sg.Peer(*model_and_optimizer(), run_id=run_id, config=config, manifest=manifest, network=net_a,
+                    ticket=Ticket.issue(run_key, id_a, run_id=run_id), timing=TIMING)
+        async with a:
+            unticketed = sg.Peer(*model_and_optimizer(), run_id=run_id, initial_peers=a.maddrs, timing=TIMING)
+            with pytest.raises(StartupError) as private:
+                await unticketed.__aenter__()
+            stolen = sg.Peer(*model_and_optimizer(), run_id=run_id, initial_peers=a.maddrs, network=net_b,
+                             ticket=Ticket.issue(run_key, id_a, run_id=run_id), timing=TIMING)
+            with pytest.raises(ConfigError) as not_mine:
+                await stolen.__aenter__()
+            return str(private.value), str(not_mine.value), len(a.runtime.members())
+
+    private, not_mine, members = run_async(scenario())
+    assert "is private" in private and "swarmgrad run grant" in private and "\n" not in private
+    assert f"it is for peer {id_a}, not {id_b}" in not_mine and "\n" not in not_mine
+    assert members == 1
