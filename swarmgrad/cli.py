@@ -217,6 +217,7 @@ def peer(
     data_port: Optional[int] = typer.Option(None, "--data-port", help="TCP port for direct tensor traffic (0: any free one); open it in firewalls.", rich_help_panel="Network"),
     announce: Optional[List[str]] = typer.Option(None, "--announce", metavar="MADDR", help="Address to advertise (port forwarding).", rich_help_panel="Network"),
     identity: Optional[Path] = typer.Option(None, "--identity", "-i", help="Key file, so the peer keeps its id across restarts.", rich_help_panel="Network"),
+    ticket: Optional[Path] = typer.Option(None, "--ticket", metavar="FILE", help="Membership ticket of a private run (`swarmgrad run grant`), for this peer's --identity; with --create it makes the run private, with the key that signed it.", rich_help_panel="Network"),
     client_mode: bool = typer.Option(False, "--client-mode", help="Dial out only (behind NAT, no port open).", rich_help_panel="Network", show_default=False),
     trusted_network: bool = typer.Option(False, "--trusted-network", help="Send tensors unencrypted (trusted LAN only).", rich_help_panel="Network", show_default=False),
     upload_limit_mbps: Optional[float] = typer.Option(None, "--upload-limit-mbps", help="Cap on what this peer sends to the swarm (averaging, gossip, state), in Mbit/s (default: no cap).", rich_help_panel="Network"),
@@ -250,9 +251,11 @@ def peer(
         _print_config(loaded, json_output, config)
         return
 
+    from swarmgrad.dht.tickets import Ticket
     from swarmgrad.peer.runner import LocalOptions
 
-    local = LocalOptions(shard=options.shard, num_shards=options.num_shards, data_dir=options.data_dir,
+    ticket = _validated(lambda: Ticket.load(options.ticket)) if options.ticket is not None else None
+    local = LocalOptions(ticket=ticket, shard=options.shard, num_shards=options.num_shards, data_dir=options.data_dir,
                          max_seconds=options.max_seconds, max_steps=options.max_steps,
                          target_accuracy=options.target_accuracy, eval_every=options.eval_every,
                          final_eval=not options.no_final_eval, checkpoint_dir=options.checkpoint_dir,

@@ -132,3 +132,49 @@ def test_a_peer_without_a_ticket_is_told_the_run_is_private_and_one_with_another
     assert "is private" in private and "swarmgrad run grant" in private and "\n" not in private
     assert f"it is for peer {id_a}, not {id_b}" in not_mine and "\n" not in not_mine
     assert members == 1
+
+
+def test_cli_a_private_run_created_with_a_ticket_refuses_joiners_without_one_in_one_line(tmp_path):
+    """`swarmgrad peer TASK --create --ticket T` makes the run private; a joiner without a ticket, or
+    with a ticket for another peer id, gets one error line before it trains; a malformed ticket too."""
+    import subprocess
+    import sys
+
+    swarmgrad = [sys.executable, "-m", "swarmgrad"]
+    run_key, creator_key = tmp_path / "run.key", tmp_path / "creator.key"
+    Identity.generate().save(run_key)
+    creator_id = subprocess.run([*swarmgrad, "keygen", str(creator_key)], capture_output=True, text=True,
+                                check=True).stdout.strip()
+    ticket = tmp_path / "creator.ticket"
+    subprocess.run([*swarmgrad, "run", "grant", "-k", str(run_key), creator_id, "-r", "cli-private", "-o", str(ticket)],
+                   check=True, capture_output=True)
+    (tmp_path / "bad.ticket").write_text("{}")
+
+    def one_error(result: subprocess.CompletedProcess, code: int, fragment: str) -> None:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == code and len(errors) == 1 and fragment in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
+
+    bad = subprocess.run([*swarmgrad, "peer", "digits", "-r", "cli-private", "--create", "--ticket",
+                          str(tmp_path / "bad.ticket")], capture_output=True, text=True, timeout=60)
+    one_error(bad, 2, "is not a ticket")
+    creator = subprocess.Popen([*swarmgrad, "peer", "digits", "-r", "cli-private", "--create", "--ticket", str(ticket),
+                                "--identity", str(creator_key), "--max-seconds", "60", "--no-final-eval", "--json"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        hint = ""
+        for line in creator.stderr:  # the creator prints how to join once it listens
+            if line.startswith("others join with:"):
+                hint = line
+                break
+        assert "--ticket TICKET" in hint, hint
+        maddr = hint.split("--initial-peers ")[1].split()[0]
+        unticketed = subprocess.run([*swarmgrad, "peer", "-r", "cli-private", "-p", maddr, "--max-steps", "1"],
+                                    capture_output=True, text=True, timeout=120)
+        one_error(unticketed, 1, "run 'cli-private' is private")
+        stolen = subprocess.run([*swarmgrad, "peer", "-r", "cli-private", "-p", maddr, "--max-steps", "1",
+                                 "--ticket", str(ticket)], capture_output=True, text=True, timeout=120)
+        one_error(stolen, 2, f"it is for peer {creator_id}, not ")
+    finally:
+        creator.terminate()
+        creator.wait(30)

@@ -130,6 +130,7 @@ class PeerOptions(CommandOptions):
     data_port: int = _node_default("data_port")
     announce: Addresses = []
     identity: Optional[Path] = None
+    ticket: Optional[Path] = None  # membership ticket of a private run (`swarmgrad run grant`)
     client_mode: bool = False
     trusted_network: bool = False
     upload_limit_mbps: Optional[Mbps] = DEFAULT_LIMIT_MBPS  # caps on the data plane; None: none

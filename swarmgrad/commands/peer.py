@@ -27,7 +27,7 @@ def run_peer(network: NodeConfig, run_id: str, config: RunConfig, *, create: boo
             metrics.serve(metrics_host, metrics_port)
             stack.callback(metrics.close)
         config, manifest = resolve_run(network, run_id, config, create=create, wait_seconds=local.wait_seconds,
-                                       data_dir=local.data_dir)
+                                       data_dir=local.data_dir, ticket=local.ticket)
         if not json_output:
             settings = run_options(config)
             stderr.print(f"run {run_id}: task {config.task}, strategy {settings['strategy']}, averaging "
@@ -35,17 +35,19 @@ def run_peer(network: NodeConfig, run_id: str, config: RunConfig, *, create: boo
                          markup=False)
         emit = stack.enter_context(peer_view(run_id, json_output=json_output))
         return train(run_id, config, local, network, manifest, emit,
-                     announce=(lambda maddrs: _print_join_hint(run_id, maddrs)) if create else None,
+                     announce=(lambda maddrs: _print_join_hint(run_id, maddrs, local.ticket is not None)) if create else None,
                      metrics=metrics)
 
 
-def join_hint(run_id: str, maddrs: list[str]) -> str:
-    """The command line others join this run with (no TASK: they take the run's manifest)."""
-    return f"others join with: swarmgrad peer --run-id {run_id} --initial-peers {','.join(maddrs)}"
+def join_hint(run_id: str, maddrs: list[str], private: bool = False) -> str:
+    """The command line others join this run with (no TASK: they take the run's manifest); a
+    private run's joiners also need their own key and ticket."""
+    hint = f"others join with: swarmgrad peer --run-id {run_id} --initial-peers {','.join(maddrs)}"
+    return hint + " --identity KEY --ticket TICKET" if private else hint
 
 
-def _print_join_hint(run_id: str, maddrs: list[str]) -> None:
+def _print_join_hint(run_id: str, maddrs: list[str], private: bool = False) -> None:
     """The creator says on stderr how others join, as soon as it listens: before it waits for them."""
     if maddrs:  # a client-mode peer cannot be joined
         # plain stderr, not the rich console: a wrapped line would not paste back as one command
-        print(join_hint(run_id, maddrs), file=sys.stderr, flush=True)
+        print(join_hint(run_id, maddrs, private), file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ import torch
 
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.dht.node import NodeConfig, SwarmNode
+from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
@@ -70,6 +71,7 @@ class LocalOptions:
     timing: Timing | None = None  # None: the Peer's default
     upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS  # caps on the peer's data plane
     download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS
+    ticket: Ticket | None = None  # membership ticket of a private run (--ticket)
 
 
 def no_initial_peers(run_id: str) -> str:
@@ -78,7 +80,7 @@ def no_initial_peers(run_id: str) -> str:
 
 
 def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: bool, wait_seconds: float,
-                data_dir: str | None = None) -> tuple[RunConfig, RunManifest | None]:
+                data_dir: str | None = None, ticket: Ticket | None = None) -> tuple[RunConfig, RunManifest | None]:
     """The settings to train with and the manifest to keep published (see ``settle_run``): this
     peer's ``config`` when it creates the run, the run's manifest's when it joins one."""
     if create and config.task is None:
@@ -91,7 +93,7 @@ def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: 
     else:
         raise ConfigError(no_initial_peers(run_id))
     return settle_run(run_id, config, manifest, create=create,
-                      fingerprint=lambda: _fingerprint(config.task, data_dir))
+                      fingerprint=lambda: _fingerprint(config.task, data_dir), ticket=ticket)
 
 
 async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float) -> RunManifest | None:
@@ -146,7 +148,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
                 checkpoint_dir=local.checkpoint_dir, network=network, trusted_network=local.trusted_network,
                 manifest=manifest, timing=local.timing, upload_limit_mbps=local.upload_limit_mbps,
-                download_limit_mbps=local.download_limit_mbps)
+                download_limit_mbps=local.download_limit_mbps, ticket=local.ticket)
     if metrics is not None:
         metrics.attach(peer)
     reason, final, started = "stopped", None, time.time()
