@@ -185,3 +185,26 @@ def test_cli_run_help_explains_private_runs():
     assert result.returncode == 0 and "ticket" in result.stdout and "grant" in result.stdout
     grant = subprocess.run([*SWARMGRAD, "run", "grant", "--help"], capture_output=True, text=True)
     assert "--run-key" in grant.stdout and "--expires" in grant.stdout and "PEER_ID" in grant.stdout
+
+
+def test_a_ticket_holder_reads_only_the_manifests_of_its_run_key(run_key):
+    """Forged public manifests, even a majority, cannot make a ticket holder's private run look public."""
+    from types import SimpleNamespace
+
+    from conftest import run_async
+
+    from swarmgrad.peer.manifest import read_manifest
+
+    config = sg.RunConfig(task="digits")
+    key = run_key.public_key.hex()
+    private = RunManifest.create(config, None, run_key=key)
+    forged = [RunManifest.create(config, None) for _ in range(3)]
+
+    class Node:
+        async def get_records(self, _key, _body_type):
+            return {f"peer{i}": SimpleNamespace(body=body) for i, body in enumerate([private, *forged])}
+
+    assert run_async(read_manifest(Node(), RUN)).run_key is None  # without a ticket: the majority
+    assert run_async(read_manifest(Node(), RUN, key)) == private
+    other = Identity.generate().public_key.hex()  # a key no manifest names: the majority, which check_admission refuses
+    assert run_async(read_manifest(Node(), RUN, other)).run_key is None

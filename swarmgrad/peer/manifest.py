@@ -86,22 +86,26 @@ async def publish_manifest(node: SwarmNode, run_id: str, manifest: RunManifest) 
         raise StartupError(f"could not store the manifest of run {run_id!r} in the DHT")
 
 
-async def read_manifest(node: SwarmNode, run_id: str) -> RunManifest | None:
-    """The manifest most peers of the run publish (earliest created on a tie), or None."""
+async def read_manifest(node: SwarmNode, run_id: str, run_key: str | None = None) -> RunManifest | None:
+    """The manifest most peers of the run publish (earliest created on a tie), or None. With
+    ``run_key`` (a ticket holder's), only those naming that key count while there is one: forged
+    manifests, however many peers publish them, cannot make its private run look public."""
     records = await node.get_records(manifest_key(run_id), RunManifest)
     if not records:
         return None
     manifests = [record.body for record in records.values()]
+    if run_key is not None and any(manifest.run_key == run_key for manifest in manifests):
+        manifests = [manifest for manifest in manifests if manifest.run_key == run_key]
     votes = Counter(manifest.digest for manifest in manifests)
     best = max(votes.values())
     candidates = [manifest for manifest in manifests if votes[manifest.digest] == best]
     return min(candidates, key=lambda manifest: manifest.created_at)
 
 
-async def wait_for_manifest(node: SwarmNode, run_id: str, seconds: float) -> RunManifest:
+async def wait_for_manifest(node: SwarmNode, run_id: str, seconds: float, run_key: str | None = None) -> RunManifest:
     deadline = time.monotonic() + seconds
     while True:
-        manifest = await read_manifest(node, run_id)
+        manifest = await read_manifest(node, run_id, run_key)
         if manifest is not None:
             return manifest
         if time.monotonic() > deadline:

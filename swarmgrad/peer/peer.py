@@ -434,7 +434,7 @@ class Peer:
         two peers whose settings differ never share a round key, and would train alone silently)."""
         found = self.manifest  # a caller that settled the run already (`swarmgrad peer`) hands it over
         if found is None and self.node.config.initial_peers:
-            found = await read_manifest(self.node, self.run_id)
+            found = await read_manifest(self.node, self.run_id, self.runtime.admission.run_key)
         check_admission(self.run_id, found, self.runtime.ticket)  # a private run's, or a ticket for none
         self.config = resolve_against_run(self.run_id, self.requested, found.run_config() if found else None)
         self._check_local_privacy(self.config)

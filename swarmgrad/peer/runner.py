@@ -87,7 +87,7 @@ def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: 
         raise ConfigError("--create needs the TASK to train")
     if network.initial_peers:
         manifest = run(_fetch_manifest(network, run_id, wait=config.task is None and not create,
-                                       wait_seconds=wait_seconds))
+                                       wait_seconds=wait_seconds, run_key=ticket.run_key if ticket else None))
     elif create:
         manifest = None  # the run's first peer: there is nobody to ask
     else:
@@ -96,13 +96,14 @@ def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: 
                       fingerprint=lambda: _fingerprint(config.task, data_dir), ticket=ticket)
 
 
-async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float) -> RunManifest | None:
+async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float,
+                          run_key: str | None = None) -> RunManifest | None:
     """The run's manifest, read by a short-lived client node (waiting for it when there is no TASK)."""
     reader = NodeConfig(**(network.model_dump() | {"client_mode": True, "port": 0, "identity_path": None}))
     async with SwarmNode(reader) as node:
         if wait:
-            return await wait_for_manifest(node, run_id, wait_seconds)
-        return await read_manifest(node, run_id)
+            return await wait_for_manifest(node, run_id, wait_seconds, run_key)
+        return await read_manifest(node, run_id, run_key)
 
 
 def load_task(name: str, data_dir: str | None) -> Task:
