@@ -163,8 +163,9 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
               "num_shards": num_shards, "epoch": peer.epoch, "step": peer.status().step, "task": task_name,
               "options": run_options(config), "state_downloads": peer.status().state_downloads,
               "metrics_url": metrics.url if metrics is not None else None})
-        # the first evaluation comes after the first step: a joiner's shows the state it downloaded
         last_progress, last_eval, eval_epoch = 0.0, -float("inf"), -1
+        if local.eval_every > 0 and peer.status().state_downloads and _offer_evaluation(peer, evaluator, emit):
+            last_eval, eval_epoch = time.monotonic(), peer.epoch  # a joiner's first: the state it took, untrained
         while True:
             if stop.received:
                 reason = f"signal {stop.received}"
@@ -221,6 +222,15 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
                "status": status.to_json(), "seconds": time.time() - started, "evaluations_skipped": evaluator.skipped}
     emit(summary)
     return summary
+
+
+def _offer_evaluation(peer: Peer, evaluator: BackgroundEvaluator, emit: Emit) -> bool:
+    """Evaluate the model as it is now, in the background; False if the last one still runs."""
+    # the snapshot's time, step and epoch: the event says when the model had this accuracy
+    if not evaluator.offer({"t": time.time(), "step": peer.status().step, "epoch": peer.epoch}):
+        return False
+    emit({**_progress_event(peer), "evaluating": True})
+    return True
 
 
 def _report_evaluation(peer: Peer, finished: tuple[dict[str, float], dict[str, Any]] | None,
