@@ -178,3 +178,29 @@ def test_cli_a_private_run_created_with_a_ticket_refuses_joiners_without_one_in_
     finally:
         creator.terminate()
         creator.wait(30)
+
+
+def test_a_ticketed_newcomers_first_stream_is_served_before_the_receiver_reread_its_record(tmp_path):
+    """The receiver rereads presence every 30 s here, so when the newcomer's first stream arrives
+    it has not listed it: the admission reads the member records then, and serves the stream."""
+    from swarmgrad.averaging.runtime import NetworkRuntime
+
+    run_id = "private-newcomer"
+    run_key = Identity.generate()
+    (net_a, id_a), (net_b, id_b) = identity(tmp_path, "a"), identity(tmp_path, "b")
+    slow = sg.Timing(presence_refresh=30)
+
+    async def scenario() -> tuple[str, int, bool]:
+        async with NetworkRuntime(run_id, net_a, ticket=Ticket.issue(run_key, id_a), timing=slow) as a:
+            joiner_net = net_b.model_copy(update={"initial_peers": a.node.maddrs})
+            async with NetworkRuntime(run_id, joiner_net, ticket=Ticket.issue(run_key, id_b), timing=slow) as b:
+                assert not a.admission.admits(id_b) and id_b not in {m.peer_id for m in a.members()}
+                channel = await b.transport.open(id_a, a.state_protocol)
+                await channel.send({"t": "describe"})
+                with pytest.raises(RemoteError) as answer:  # the state server's own answer: it has none yet
+                    await asyncio.wait_for(channel.recv(), 10)
+                await channel.close()
+                return str(answer.value), a.admission.refused_streams, a.admission.admits(id_b)
+
+    answer, refused, admitted = run_async(scenario())
+    assert answer == "this peer has no state to share yet" and refused == 0 and admitted
