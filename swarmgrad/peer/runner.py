@@ -202,10 +202,8 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
                 break
             if local.eval_every > 0 and now - last_eval >= local.eval_every and peer.epoch != eval_epoch:
                 last_eval = now  # the next point is --eval-every from this one, whether this one runs or not
-                # the snapshot's time, step and epoch: the event says when the model had this accuracy
-                if evaluator.offer({"t": time.time(), "step": peer.status().step, "epoch": peer.epoch}):
+                if _offer_evaluation(peer, evaluator, emit):
                     eval_epoch = peer.epoch
-                    emit({**_progress_event(peer), "evaluating": True})
         if final is None:  # the evaluation under way when training stopped is reported, then the final state's
             evaluator.wait()
             _report_evaluation(peer, evaluator.poll(), emit)
