@@ -4,7 +4,8 @@ Presence listings ask it about each member record (``admit_record``), the transp
 incoming stream (``admit``, and ``admits`` for each exchange on a pooled direct connection). In a
 public run it admits everyone. In a private run (a manifest that names a run key) it admits a peer
 once it has seen a valid ticket for that peer's id, signed by the run key, and until the ticket
-expires. Local bans (issue 15, item 5) plug in here too: ``admits`` is the one answer.
+expires. Local bans (accountability.py) apply in every run: a banned peer is refused and its records
+ignored until the ban ends, ticket or not; ``blame`` feeds its score. ``admits`` is the one answer.
 
 A stream may arrive from a ticketed peer whose record this peer has not read yet (it joined a
 moment ago). ``admit`` then reads the run's member records once, at most every ``lookup_interval``
@@ -20,6 +21,7 @@ import math
 import time
 from typing import Awaitable, Callable
 
+from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability, Misbehaviour
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
 
@@ -28,20 +30,25 @@ logger = logging.getLogger(__name__)
 DEFAULT_LOOKUP_INTERVAL = 2.0  # seconds between listing reads that refused streams may trigger
 # how a refused stream's error frame starts: an opener that reads it knows the peer is reachable
 NOT_ADMITTED = "not admitted: this is a private run and your peer id has no valid ticket here"
+BANNED = "banned here: this peer refuses your streams for a while (misbehaviour)"
+REFUSALS = (NOT_ADMITTED, BANNED)  # how every refusal's error frame starts
 
 
 class Admission:
     """``run_key`` (64 hex digits) makes the run private; None admits everyone. ``lookup``: reads the
-    run's member records and hands each to ``admit_record`` (the runtime sets it)."""
+    run's member records and hands each to ``admit_record`` (the runtime sets it). ``accountability``:
+    when a peer's misbehaviour bans it (``misbehaviour``)."""
 
-    def __init__(self, run_id: str, run_key: str | None = None, *, lookup_interval: float = DEFAULT_LOOKUP_INTERVAL):
+    def __init__(self, run_id: str, run_key: str | None = None, *, lookup_interval: float = DEFAULT_LOOKUP_INTERVAL,
+                 accountability: Accountability = DEFAULT_ACCOUNTABILITY):
         self.run_id, self.run_key, self.lookup_interval = run_id, run_key, lookup_interval
+        self.misbehaviour = Misbehaviour(accountability)
         self.lookup: Callable[[], Awaitable[None]] | None = None
         self._admitted: dict[str, float] = {}  # peer id -> when its ticket expires (inf: never)
         self._last_lookup = -math.inf
         self._lookup_task: asyncio.Task | None = None
-        self.refused_records = 0  # member records ignored (each read of each one)
-        self.refused_streams = 0  # incoming streams and exchanges refused
+        self.refused_records = 0  # member records ignored (each read of each one): no ticket, or banned
+        self.refused_streams = 0  # incoming streams and exchanges refused: no ticket, or banned
         self.refused_peers: set[str] = set()  # peer ids either was refused for
 
     @property
@@ -49,17 +56,32 @@ class Admission:
         return self.run_key is not None
 
     def admit_self(self, peer_id: str) -> None:
-        """This peer talks to itself (a loopback round, its own record) whatever its ticket says."""
+        """This peer talks to itself (a loopback round, its own record) whatever its ticket says, and never bans itself."""
         self._admitted[peer_id] = math.inf
+        self.misbehaviour.ignore.add(peer_id)
+
+    def blame(self, peer_id: str, kind: str, detail: str = "") -> None:
+        """Count a misbehaviour of ``peer_id`` (accountability.py WEIGHTS); past the threshold it is banned."""
+        self.misbehaviour.note(peer_id, kind, detail)
+
+    def refusal(self, peer_id: str) -> str:
+        """The error frame that tells a refused ``peer_id`` why."""
+        return BANNED if self.misbehaviour.banned(peer_id) else NOT_ADMITTED
 
     def admits(self, peer_id: str) -> bool:
         """Whether ``peer_id`` may talk to this peer now, from what this peer has read so far."""
+        if self.misbehaviour.banned(peer_id):
+            return False
         if self.run_key is None:
             return True
         return self._admitted.get(peer_id, -math.inf) > time.time()
 
     def admit_record(self, peer_id: str, ticket: str | None) -> bool:
         """Whether to take ``peer_id``'s member record, which carries ``ticket`` (its JSON, or None)."""
+        if self.misbehaviour.banned(peer_id):
+            self.refused_records += 1
+            self.refused_peers.add(peer_id)
+            return False
         if self.run_key is None:
             return True
         if self.admits(peer_id) or self._valid(peer_id, ticket):
@@ -73,7 +95,8 @@ class Admission:
         run's member records first (at most once per ``lookup_interval``). Counts a refusal."""
         if self.admits(peer_id):
             return True
-        await self._look_up()
+        if not self.misbehaviour.banned(peer_id):  # reading records lifts no ban
+            await self._look_up()
         if self.admits(peer_id):
             return True
         self.refused_streams += 1

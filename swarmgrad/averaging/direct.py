@@ -27,7 +27,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from swarmgrad.averaging.admission import NOT_ADMITTED, Admission
+from swarmgrad.averaging.admission import REFUSALS, Admission
 from swarmgrad.averaging.framestream import FastChannel
 from swarmgrad.averaging.ratelimit import UNLIMITED, RateLimits
 from swarmgrad.averaging.secure import KEY_BYTES, EncryptedChannel, FrameCipher
@@ -142,8 +142,8 @@ class DirectTransport(Transport):
         except FrameError:
             raise  # the peer answered but broke the protocol: not a reachability problem
         except RemoteError as error:
-            if str(error).startswith(NOT_ADMITTED):
-                raise  # reachable, but it does not admit us (yet): libp2p would be refused the same
+            if str(error).startswith(REFUSALS):
+                raise  # reachable, but it does not admit us (yet, or bans us): libp2p would be refused the same
             logger.info("no direct connection to %s (%s); using libp2p", peer_id, error)
             self._libp2p_only_until[peer_id] = time.monotonic() + self.remember_seconds
             return await self.libp2p.open(peer_id, protocol)
@@ -323,13 +323,15 @@ class DirectTransport(Transport):
                 return
             if self.admission is not None and not self.admission.admits(channel.peer_id):
                 self.admission.refuse_stream(channel.peer_id)
-                await channel.send_error(NOT_ADMITTED)
+                await channel.send_error(self.admission.refusal(channel.peer_id))
                 return
             channel.reset_counters()
             try:
                 await handler(channel)
             except FrameError as error:
                 logger.info("bad frame from %s on %s: %s", channel.peer_id, protocol, error)
+                if self.admission is not None:  # counts toward a ban (accountability.py)
+                    self.admission.blame(channel.peer_id, "invalid frame", str(error))
                 await channel.send_error(str(error))
                 return
             except Exception as error:  # one peer's exchange must never take the node down

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Callable
 
+from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability
 from swarmgrad.averaging.admission import DEFAULT_LOOKUP_INTERVAL, Admission
 from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, RateLimits
@@ -39,18 +40,22 @@ class NetworkRuntime:
     ``download_limit_mbps`` cap the data plane (every channel of this peer together; None: no cap).
     ``ticket``: this peer's membership ticket of a private run: the runtime then admits only peers
     with a ticket of the same run key (``admission``: their records, their streams) and announces its own.
+    ``accountability``: when a misbehaving peer is banned here (its streams refused, its records ignored),
+    in every run, public or private.
     """
 
     def __init__(self, run_id: str, network: NodeConfig | None = None, *, node: SwarmNode | None = None,
                  role: Role | None = None, direct: bool = True, trusted_network: bool = False,
                  timing: Timing = DEFAULT_TIMING, before_publish: Callable[[Membership], None] | None = None,
                  upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS, download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
-                 ticket: Ticket | None = None):
+                 ticket: Ticket | None = None, accountability: Accountability = DEFAULT_ACCOUNTABILITY):
         self.run_id = check_run_id(run_id)
         self.ticket = ticket
-        # one answer to "who may talk to me" for the presence listing and every served stream
+        # one answer to "who may talk to me" for the presence listing and every served stream; in a
+        # public run it refuses only banned peers (a dict lookup for everyone else)
         self.admission = Admission(self.run_id, ticket.run_key if ticket is not None else None,
-                                   lookup_interval=min(timing.presence_refresh, DEFAULT_LOOKUP_INTERVAL))
+                                   lookup_interval=min(timing.presence_refresh, DEFAULT_LOOKUP_INTERVAL),
+                                   accountability=accountability)
         self.admission.lookup = self._look_up_members
         self.limits = RateLimits.from_mbps(upload_limit_mbps, download_limit_mbps)
         self.timing = timing
@@ -64,7 +69,7 @@ class NetworkRuntime:
         self.presence = Membership(self.node, self.run_id, role=self.role, ttl=timing.presence_ttl,
                                    refresh=timing.presence_refresh, watch=True,
                                    members_per_read=timing.members_per_read, before_publish=before_publish,
-                                   admit=self.admission.admit_record if ticket is not None else None,
+                                   admit=self.admission.admit_record,
                                    ticket=ticket.to_json() if ticket is not None else None)
         self._entered: list[tuple[str, Callable]] = []
 
@@ -103,9 +108,9 @@ class NetworkRuntime:
             self._entered.append(("node's runtime", self._release_node))
             if self.ticket is not None:  # before anything is served or announced
                 self.ticket.check(self.ticket.run_key, self.run_id, self.peer_id)
-                self.admission.admit_self(self.peer_id)
+            self.admission.admit_self(self.peer_id)
             self.transport = default_transport(self.node, self.direct, self.trusted_network, self.timing, self.limits,
-                                               self.admission if self.ticket is not None else None)
+                                               self.admission)
             await self.transport.start()
             self._entered.append(("transport", self.transport.stop))
             self.state_server = StateServer(self.transport, self.state_protocol, idle_seconds=self.timing.join_timeout)

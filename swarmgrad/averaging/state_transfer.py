@@ -8,7 +8,8 @@ description, picks the freshest version held by the most donors, and fetches the
 spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
 has its parts fetched from the others, and nothing is used until every byte arrived and every
 floating-point value is finite. A joiner that needs only some of the tensors (``keep``) fetches only
-the parts that hold them.
+the parts that hold them. A donor that broke the protocol (a malformed description or part) or served
+NaN or Inf is blamed on the transport's admission (accountability.py): enough of that bans it.
 
 Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
 plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
@@ -244,6 +245,8 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
                     offers.append(outcome)
                 else:
                     logger.info("donor %s cannot share its state: %s", donor, outcome)
+                    if isinstance(outcome, FrameError):
+                        _blame(transport, donor, "invalid frame", str(outcome))
             fresh = [offer for offer in offers if offer.version >= min_version]
             if not fresh:
                 raise StateTransferError(f"none of {len(donors)} peer(s) offered a state at version >= {min_version}")
@@ -252,7 +255,8 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
             sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
             # one part may take a quarter of the budget (a slow donor's parts move to the others),
             # and never less than 2 s: 4 MiB at 20 Mbit/s
-            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep)
+            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep,
+                                blame=lambda donor, kind, detail: _blame(transport, donor, kind, detail))
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
@@ -292,8 +296,15 @@ def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Calla
     return sorted(parts)
 
 
-async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None) -> StateSnapshot:
-    """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on."""
+def _blame(transport: Transport, donor: str, kind: str, detail: str) -> None:
+    if transport.admission is not None:
+        transport.admission.blame(donor, kind, detail)
+
+
+async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None,
+                 blame: Callable[[str, str, str], None] = lambda donor, kind, detail: None) -> StateSnapshot:
+    """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on.
+    ``blame(donor, kind, detail)``: told of a donor that sent an invalid part, or parts holding NaN or Inf."""
     first = sources[0]
     data = torch.empty(first.nbytes, dtype=torch.uint8)
     target = memoryview(data.numpy())
@@ -302,7 +313,7 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in parts:
         queue.put_nowait(index)
-    done: set[int] = set()
+    done: dict[int, str] = {}  # part -> the donor it came from
     healthy = list(sources)
 
     async def worker(offer: _Offer) -> None:
@@ -317,10 +328,12 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
                     if length != expected:
                         raise FrameError(f"part {index} is {length} bytes, expected {expected}")
                     await offer.channel.recv_payload_into(target[index * PART_BYTES : index * PART_BYTES + length])
-                done.add(index)
+                done[index] = offer.donor
             except (FrameError, RemoteError, EOFError, OSError, ConnectionError, asyncio.TimeoutError,
                     TimeoutError) as error:
                 logger.info("donor %s failed on part %d: %s; the others take over", offer.donor, index, error)
+                if isinstance(error, FrameError):
+                    blame(offer.donor, "invalid frame", str(error))
                 queue.put_nowait(index)  # another donor fetches it
                 healthy.remove(offer)
                 await offer.channel.abort()  # nothing more may land in the buffer from this donor
@@ -331,13 +344,27 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
     if len(done) != len(parts):
         raise StateTransferError(f"every donor failed: {len(parts) - len(done)} of {len(parts)} parts missing")
     snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
+    _check_finite(snapshot, keep, done, blame)
     if keep is not None:  # repack the kept tensors: every byte of theirs was fetched, the rest is unset
         kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}
         snapshot = StateSnapshot.capture(first.version, kept, first.meta)
-    for name, tensor in snapshot.tensors().items():
-        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
-            raise StateTransferError(f"donor state has NaN or Inf in {name!r}; not using it")
     return snapshot
+
+
+def _check_finite(snapshot: StateSnapshot, keep: Callable[[str], bool] | None, sources: dict[int, str],
+                  blame: Callable[[str, str, str], None]) -> None:
+    """StateTransferError when a kept floating-point tensor holds NaN or Inf; the donors of the parts
+    that hold it are blamed first."""
+    offsets, _ = layout(snapshot.specs)
+    for (name, dtype, shape), (start, length) in zip(snapshot.specs, offsets):
+        if keep is not None and not keep(name):
+            continue  # its bytes were not fetched
+        tensor = snapshot.data[start : start + length].view(DTYPES[dtype])
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            parts = range(start // PART_BYTES, (start + length - 1) // PART_BYTES + 1)
+            for donor in sorted({sources[index] for index in parts if index in sources}):
+                blame(donor, "bad state", f"NaN or Inf in {name!r}")
+            raise StateTransferError(f"donor state has NaN or Inf in {name!r}; not using it")
 
 
 async def download_result(transport: Transport, protocol: str, donors: list[str], epoch: int, numel: int, *,

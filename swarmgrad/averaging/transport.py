@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
-from swarmgrad.averaging.admission import NOT_ADMITTED, Admission
+from swarmgrad.averaging.admission import Admission
 from swarmgrad.averaging.ratelimit import UNLIMITED, RateLimits
 from swarmgrad.averaging.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -175,12 +175,15 @@ class Libp2pTransport(Transport):
             try:
                 # libp2p authenticated the remote peer id; the direct plane's setup comes this way too
                 if self.admission is not None and not await self.admission.admit(channel.peer_id):
-                    logger.info("refused a stream from %s on %s: not admitted", channel.peer_id, protocol)
-                    await channel.send_error(NOT_ADMITTED)
+                    refusal = self.admission.refusal(channel.peer_id)
+                    logger.info("refused a stream from %s on %s: %s", channel.peer_id, protocol, refusal.split(":")[0])
+                    await channel.send_error(refusal)
                     return
                 await handler(channel)
             except FrameError as error:
                 logger.info("bad frame from %s on %s: %s", channel.peer_id, protocol, error)
+                if self.admission is not None:  # counts toward a ban (accountability.py)
+                    self.admission.blame(channel.peer_id, "invalid frame", str(error))
                 await channel.send_error(str(error))
             except Exception as error:  # one peer's stream must never take the node down
                 logger.info("stream from %s on %s failed: %s: %s", channel.peer_id, protocol, type(error).__name__, error)

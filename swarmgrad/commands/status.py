@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from rich.console import Group
 from rich.live import Live
+from rich.text import Text
 
-from swarmgrad.console import members_table, print_json, stdout
-from swarmgrad.dht.membership import list_members
+from swarmgrad.console import members_table, print_json, short_id, stdout
+from swarmgrad.dht.membership import Member, list_members
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 
 
@@ -18,7 +20,7 @@ async def run_status(config: NodeConfig, run_id: str, *, json_output: bool, watc
             if json_output:
                 print_json([member.to_json() for member in members])
             else:
-                stdout.print(members_table(members, title=f"run {run_id}: {len(members)} members"))
+                stdout.print(_view(members, run_id))
             return
         if json_output:  # one JSON line per refresh
             while True:
@@ -27,5 +29,14 @@ async def run_status(config: NodeConfig, run_id: str, *, json_output: bool, watc
         with Live(console=stdout, auto_refresh=False) as live:
             while True:
                 members = await list_members(node, run_id)
-                live.update(members_table(members, title=f"run {run_id}: {len(members)} members"), refresh=True)
+                live.update(_view(members, run_id), refresh=True)
                 await asyncio.sleep(interval)
+
+
+def _view(members: list[Member], run_id: str) -> Group:
+    """The members' table, and which members ban others now (each peer's bans are local: its record
+    says how many, accountability.py)."""
+    table = members_table(members, title=f"run {run_id}: {len(members)} members")
+    banning = [f"{short_id(member.peer_id)} bans {member.stats.bans}" for member in members
+               if member.stats is not None and member.stats.bans]
+    return Group(table, Text(f"bans: {', '.join(banning)}")) if banning else Group(table)

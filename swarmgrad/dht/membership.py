@@ -67,6 +67,7 @@ class TrainingStats(pydantic.BaseModel):
     bytes_sent: Annotated[int, pydantic.Field(ge=0)] = 0
     bytes_received: Annotated[int, pydantic.Field(ge=0)] = 0
     state_downloads: Annotated[int, pydantic.Field(ge=0)] = 0
+    bans: Annotated[int, pydantic.Field(ge=0)] = 0  # peers it bans now (averaging/accountability.py)
 
 
 @record_kind
@@ -282,10 +283,21 @@ class Membership:
         """Reread the listing. A member that one read misses (a record holder that did not answer in
         time, on a loaded swarm) stays listed until its last record expires or it says it left: every
         peer lays out the moshpit grid from this list, and a member dropping out of one peer's view
-        for a beat would shift that peer's rank and send it to the wrong group."""
-        alive, left = await _read_listing(self.node, self.run_id, self.admit)
+        for a beat would shift that peer's rank and send it to the wrong group. A member whose record
+        ``admit`` now refuses (banned, its ticket expired) leaves the list at once."""
+        refused: set[str] = set()
+
+        def admit(owner: str, ticket: str | None) -> bool:
+            assert self.admit is not None
+            taken = self.admit(owner, ticket)
+            if not taken:
+                refused.add(owner)
+            return taken
+
+        alive, left = await _read_listing(self.node, self.run_id, admit if self.admit is not None else None)
         now = time.time()
-        merged = {member.peer_id: member for member in self.members if member.expires > now and member.peer_id not in left}
+        gone = left | refused
+        merged = {member.peer_id: member for member in self.members if member.expires > now and member.peer_id not in gone}
         merged.update((member.peer_id, member) for member in alive)
         self._arriving = bool(merged.keys() - {member.peer_id for member in self.members})
         self._reads += 1

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from swarmgrad.averaging import Averager, GossipAverager, NetworkRuntime
+from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability
 from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
@@ -91,6 +92,7 @@ class PeerStatus:
     last_report: dict[str, Any] | None = None
     refused_records: int = 0  # private run: member records of peers without a valid ticket, ignored
     refused_streams: int = 0  # private run: their streams, refused
+    banned: dict[str, float] = field(default_factory=dict)  # peers banned here for misbehaviour -> seconds left
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -127,7 +129,8 @@ class Peer:
     host, port, identity, client mode, relays), ``timing`` (presence refresh, deadlines),
     ``manifest`` (a run manifest this peer keeps published while it runs), ``upload_limit_mbps`` /
     ``download_limit_mbps`` (caps in Mbit/s on everything this peer's averaging, gossip and state
-    transfer send / receive, together; None: no cap).
+    transfer send / receive, together; None: no cap), ``accountability`` (when a misbehaving peer
+    is banned here: averaging/accountability.py).
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class Peer:
         upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
         download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS,
         ticket: Ticket | None = None,
+        accountability: Accountability = DEFAULT_ACCOUNTABILITY,
     ):
         self.run_id = check_run_id(run_id)
         self.model, self.optimizer = model, optimizer
@@ -169,7 +173,8 @@ class Peer:
         self.timing = timing = timing or DEFAULT_TIMING
         self.runtime = NetworkRuntime(self.run_id, node_config, direct=direct, trusted_network=trusted_network,
                                       timing=timing, upload_limit_mbps=upload_limit_mbps,
-                                      download_limit_mbps=download_limit_mbps, ticket=ticket)
+                                      download_limit_mbps=download_limit_mbps, ticket=ticket,
+                                      accountability=accountability)
         self.node = self.runtime.node
         self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon, stats=self._stats)
         self.evaluations = EvaluationLog(self.node, self.run_id, task=self.requested.task or "")
@@ -398,7 +403,7 @@ class Peer:
             warning=self.driver.warning if self.driver else None, paused=self._paused,
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
-            refused_streams=self.runtime.admission.refused_streams,
+            refused_streams=self.runtime.admission.refused_streams, banned=self.runtime.admission.misbehaviour.bans(),
         )
 
     def publish_evaluation(self, accuracy: float, loss: float | None = None, *, samples: int | None = None,
@@ -553,7 +558,8 @@ class Peer:
         loss = counters.loss if counters.loss is not None and abs(counters.loss) <= 1e9 else None
         return TrainingStats(loss=loss, rounds_ok=counters.rounds_ok, rounds_failed=counters.rounds_failed,
                              bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
-                             state_downloads=self.catch_up.downloads if self.catch_up else 0)
+                             state_downloads=self.catch_up.downloads if self.catch_up else 0,
+                             bans=len(self.runtime.admission.misbehaviour.bans()))
 
     def _record(self, outcome: RoundOutcome) -> None:
         counters, report = self._counters, outcome.report
@@ -564,6 +570,7 @@ class Peer:
                 listener(outcome)
             except Exception as error:  # an observer must not break the round's bookkeeping
                 logger.warning("round listener failed: %s: %s", type(error).__name__, error)
+        self.runtime.admission.misbehaviour.note_round(getattr(report, "suspicions", {}))  # bans (accountability.py)
         counters.rounds_ok += int(outcome.ok)
         if outcome.ok and self.catch_up is not None and self.policy is not None and self.policy.synchronous:
             self.catch_up.in_step = True  # its state is the swarm's now: it may replay rounds it misses

@@ -1,0 +1,121 @@
+"""Accountability: a per-peer score of misbehaviour, and local bans past a threshold (issue 15, item 5).
+
+Whatever this peer catches another peer doing wrong adds that kind's weight to the other's score:
+
+    kind                   weight  where it is seen
+    invalid frame          1       a served stream's handler raised FrameError (transport.py, direct.py),
+                                   a donor's state description or part broke the protocol
+    clipped                1       a round's robust aggregation clipped its contribution (round suspicions)
+    weight cut             2       it claimed a weight above the bound (round suspicions)
+    bad state              3       a donor's state held NaN or Inf in the parts it served
+    implausible progress   1       (not reported yet: progress that cannot be gamed, item 3, is not built)
+    digest disagreement    2       (not reported yet: state a joiner can trust, item 4, is not built)
+
+A kind not in the table weighs 1. Scores decay exponentially with a half-life of ``half_life``
+seconds (60 s by default): a peer that misbehaves once every T seconds settles at a score of
+1 / (1 - 2^(-T/half_life)) for weight 1, so with the default threshold of 10 an honest peer clipped
+once in a while (less often than every ~9 s, sustained) never reaches it, while a liar clipped in
+every round of a few seconds is banned after about a dozen rounds, and a burst of 10 points at once
+bans at once. Decay rather than a window: one number per peer, no history kept.
+
+Past ``ban_threshold`` the peer is banned for ``ban_seconds``: the admission (admission.py) refuses its
+streams and ignores its records, so it leaves this peer's grid and progress. A ban is one WARNING line;
+when it ends, the score starts from zero. Bans are local: peers of one run may differ in these settings,
+and nothing about a ban is published (only a count, in the peer's stats).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Annotated, Callable
+
+import pydantic
+
+from swarmgrad.settings import SettingsModel
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS: dict[str, float] = {
+    "invalid frame": 1.0,
+    "clipped": 1.0,
+    "weight cut": 2.0,
+    "bad state": 3.0,
+    "implausible progress": 1.0,
+    "digest disagreement": 2.0,
+}
+REACHED = 0.99  # a score at 99% of the threshold has reached it
+
+
+class Accountability(SettingsModel):
+    """A peer's local rule for banning others: not a run setting (peers of one run may differ)."""
+
+    ban_threshold: Annotated[float, pydantic.Field(gt=0, le=1e6)] = 10.0  # score at which a peer is banned
+    ban_seconds: Annotated[float, pydantic.Field(gt=0, le=30 * 86400)] = 600.0  # how long a ban lasts
+    half_life: Annotated[float, pydantic.Field(gt=0, le=86400)] = 60.0  # seconds for a score to halve
+
+
+DEFAULT_ACCOUNTABILITY = Accountability()
+
+
+class Misbehaviour:
+    """Scores and bans, by peer id. ``clock``: monotonic seconds (tests pass a fake one)."""
+
+    def __init__(self, settings: Accountability = DEFAULT_ACCOUNTABILITY, *, clock: Callable[[], float] = time.monotonic):
+        self.settings, self.clock = settings, clock
+        self._scores: dict[str, tuple[float, float]] = {}  # peer -> (score, when it was last updated)
+        self._reasons: dict[str, Counter[str]] = {}  # peer -> kinds noted since its score last started
+        self._bans: dict[str, float] = {}  # peer -> when (clock) its ban ends
+        self.bans_total = 0  # bans so far, lifted ones included
+        self.ignore: set[str] = set()  # never scored: this peer itself
+
+    def score(self, peer_id: str) -> float:
+        """``peer_id``'s score now, decayed."""
+        score, since = self._scores.get(peer_id, (0.0, 0.0))
+        return score * 0.5 ** ((self.clock() - since) / self.settings.half_life) if score else 0.0
+
+    def note(self, peer_id: str, kind: str, detail: str = "") -> bool:
+        """Count one misbehaviour of ``kind`` (WEIGHTS); True when it bans the peer now."""
+        if peer_id in self.ignore or self.banned(peer_id):
+            return False  # a banned peer's late reports (a round in flight) change nothing
+        score = self.score(peer_id) + WEIGHTS.get(kind, 1.0)
+        reasons = self._reasons.setdefault(peer_id, Counter())
+        reasons[kind] += 1
+        logger.debug("misbehaviour of %s: %s%s (score %.1f)", peer_id, kind, f" ({detail})" if detail else "", score)
+        # within 1% counts as reaching it: n points noted moments apart have decayed by a hair, and ban at n
+        if score < self.settings.ban_threshold * REACHED:
+            self._scores[peer_id] = (score, self.clock())
+            return False
+        self._scores.pop(peer_id, None)
+        self._reasons.pop(peer_id, None)
+        self._bans[peer_id] = self.clock() + self.settings.ban_seconds
+        self.bans_total += 1
+        until = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + self.settings.ban_seconds))
+        logger.warning("banned %s for %.0f s, until %s: score %.1f >= %g (%s)", peer_id, self.settings.ban_seconds,
+                       until, score, self.settings.ban_threshold,
+                       ", ".join(f"{kind} x{count}" for kind, count in reasons.most_common()))
+        return True
+
+    def note_round(self, suspicions: dict[str, list[str]]) -> None:
+        """A round's suspicions (peer -> reasons, as AllReduceReport and GossipReport carry them)."""
+        for peer_id, reasons in suspicions.items():
+            for reason in reasons:
+                self.note(peer_id, reason)
+
+    def banned(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` is banned now (a dict lookup for everyone else: every stream asks)."""
+        until = self._bans.get(peer_id)
+        if until is None:
+            return False
+        if until > self.clock():
+            return True
+        del self._bans[peer_id]
+        logger.info("the ban of %s ended", peer_id)
+        return False
+
+    def bans(self) -> dict[str, float]:
+        """Peers banned now -> seconds left."""
+        now = self.clock()
+        # a copy first: peer.status() reads this from the caller's thread while the loop may ban
+        return {peer_id: until - now for peer_id, until in list(self._bans.items()) if until > now}

@@ -1,0 +1,121 @@
+"""Accountability without a network: the score, its decay, the threshold, a ban's end (fake clock),
+the admission refusing a banned peer in a public run, and a round's suspicions reaching the score."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import run_async
+
+import swarmgrad as sg
+from swarmgrad.averaging.accountability import WEIGHTS, Accountability, Misbehaviour
+from swarmgrad.averaging.admission import BANNED, NOT_ADMITTED, Admission
+from swarmgrad.averaging.allreduce import AllReduceReport
+from swarmgrad.averaging.state_transfer import StateSnapshot, StateTransferError, _check_finite
+from swarmgrad.errors import ConfigError
+from swarmgrad.peer.driver import RoundOutcome
+
+RULE = Accountability(ban_threshold=5, ban_seconds=30, half_life=10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_scores_add_the_kinds_weights_and_halve_every_half_life():
+    clock = Clock()
+    scores = Misbehaviour(RULE, clock=clock)
+    scores.note("p", "clipped")
+    scores.note("p", "weight cut")
+    assert scores.score("p") == pytest.approx(WEIGHTS["clipped"] + WEIGHTS["weight cut"])
+    clock.now += 10  # one half-life
+    assert scores.score("p") == pytest.approx(1.5)
+    clock.now += 20
+    assert scores.score("p") == pytest.approx(0.375)
+    assert scores.score("someone else") == 0.0 and not scores.banned("p")
+
+
+def test_an_honest_peer_clipped_now_and_then_is_never_banned():
+    clock = Clock()
+    scores = Misbehaviour(RULE, clock=clock)
+    for _ in range(200):  # every 10 s (one half-life): its score settles at 2, below 5
+        assert not scores.note("honest", "clipped")
+        clock.now += 10
+    assert scores.score("honest") < 2.0 and scores.bans() == {}
+
+
+def test_past_the_threshold_a_peer_is_banned_once_logged_and_the_ban_ends(caplog):
+    clock = Clock()
+    scores = Misbehaviour(RULE, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.accountability"):
+        assert [scores.note("liar", "clipped") for _ in range(5)] == [False] * 4 + [True]
+    assert scores.banned("liar") and scores.bans() == {"liar": pytest.approx(30)}
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "banned liar for 30 s, until" in line and "score 5.0 >= 5" in line and "clipped x5" in line
+    assert not scores.note("liar", "bad state")  # while banned nothing more counts
+    clock.now += 29.9
+    assert scores.banned("liar") and scores.bans()["liar"] == pytest.approx(0.1)
+    clock.now += 0.2
+    assert not scores.banned("liar") and scores.bans() == {}
+    assert scores.score("liar") == 0.0 and scores.bans_total == 1  # it starts over
+
+
+def test_a_burst_bans_at_once_and_the_peer_itself_is_never_scored():
+    scores = Misbehaviour(RULE, clock=Clock())
+    scores.ignore.add("me")
+    scores.note_round({"me": ["weight cut"] * 5, "a": ["weight cut", "bad state"], "b": ["clipped"]})
+    assert set(scores.bans()) == {"a"} and scores.score("me") == 0.0 and scores.score("b") == 1.0
+
+
+@pytest.mark.parametrize("field, value", [("ban_threshold", 0), ("ban_seconds", -1), ("half_life", float("nan"))])
+def test_bad_settings_are_one_line_errors(field, value):
+    with pytest.raises(ConfigError, match=f"Accountability: {field}"):
+        Accountability(**{field: value})
+
+
+def test_a_public_runs_admission_refuses_a_banned_peer_and_its_records_until_the_ban_ends():
+    clock = Clock()
+    admission = Admission("public-run", None, accountability=RULE)
+    admission.misbehaviour.clock = clock
+    admission.admit_self("me")
+    assert admission.admits("other") and admission.admit_record("other", None)  # public: everyone
+    assert run_async(admission.admit("other"))
+    for _ in range(5):
+        admission.blame("other", "invalid frame", "garbage")
+        admission.blame("me", "invalid frame")  # never bans itself
+    assert not admission.admits("other") and admission.admits("me")
+    assert not admission.admit_record("other", None) and not run_async(admission.admit("other"))
+    assert admission.refusal("other") == BANNED and admission.refusal("x") == NOT_ADMITTED
+    assert admission.refused_records == 1 and admission.refused_streams == 1
+    clock.now += RULE.ban_seconds
+    assert admission.admits("other") and admission.admit_record("other", None)
+
+
+def test_a_rounds_suspicions_count_toward_a_ban_and_show_in_the_status():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    peer = sg.Peer(model, torch.optim.SGD(model.parameters(), lr=0.1), run_id="score-rounds",
+                   accountability=Accountability(ban_threshold=4))
+    report = AllReduceReport(ok=True, round_id="r", group=["liar"], contributors=["liar"], suspicions={"liar": ["weight cut", "clipped"]})
+    peer._record(RoundOutcome(ok=True, report=report))
+    assert peer.runtime.admission.misbehaviour.score("liar") == pytest.approx(3.0)
+    peer._record(RoundOutcome(ok=False, report=report))
+    assert set(peer.status().banned) == {"liar"} and peer._stats().bans == 1
+
+
+def test_a_donor_whose_parts_hold_nan_is_blamed_for_bad_state():
+    good = torch.zeros(300_000)  # 1.2 MB: parts 0 and 1
+    bad = torch.tensor([1.0, float("nan")])
+    snapshot = StateSnapshot.capture(3, {"good": good, "bad": bad}, {})
+    blamed = []
+    with pytest.raises(StateTransferError, match="NaN or Inf in 'bad'"):
+        _check_finite(snapshot, None, {0: "honest", 1: "poisoner"}, lambda *args: blamed.append(args))
+    assert blamed == [("poisoner", "bad state", "NaN or Inf in 'bad'")]
+    _check_finite(snapshot, lambda name: name == "good", {0: "honest", 1: "poisoner"}, lambda *args: blamed.append(args))
+    assert len(blamed) == 1  # a tensor it does not keep was never fetched

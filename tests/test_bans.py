@@ -1,0 +1,87 @@
+"""Local bans with real peers (real p2pd daemons, a real DHT, loopback) in a public run: a peer that
+keeps sending invalid frames to a served protocol, over libp2p and over the direct data plane, is
+banned by the peer it pestered: its streams are refused with a frame that says so, its presence
+record is ignored (it leaves that peer's member list, not the others'), the ban is listed, and once
+``ban_seconds`` pass it is served and listed again."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+from conftest import eventually, run_async
+
+from swarmgrad.averaging import NetworkRuntime
+from swarmgrad.averaging.accountability import Accountability
+from swarmgrad.averaging.admission import BANNED
+from swarmgrad.averaging.state_transfer import StateSnapshot, download_state
+from swarmgrad.averaging.transport import Libp2pTransport
+from swarmgrad.averaging.wire import RemoteError
+from swarmgrad.dht import NodeConfig
+from swarmgrad.timing import Timing
+
+TIMING = Timing(presence_refresh=0.5)
+RULE = Accountability(ban_threshold=3, ban_seconds=6, half_life=600)
+
+
+async def pester(channel) -> str:
+    """Send a request the state protocol does not have; the answer is an error frame (its text)."""
+    await channel.send({"t": "nonsense"})
+    with pytest.raises(RemoteError) as answered:
+        await asyncio.wait_for(channel.recv(), 10)
+    await channel.close()
+    return str(answered.value)
+
+
+def test_a_peer_that_keeps_sending_invalid_frames_is_banned_then_admitted_again():
+    run_id = "bans-invalid-frames"
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            a = await stack.enter_async_context(NetworkRuntime(run_id, timing=TIMING, accountability=RULE))
+            a.state_server.publish(StateSnapshot.capture(1, {"w": torch.arange(4.0)}))
+            join = NodeConfig(initial_peers=a.node.maddrs)
+            b, c = [await stack.enter_async_context(NetworkRuntime(run_id, join, timing=TIMING)) for _ in range(2)]
+            everyone = {a.peer_id, b.peer_id, c.peer_id}
+
+            async def listed_by_all() -> bool:
+                return all({m.peer_id for m in runtime.members()} == everyone for runtime in (a, b, c))
+
+            await eventually(listed_by_all, 20)
+            # c pesters a: twice over a plain libp2p stream, once over its direct data plane
+            raw = Libp2pTransport(c.node.p2p)
+            answers = [await pester(await raw.open(a.peer_id, a.state_protocol)) for _ in range(2)]
+            answers.append(await pester(await c.transport.open(a.peer_id, a.state_protocol)))
+            assert all("unexpected request" in answer for answer in answers), answers
+            assert set(a.admission.misbehaviour.bans()) == {c.peer_id}
+            refused_before = a.admission.refused_streams
+
+            # banned: every stream is refused, saying why, over libp2p and the direct plane's setup
+            channel = await raw.open(a.peer_id, a.state_protocol)
+            await channel.send({"t": "describe"})
+            with pytest.raises(RemoteError, match=f"^{re.escape(BANNED)}"):
+                await asyncio.wait_for(channel.recv(), 10)
+            await channel.close()
+            with pytest.raises(RemoteError, match=f"^{re.escape(BANNED)}"):
+                await c.transport.open(a.peer_id, a.state_protocol)
+            assert a.admission.refused_streams >= refused_before + 2
+
+            # its record is ignored at a's next reread; b, which banned nobody, still lists it
+            async def gone_from_a() -> bool:
+                return {m.peer_id for m in a.members()} == {a.peer_id, b.peer_id}
+
+            await eventually(gone_from_a, 10)
+            assert c.peer_id in {m.peer_id for m in b.members()} and a.admission.refused_records >= 1
+            assert b.admission.misbehaviour.bans() == {}
+
+            # the ban ends: c is served (it downloads a's state) and listed again
+            await asyncio.sleep(a.admission.misbehaviour.bans()[c.peer_id])  # the ban's own deadline
+            state = await download_state(c.transport, a.state_protocol, [a.peer_id], seconds=10)
+            assert torch.equal(state.tensors()["w"], torch.arange(4.0))
+            await eventually(listed_by_all, 10)
+            assert a.admission.misbehaviour.bans() == {} and a.admission.misbehaviour.bans_total == 1
+
+    run_async(scenario())
