@@ -222,6 +222,8 @@ def peer(
     trusted_network: bool = typer.Option(False, "--trusted-network", help="Send tensors unencrypted (trusted LAN only).", rich_help_panel="Network", show_default=False),
     upload_limit_mbps: Optional[float] = typer.Option(None, "--upload-limit-mbps", help="Cap on what this peer sends to the swarm (averaging, gossip, state), in Mbit/s (default: no cap).", rich_help_panel="Network"),
     download_limit_mbps: Optional[float] = typer.Option(None, "--download-limit-mbps", help="Cap on what this peer receives from the swarm, in Mbit/s (default: no cap).", rich_help_panel="Network"),
+    ban_threshold: Optional[float] = typer.Option(None, "--ban-threshold", help=f"Misbehaviour score at which another peer is banned here (invalid frame 1, clipped 1, weight cut 2, bad state 3; halves every minute; default {_local_default('ban_threshold')}).", rich_help_panel="Network"),
+    ban_seconds: Optional[float] = typer.Option(None, "--ban-seconds", help=f"How long a ban lasts: its streams refused, its records ignored (default {_local_default('ban_seconds')}).", rich_help_panel="Network"),
     wait: Optional[float] = typer.Option(None, "--wait", help=f"Seconds to wait for the run's manifest and peers (default {_local_default('wait')}).", rich_help_panel="Network"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default off).", rich_help_panel="Monitoring"),
     metrics_host: Optional[str] = typer.Option(None, "--metrics-host", help=f"Listen address of --metrics-port (default {_local_default('metrics_host')}; 0.0.0.0 for a Prometheus elsewhere).", rich_help_panel="Monitoring"),
@@ -251,17 +253,21 @@ def peer(
         _print_config(loaded, json_output, config)
         return
 
+    from swarmgrad.averaging.accountability import Accountability
     from swarmgrad.dht.tickets import Ticket
     from swarmgrad.peer.runner import LocalOptions
 
     ticket = _validated(lambda: Ticket.load(options.ticket)) if options.ticket is not None else None
+    accountability = _validated(lambda: Accountability(ban_threshold=options.ban_threshold,
+                                                       ban_seconds=options.ban_seconds))
     local = LocalOptions(ticket=ticket, shard=options.shard, num_shards=options.num_shards, data_dir=options.data_dir,
                          max_seconds=options.max_seconds, max_steps=options.max_steps,
                          target_accuracy=options.target_accuracy, eval_every=options.eval_every,
                          final_eval=not options.no_final_eval, checkpoint_dir=options.checkpoint_dir,
                          threads=options.threads, trusted_network=options.trusted_network,
                          wait_peers=options.wait_peers, wait_seconds=options.wait, slowdown=options.slowdown,
-                         upload_limit_mbps=options.upload_limit_mbps, download_limit_mbps=options.download_limit_mbps)
+                         upload_limit_mbps=options.upload_limit_mbps, download_limit_mbps=options.download_limit_mbps,
+                         accountability=accountability)
     call_reporting_errors(lambda: run_peer(network, options.run_id, config, create=options.create, local=local,
                                            json_output=json_output, metrics_port=options.metrics_port,
                                            metrics_host=options.metrics_host))

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Callable, ClassVar, Generic, Mapping, Optiona
 
 import pydantic
 
+from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, MAX_LIMIT_MBPS
 from swarmgrad.commands.run_options import RUN_OPTIONS, flag_name, key_name, problem_message
 from swarmgrad.dht.config import NodeConfig, check_run_id
@@ -135,6 +136,9 @@ class PeerOptions(CommandOptions):
     trusted_network: bool = False
     upload_limit_mbps: Optional[Mbps] = DEFAULT_LIMIT_MBPS  # caps on the data plane; None: none
     download_limit_mbps: Optional[Mbps] = DEFAULT_LIMIT_MBPS
+    # when a misbehaving peer is banned here (averaging/accountability.py checks them)
+    ban_threshold: float = DEFAULT_ACCOUNTABILITY.ban_threshold
+    ban_seconds: float = DEFAULT_ACCOUNTABILITY.ban_seconds
     wait: Annotated[float, pydantic.Field(ge=1)] = 30.0  # seconds for the run's manifest and peers
     wait_peers: Positive = 1
     metrics_port: Optional[Annotated[int, pydantic.Field(ge=0, le=65535)]] = None  # Prometheus /metrics; 0: any port

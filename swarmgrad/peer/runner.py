@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.dht.tickets import Ticket
@@ -72,6 +73,7 @@ class LocalOptions:
     upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS  # caps on the peer's data plane
     download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS
     ticket: Ticket | None = None  # membership ticket of a private run (--ticket)
+    accountability: Accountability = DEFAULT_ACCOUNTABILITY  # when a misbehaving peer is banned here
 
 
 def no_initial_peers(run_id: str) -> str:
@@ -149,7 +151,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
                 checkpoint_dir=local.checkpoint_dir, network=network, trusted_network=local.trusted_network,
                 manifest=manifest, timing=local.timing, upload_limit_mbps=local.upload_limit_mbps,
-                download_limit_mbps=local.download_limit_mbps, ticket=local.ticket)
+                download_limit_mbps=local.download_limit_mbps, ticket=local.ticket, accountability=local.accountability)
     if metrics is not None:
         metrics.attach(peer)
     reason, final, started = "stopped", None, time.time()
