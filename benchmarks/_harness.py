@@ -209,6 +209,18 @@ def verdict(value: bool | None, yes: str, no: str) -> str:
     return "-" if value is None else (f"[green]{yes}[/green]" if value else f"[red]{no}[/red]")
 
 
+def checks_table(title: str, checks: list[dict]) -> Any:
+    """A benchmark's pass/fail checks (each {"check", "seen", "ok"}) as one rich table."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("check", "seen", "verdict"):
+        table.add_column(column)
+    for check in checks:
+        table.add_row(check["check"], check["seen"], verdict(check["ok"], "pass", "FAIL"))
+    return table
+
+
 def target_cell(value: float | None, target: float) -> str:
     return "-" if value is None else f"{value:.2f} " + verdict(value >= target, "pass", "FAIL")
 

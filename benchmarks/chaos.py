@@ -35,8 +35,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from _harness import checks_table
 from rich.console import Console
-from rich.table import Table
 
 from swarmgrad.errors import SwarmgradError
 from swarmgrad.lab.driver import run_lab
@@ -99,16 +99,6 @@ def checks(chaotic: dict[str, Any], calm: dict[str, Any]) -> list[dict[str, Any]
     ]
 
 
-def render(verdicts: list[dict[str, Any]]) -> Table:
-    table = Table(title="chaos checks", title_justify="left")
-    table.add_column("check")
-    table.add_column("seen")
-    table.add_column("verdict")
-    for verdict in verdicts:
-        table.add_row(verdict["check"], verdict["seen"], "[green]pass[/green]" if verdict["ok"] else "[red]FAIL[/red]")
-    return table
-
-
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.2f}%"
 
@@ -143,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {error}")
         return 2
     verdicts = checks(chaos_summary, calm_summary)
-    Console(width=max(Console().width, 150)).print(render(verdicts))
+    Console(width=max(Console().width, 150)).print(checks_table("chaos checks", verdicts))
     report = {"seed": seed, "scenario": chaotic.model_dump(mode="json"), "checks": verdicts,
               "faults": chaos_summary["faults"], "with_faults": chaos_summary, "fault_free": calm_summary}
     (out / "chaos.json").write_text(json.dumps(report, indent=1, default=str))

@@ -28,6 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from _harness import checks_table
 from rich.console import Console
 from rich.table import Table
 
@@ -138,12 +139,7 @@ def render(natted: dict[str, Any], plain: dict[str, Any], verdicts: list[dict[st
         table.add_row(row["nat"], str(row["peers"]), f"{row['min_share']:.0%}", f"{row['rounds']} / {row['epochs']}",
                       str(row["unreachable"]), str(row["downloads"]),
                       f"{plain_rows.get(row['nat'], {}).get('min_share', plain_all):.0%}")
-    verdict_table = Table(title="NAT checks", title_justify="left")
-    for column in ("check", "seen", "verdict"):
-        verdict_table.add_column(column)
-    for verdict in verdicts:
-        verdict_table.add_row(verdict["check"], verdict["seen"], "[green]pass[/green]" if verdict["ok"] else "[red]FAIL[/red]")
-    return [table, verdict_table]
+    return [table, checks_table("NAT checks", verdicts)]
 
 
 def _seconds(value: float | None) -> str:
