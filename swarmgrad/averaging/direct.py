@@ -323,7 +323,7 @@ class DirectTransport(Transport):
                 return
             if self.admission is not None and not self.admission.admits(channel.peer_id):
                 self.admission.refuse_stream(channel.peer_id)
-                await channel.send_error(self.admission.refusal(channel.peer_id))
+                await channel.refuse(self.admission.refusal(channel.peer_id))
                 return
             channel.reset_counters()
             try:

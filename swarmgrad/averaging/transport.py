@@ -78,6 +78,20 @@ class Channel(ABC):
         except Exception:
             pass
 
+    async def refuse(self, message: str, linger: float = 1.0) -> None:
+        """Tell a refused peer why, then drop what it sent until it closes (at most ``linger`` s):
+        closing with its request unread resets the stream, and the peer would read an EOF, not why."""
+        await self.send_error(message)
+
+        async def drain() -> None:
+            while True:
+                await self.recv()
+
+        try:
+            await asyncio.wait_for(drain(), linger)
+        except Exception:  # it closed (EOFError), or sent something we would not read anyway
+            pass
+
 
 ChannelHandler = Callable[[Channel], Awaitable[None]]
 
@@ -177,7 +191,7 @@ class Libp2pTransport(Transport):
                 if self.admission is not None and not await self.admission.admit(channel.peer_id):
                     refusal = self.admission.refusal(channel.peer_id)
                     logger.info("refused a stream from %s on %s: %s", channel.peer_id, protocol, refusal.split(":")[0])
-                    await channel.send_error(refusal)
+                    await channel.refuse(refusal)
                     return
                 await handler(channel)
             except FrameError as error:
