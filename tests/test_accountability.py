@@ -8,12 +8,15 @@ import logging
 import pytest
 import torch
 from conftest import run_async
+from rich.console import Console
 
 import swarmgrad as sg
 from swarmgrad.averaging.accountability import WEIGHTS, Accountability, Misbehaviour
 from swarmgrad.averaging.admission import BANNED, NOT_ADMITTED, Admission
 from swarmgrad.averaging.allreduce import AllReduceReport
 from swarmgrad.averaging.state_transfer import StateSnapshot, StateTransferError, _check_finite
+from swarmgrad.commands.status import _view
+from swarmgrad.dht.membership import Member, TrainingStats
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.driver import RoundOutcome
 
@@ -119,3 +122,16 @@ def test_a_donor_whose_parts_hold_nan_is_blamed_for_bad_state():
     assert blamed == [("poisoner", "bad state", "NaN or Inf in 'bad'")]
     _check_finite(snapshot, lambda name: name == "good", {0: "honest", 1: "poisoner"}, lambda *args: blamed.append(args))
     assert len(blamed) == 1  # a tensor it does not keep was never fetched
+
+
+def test_swarmgrad_status_says_which_members_ban_others():
+    def member(name: str, bans: int) -> Member:
+        return Member(peer_id=f"12D3KooW{name * 20}", maddrs=[], role="peer", version="0", step=0,
+                      samples_per_second=0.0, last_seen=0.0, expires=0.0, stats=TrainingStats(bans=bans))
+
+    console = Console(width=200, record=True)
+    console.print(_view([member("A", 2), member("B", 0)], "r"))
+    text = console.export_text()
+    assert "bans: 12D3Ko" in text and "bans 2" in text and text.count(" bans ") == 1
+    console.print(_view([member("B", 0)], "r"))
+    assert "bans:" not in console.export_text()
