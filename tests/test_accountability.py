@@ -38,9 +38,9 @@ def test_scores_add_the_kinds_weights_and_halve_every_half_life():
     scores.note("p", "weight cut")
     assert scores.score("p") == pytest.approx(WEIGHTS["clipped"] + WEIGHTS["weight cut"])
     clock.now += 10  # one half-life
-    assert scores.score("p") == pytest.approx(1.5)
+    assert scores.score("p") == pytest.approx(1.25)
     clock.now += 20
-    assert scores.score("p") == pytest.approx(0.375)
+    assert scores.score("p") == pytest.approx(0.3125)
     assert scores.score("someone else") == 0.0 and not scores.banned("p")
 
 
@@ -57,10 +57,10 @@ def test_past_the_threshold_a_peer_is_banned_once_logged_and_the_ban_ends(caplog
     clock = Clock()
     scores = Misbehaviour(RULE, clock=clock)
     with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.accountability"):
-        assert [scores.note("liar", "clipped") for _ in range(5)] == [False] * 4 + [True]
+        assert [scores.note("liar", "invalid frame") for _ in range(5)] == [False] * 4 + [True]
     assert scores.banned("liar") and scores.bans() == {"liar": pytest.approx(30)}
     (line,) = [record.getMessage() for record in caplog.records]
-    assert "banned liar for 30 s, until" in line and "score 5.0 >= 5" in line and "clipped x5" in line
+    assert "banned liar for 30 s, until" in line and "score 5.0 >= 5" in line and "invalid frame x5" in line
     assert not scores.note("liar", "bad state")  # while banned nothing more counts
     clock.now += 29.9
     assert scores.banned("liar") and scores.bans()["liar"] == pytest.approx(0.1)
@@ -73,7 +73,25 @@ def test_a_burst_bans_at_once_and_the_peer_itself_is_never_scored():
     scores = Misbehaviour(RULE, clock=Clock())
     scores.ignore.add("me")
     scores.note_round({"me": ["weight cut"] * 5, "a": ["weight cut", "bad state"], "b": ["clipped"]})
-    assert set(scores.bans()) == {"a"} and scores.score("me") == 0.0 and scores.score("b") == 1.0
+    assert set(scores.bans()) == {"a"} and scores.score("me") == 0.0 and scores.score("b") == 0.5
+
+
+def test_clean_rounds_forgive_so_only_round_after_round_of_clipping_bans():
+    scores = Misbehaviour(clock=Clock())  # the defaults: threshold 10
+    group = ["liar", "honest", "other"]
+    for round_index in range(1000):  # the honest peer is clipped in every other round, the liar in every one
+        suspicions = {"liar": ["clipped"]} if round_index < 19 else {}
+        if round_index % 2:
+            suspicions["honest"] = ["clipped"]
+        scores.note_round(suspicions, group)
+        if round_index == 18:
+            assert not scores.banned("liar") and scores.score("liar") == pytest.approx(9.5)
+        if round_index == 19:  # one clean round halves its score
+            assert scores.score("liar") == pytest.approx(4.75)
+    assert scores.score("honest") <= 1.0 and scores.bans() == {}
+    for _ in range(20):
+        scores.note_round({"liar": ["clipped"]}, group)
+    assert set(scores.bans()) == {"liar"}
 
 
 @pytest.mark.parametrize("field, value", [("ban_threshold", 0), ("ban_seconds", -1), ("half_life", float("nan"))])
@@ -107,7 +125,7 @@ def test_a_rounds_suspicions_count_toward_a_ban_and_show_in_the_status():
                    accountability=Accountability(ban_threshold=4))
     report = AllReduceReport(ok=True, round_id="r", group=["liar"], contributors=["liar"], suspicions={"liar": ["weight cut", "clipped"]})
     peer._record(RoundOutcome(ok=True, report=report))
-    assert peer.runtime.admission.misbehaviour.score("liar") == pytest.approx(3.0)
+    assert peer.runtime.admission.misbehaviour.score("liar") == pytest.approx(2.5, rel=1e-3)
     peer._record(RoundOutcome(ok=False, report=report))
     assert set(peer.status().banned) == {"liar"} and peer._stats().bans == 1
 

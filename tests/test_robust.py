@@ -252,7 +252,7 @@ def test_small_groups():
 def test_coinciding_rows_and_a_zero_tau():
     rows = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [40.0, -7.0]])
     outcome = robust_aggregate("centered-clip", rows, torch.ones(4, dtype=torch.float64))
-    assert torch.equal(outcome.value, rows[0]) and outcome.clipped == [3]  # half coincide: τ = 0
+    assert torch.equal(outcome.value, rows[0]) and outcome.clipped == []  # half coincide: τ = 0, nobody suspected
     start = torch.tensor([5.0, 5.0])
     assert torch.equal(centered_clip(rows, torch.ones(4, dtype=torch.float64), 0.0, start=start), start)
 

@@ -184,8 +184,11 @@ def robust_aggregate(aggregator: str, stack: torch.Tensor, weights: torch.Tensor
         medoid = _medoid(pairwise, weights)
         tau = tau_from(pairwise[medoid], TAU_FACTOR)
         value, last = _centered_clip(stack, weights, tau, TOLERANCE, MAX_ITERATIONS, stack[medoid])
-        # the rows beyond τ in the last step (it moved the result by less than TOLERANCE x τ)
-        return Aggregate(value, [int(i) for i in torch.nonzero(last > tau).flatten()])
+        # the rows beyond τ in the last step (it moved the result by less than TOLERANCE x τ); none when
+        # τ is 0: half the rows coincide and the data cannot tell an honest odd row from a liar (peers
+        # on the same data and state send equal rows), so nobody is suspected (and banned) for it
+        clipped = [int(i) for i in torch.nonzero(last > tau).flatten()] if tau > 0 else []
+        return Aggregate(value, clipped)
     return Aggregate(trimmed_mean(stack, weights, trim_for(len(stack))), [])
 
 

@@ -570,7 +570,8 @@ class Peer:
                 listener(outcome)
             except Exception as error:  # an observer must not break the round's bookkeeping
                 logger.warning("round listener failed: %s: %s", type(error).__name__, error)
-        self.runtime.admission.misbehaviour.note_round(getattr(report, "suspicions", {}))  # bans (accountability.py)
+        # bans (accountability.py): what the round caught, and a clean round for every other contributor
+        self.runtime.admission.misbehaviour.note_round(getattr(report, "suspicions", {}), getattr(report, "contributors", []))
         counters.rounds_ok += int(outcome.ok)
         if outcome.ok and self.catch_up is not None and self.policy is not None and self.policy.synchronous:
             self.catch_up.in_step = True  # its state is the swarm's now: it may replay rounds it misses
