@@ -86,3 +86,43 @@ def test_a_peer_that_keeps_sending_invalid_frames_is_banned_then_admitted_again(
             assert a.admission.misbehaviour.bans() == {} and a.admission.misbehaviour.bans_total == 1
 
     run_async(scenario())
+
+
+def test_a_peer_whose_contributions_are_clipped_round_after_round_is_banned_and_honest_ones_are_not():
+    """Real moshpit rounds (3 honest Averagers and one that scales what it sends by 1000, fresh values
+    every round, as training sends): each round's report goes to the score as ``Peer._record`` hands
+    it over. An owner that saw the liar clipped in 4 rounds bans it (0.5 a round, threshold 2; owners
+    change from round to round); nobody bans an honest peer."""
+    from test_robust_averaging import GROUP, NUMEL, ScalingLiar, start_runtimes
+
+    from swarmgrad.averaging import Averager
+
+    rule = Accountability(ban_threshold=2, ban_seconds=600, half_life=600)
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            runtimes = await start_runtimes(stack, 4)
+            for runtime in runtimes:
+                runtime.admission.misbehaviour.settings = rule
+            generator = torch.Generator().manual_seed(1)
+            tensors = [torch.zeros(NUMEL) for _ in runtimes]
+            averagers = [await stack.enter_async_context((ScalingLiar if i == 0 else Averager)(
+                runtime, [tensor], settings=GROUP, grid_dims=1, codec="none", aggregator="centered-clip"))
+                for i, (runtime, tensor) in enumerate(zip(runtimes, tensors))]
+            liar, honest = runtimes[0].peer_id, [runtime.peer_id for runtime in runtimes[1:]]
+            for round_index in range(12):  # until someone bans (the liar's next round would fail)
+                common = torch.randn(NUMEL, generator=generator)
+                for tensor in tensors:
+                    tensor.copy_(common + torch.randn(NUMEL, generator=generator))
+                reports = await asyncio.gather(*(averager.step(weight=1.0) for averager in averagers))
+                assert all(report.ok for report in reports), [report.error for report in reports]
+                for runtime, report in zip(runtimes, reports):
+                    runtime.admission.misbehaviour.note_round(report.suspicions, report.observed)
+                if any(runtime.admission.misbehaviour.bans() for runtime in runtimes):
+                    break
+            assert round_index >= 3  # 4 clipped rounds at the least
+            bans = [set(runtime.admission.misbehaviour.bans()) for runtime in runtimes[1:]]
+            assert {liar} in bans and all(ban <= {liar} for ban in bans), bans  # the owners banned it, only it
+            assert all(not runtime.admission.misbehaviour.banned(peer) for runtime in runtimes for peer in honest)
+
+    run_async(scenario())

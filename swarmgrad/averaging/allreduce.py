@@ -105,6 +105,9 @@ class AllReduceReport:
     # what this peer, as an owner, saw others do wrong this round: peer id -> reasons ("weight cut",
     # "clipped"), each once; for a later accountability feature to count
     suspicions: dict[str, list[str]] = field(default_factory=dict)
+    # the peers whose contributions to this peer's part it aggregated (whom the suspicions could name;
+    # empty when it owns no part): a clean round for those not suspected (accountability.py)
+    observed: list[str] = field(default_factory=list)
 
 
 class GroupAllReduce:
@@ -199,10 +202,11 @@ class GroupAllReduce:
             seconds=time.monotonic() - started,
             transports={channel.peer_id: channel.transport_name for channel in self._channels},
             suspicions={peer: list(reasons) for peer, reasons in self.suspicions.items()},
+            observed=[peer for peer in self._contributors if peer != self.me],
         )
         if not report.ok:
             report.error = str(self._failure.exception())
-            report.contributors = []
+            report.contributors, report.observed = [], []
         return report
 
     def _spawn(self, coroutine: Awaitable[None], channel: Channel | None = None) -> asyncio.Task:

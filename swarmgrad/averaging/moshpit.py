@@ -68,6 +68,7 @@ class AveragingReport:
     transports: dict[str, str] = field(default_factory=dict)
     privacy: dict | None = None  # epsilon spent so far etc., when privacy is on
     suspicions: dict[str, list[str]] = field(default_factory=dict)  # peer -> what it did wrong (AllReduceReport)
+    observed: list[str] = field(default_factory=list)  # whose contributions it aggregated (AllReduceReport)
     error: str | None = None
 
 
@@ -273,7 +274,7 @@ class Averager:
         report.group, report.contributors, report.error = result.group, result.contributors, result.error
         report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
         report.allreduce_seconds, report.transports = result.seconds, result.transports
-        report.suspicions = result.suspicions
+        report.suspicions, report.observed = result.suspicions, result.observed
         if not result.ok:
             if self.feedback is not None:
                 self.feedback.discard()

@@ -570,8 +570,8 @@ class Peer:
                 listener(outcome)
             except Exception as error:  # an observer must not break the round's bookkeeping
                 logger.warning("round listener failed: %s: %s", type(error).__name__, error)
-        # bans (accountability.py): what the round caught, and a clean round for every other contributor
-        self.runtime.admission.misbehaviour.note_round(getattr(report, "suspicions", {}), getattr(report, "contributors", []))
+        # bans (accountability.py): what the round caught, and a clean round for the others it saw contribute
+        self.runtime.admission.misbehaviour.note_round(getattr(report, "suspicions", {}), getattr(report, "observed", []))
         counters.rounds_ok += int(outcome.ok)
         if outcome.ok and self.catch_up is not None and self.policy is not None and self.policy.synchronous:
             self.catch_up.in_step = True  # its state is the swarm's now: it may replay rounds it misses
@@ -580,7 +580,7 @@ class Peer:
         counters.bytes_sent += getattr(report, "bytes_sent", 0)
         counters.bytes_received += getattr(report, "bytes_received", 0)
         counters.last_report = {key: value for key, value in asdict(report).items()
-                                if key not in ("group", "contributors", "transports", "pushed_to", "failed")}
+                                if key not in ("group", "contributors", "transports", "pushed_to", "failed", "observed")}
         counters.last_report["peers"] = len(getattr(report, "group", getattr(report, "pushed_to", [])))
 
     # ---- privacy and checkpoints ------------------------------------------------------------------
