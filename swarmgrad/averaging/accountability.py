@@ -13,7 +13,7 @@ Whatever this peer catches another peer doing wrong adds that kind's weight to t
 
 A kind not in the table weighs 1. Two things bring a score down. A round in which this peer took
 a member's contribution and found nothing wrong with it halves that member's score (``note_round``
-with the round's group): honest peers are clipped now and then (measured: 3 honest ``digits`` peers
+with the report's ``observed``: the peers whose contributions to this peer's part it aggregated): honest peers are clipped now and then (measured: 3 honest ``digits`` peers
 on the same data, one clipped in 11 of ~25 rounds within 12 s, never many rounds in a row), a liar
 in round after round, so what bans is misbehaving in about 20 rounds in a row (clipping alone, at
 0.5 a round) or 5 (weight cuts), however often rounds come. And every score halves every
@@ -101,8 +101,8 @@ class Misbehaviour:
 
     def note_round(self, suspicions: dict[str, list[str]], group: list[str] | tuple[str, ...] = ()) -> None:
         """A round's suspicions (peer -> reasons, as AllReduceReport and GossipReport carry them); each
-        other member of ``group`` (the round's, when this peer saw every member's contribution) that
-        is not suspected has its score halved."""
+        peer of ``group`` (whose contributions this peer aggregated: the report's ``observed``) that is
+        not suspected has its score halved."""
         for peer_id, reasons in suspicions.items():
             for reason in reasons:
                 self.note(peer_id, reason)
