@@ -10,14 +10,6 @@ Others' counts are extrapolated from their rates since their last record (as hiv
 tracker does), so a peer does not wait one refresh interval to see that the target was reached.
 Peers that train with other settings (another digest) never meet this peer's rounds: they are
 listed apart (``SwarmProgress.other_settings``) and counted neither as groupmates nor as donors.
-
-Whether the swarm moved on comes from distinct peers, not from the furthest claim: a peer takes the
-swarm's state (and its step is due at once) only when ``catch_up_quorum`` of the other peers are
-past its epoch, and takes it only from peers within ``DONOR_LEAD`` epochs of the epoch that quorum
-reached. So one record claiming epoch 10^6 no longer freezes a swarm retrying downloads from its
-author (measured before: three honest peers stood at epoch 55 for the 40 s it lived), and its author
-is never asked for a state. Still taken at their word: step counts, samples and the averaging flag
-of peers at one's own epoch (a liar there can make steps due early, not stall or skip them).
 """
 
 from __future__ import annotations
@@ -31,19 +23,6 @@ from typing import Callable
 from swarmgrad.dht.membership import Membership, Progress, TrainingStats
 
 RATE_SMOOTHING = 0.3  # weight of the newest interval in the samples/s average
-# share of the swarm (this peer included) that must be past a peer's epoch before it takes the
-# swarm's state: half, so the peers that moved on are the swarm, not one record that lies
-CATCH_UP_QUORUM = 0.5
-# how far past the quorum's epoch a donor may be: honest peers are within a round of each other
-# (a group that just stepped); a claim further ahead is never asked for its state
-DONOR_LEAD = 1
-
-
-def catch_up_quorum(others: int) -> int:
-    """Distinct other peers past this peer's epoch before it catches up, among ``others`` other peers
-    with its settings: max(2, ceil(CATCH_UP_QUORUM x (others + 1))), at most ``others`` (with one
-    other peer that one decides: a swarm of two must take in a joiner)."""
-    return min(others, max(2, math.ceil(CATCH_UP_QUORUM * (others + 1))))
 
 
 @dataclass(frozen=True)
@@ -67,23 +46,8 @@ class SwarmProgress:
 
     @property
     def epoch(self) -> int:
-        """The swarm's epoch as this peer (``peers[0]``) sees it: its own, or the one a quorum of the
-        others reached past it (``ahead``)."""
-        if not self.peers:
-            return 0
-        return self.ahead(self.peers[0].epoch)[1]
-
-    def ahead(self, epoch: int) -> tuple[list[str], int]:
-        """(donors, target) for this peer (``peers[0]``) at ``epoch``: when ``catch_up_quorum`` distinct
-        other peers are past it, the target is the highest epoch that many reached and the donors are
-        the peers past ``epoch`` and at most ``DONOR_LEAD`` past the target; otherwise ([], epoch)."""
-        others = self.peers[1:]
-        past = sorted((peer for peer in others if peer.epoch > epoch), key=lambda peer: -peer.epoch)
-        needed = catch_up_quorum(len(others))
-        if not past or len(past) < needed:
-            return [], epoch
-        target = past[needed - 1].epoch
-        return [peer.peer_id for peer in past if peer.epoch <= target + DONOR_LEAD], target
+        """The swarm's epoch: the furthest any live peer has got."""
+        return max((peer.epoch for peer in self.peers), default=0)
 
     def at(self, epoch: int) -> list[PeerProgress]:
         return [peer for peer in self.peers if peer.epoch == epoch]
@@ -230,9 +194,8 @@ class ProgressTracker:
         return self.swarm
 
     def ahead_of(self, epoch: int) -> list[str]:
-        """Donors for a peer at ``epoch`` that fell behind: none unless a quorum of the other peers
-        (with this peer's settings) is past it (``SwarmProgress.ahead``)."""
-        return self.fresh().ahead(epoch)[0]
+        """Other peers (with this peer's settings) already past ``epoch``: donors for a peer that fell behind."""
+        return [peer.peer_id for peer in self.fresh().peers if peer.peer_id != self.peer_id and peer.epoch > epoch]
 
     def others_at(self, epoch: int) -> list[str]:
         return [peer.peer_id for peer in self.fresh().at(epoch) if peer.peer_id != self.peer_id]
