@@ -154,7 +154,7 @@ def test_the_nat_verdicts_fail_a_type_below_the_share_and_a_slow_run():
 @pytest.mark.skipif(lab_unavailable() is not None, reason=f"emulated network unavailable: {lab_unavailable()}")
 def test_quick_nat_benchmark_every_nat_type_averages(tmp_path):
     """One public peer and one of each NAT type train digits behind real routers; each averages in
-    at least 90% of its rounds after warm-up and none sits a round out, as in the twin without NAT."""
+    at least 90% of its rounds after warm-up and none sits a round out (the quick run has no twin)."""
     import json
     import os
     import subprocess

@@ -388,6 +388,7 @@ _REASON = lab_unavailable()
 needs_lab = pytest.mark.skipif(_REASON is not None, reason=f"emulated network unavailable: {_REASON}")
 
 
+@pytest.mark.extended  # the quick churn run and the lab benchmarks train and clean up the same way, in CI
 @needs_lab
 def test_quick_lab_run_trains_and_cleans_up(tmp_path):
     from swarmgrad.lab.driver import run_lab
