@@ -203,7 +203,9 @@ def test_every_example_script_has_a_test() -> None:
 def test_example_train_fashion_mnist_two_peers(tmp_path: Path) -> None:
     """As its docstring says: a first peer starts a swarm and prints how to join; a second joins it."""
     script = [sys.executable, str(EXAMPLES / "train_fashion_mnist.py"), "--run-id", "docs-fmnist", "--num-shards", "2"]
-    with Background([*script, "--shard", "0", "--seconds", "15"], tmp_path, "first") as first:
+    # the first peer outlives the joiner's start-up (imports, p2pd, the state) and its 6 s of training,
+    # with room for a loaded machine: at 15 s it had left before a slow joiner's one status line (CI)
+    with Background([*script, "--shard", "0", "--seconds", "30"], tmp_path, "first") as first:
         maddr = first.wait_for_line(r"--initial-peers /ip4/\S+").split()[-1]
         joiner = run_script([*script, "--shard", "1", "--seconds", "6", "--initial-peers", maddr], tmp_path)
         assert "peers 2" in joiner and "test accuracy" in joiner, joiner
