@@ -115,6 +115,7 @@ class Run:
         self.swarm = Swarm(f"dashboard-{secrets.token_hex(4)}")
         common = ["--inner-steps", "10", "--num-shards", "2", "--max-seconds", "240", "--wait-peers", "2", *PATIENT]
         self.evaluator = self.swarm.peer(*common, "--shard", "0", "--eval-every", "1", "--metrics-port", "0",
+                                         "--no-final-eval",
                                          name="evaluator")
         self.other = self.swarm.peer(*common, "--shard", "1", "--eval-every", "0", "--no-final-eval", name="other")
         self.board = self.swarm._track(Dashboard(self.swarm.run_id, self.swarm.bootstrap.maddr))
