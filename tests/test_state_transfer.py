@@ -107,25 +107,19 @@ class QuitAfterOnePart(CountingServer):
 
 
 class StallAfterOnePart(CountingServer):
-    """Serves one part, then keeps the stream open and never answers again (a hung donor)."""
+    """Serves one part, then keeps the stream open and never answers a part request again (a hung
+    donor); it still describes and sketches its state."""
 
     async def _serve(self, channel) -> None:
-        while True:
-            request = await channel.recv(max_payload=0)
-            if request.kind == "done":
-                return
-            if request.kind == "describe":
-                latest = self.latest
-                await channel.send({"t": "state", "version": latest.version, "digest": latest.digest,
-                                    "nbytes": latest.nbytes}, latest.describe())
-            elif self.served:
+        send = channel.send
+
+        async def stalling_send(header, payload=b""):
+            if header.get("t") == "part" and self.served:
                 await asyncio.sleep(3600)
-            else:
-                index = request.header["index"]
-                part = latest.data[index * state_transfer.PART_BYTES: (index + 1) * state_transfer.PART_BYTES]
-                await channel.send({"t": "part", "version": latest.version, "index": index},
-                                   memoryview(part.numpy()))
-                self.served.append(index)
+            await send(header, payload)
+
+        channel.send = stalling_send
+        await super()._serve(channel)
 
 
 class LyingServer(CountingServer):
@@ -258,20 +252,26 @@ def test_many_small_parts_are_spread_and_complete(swarm, monkeypatch):
     assert all(served) and sorted(served[0] + served[1]) == list(range(parts))
 
 
-def test_freshest_version_wins(swarm):
-    old, new = big_state(version=3, megabytes=0.5, seed=1), big_state(version=5, megabytes=0.5, seed=2)
+def test_the_version_a_majority_reached_wins(swarm):
+    """Of two donors, the lower version (both reached it): the one further on, still holding it, describes
+    and serves it too; once both are further on, the newer one."""
+    old, new = big_state(version=3, megabytes=2.5, seed=1), big_state(version=5, megabytes=2.5, seed=2)
 
     async def scenario():
         protocol = new_protocol()
-        async with serving(swarm, protocol, [old, new]) as servers:
+        async with serving(swarm, protocol, [old, old]) as servers:
+            servers[1].publish(new)
             got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
-            with pytest.raises(StateTransferError, match="version >= 6"):
-                await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20, min_version=6)
-            return got, [server.served for server in servers]
+            with pytest.raises(StateTransferError, match="version >= 4"):
+                await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20, min_version=4)
+            served = [list(server.served) for server in servers]
+            servers[0].publish(new)
+            assert_same(await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20), new)
+            return got, served
 
     got, served = run(swarm, scenario())
-    assert_same(got, new)
-    assert served[0] == [] and served[1]  # nothing from the older donor
+    assert_same(got, old)
+    assert all(served), served  # the donor further on served its share of the older version
 
 
 def test_donor_keeps_the_previous_version_for_a_download_in_progress(swarm):

@@ -3,20 +3,48 @@
 A donor keeps its latest ``StateSnapshot`` (and the one before, so a download that started just
 before the donor moved on can finish), and the results of its last rounds: a peer that missed a
 round (or whose download ended with the swarm a round further) replays that round's result on its
-own state instead of downloading the whole state again, for a fraction of the bytes. A joiner asks every candidate donor for its snapshot's
-description, picks the freshest version held by the most donors, and fetches the bytes in parts
-spread over those donors (DESIGN invariant 8): each donor serves a share, a donor that fails mid-way
-has its parts fetched from the others, and nothing is used until every byte arrived and every
-floating-point value is finite. A joiner that needs only some of the tensors (``keep``) fetches only
-the parts that hold them. A donor that broke the protocol (a malformed description or part) or served
-NaN or Inf is blamed on the transport's admission (accountability.py): enough of that bans it.
+own state instead of downloading the whole state again, for a fraction of the bytes.
+
+A joiner takes a state only when a majority of the donors it asked agree on it (issue 15, item 4),
+since any donor may lie:
+1. Version by majority: it asks every candidate donor for its snapshot's description and takes the
+   highest version a strict majority of those that answered reached (``majority_version``), never
+   simply the highest claimed: one donor claiming version 10^6 does not win alone. A donor further
+   on describes that version again if it still holds it (it keeps two); one that does not drops out.
+2. Agreement by sketches: honest donors never hold identical bytes (each peer's optimizer moments
+   are its own, and moshpit groups leave parameters a little apart), so donors are compared up to a
+   tolerance, by sketches: a few random ±1 projections per part of each tolerance class's values,
+   drawn from a nonce the joiner picks (``sketch``, ``TOLERANCES``). The coordinate-wise median of
+   the donors' sketches is the reference; a donor agrees when each of its parts lies within the
+   class's tolerance of it (``agreeing``). Fewer agreeing donors than a strict majority of those that
+   answered: StateTransferError ("the donors disagree on the state"); with a majority, the others are
+   blamed ("digest disagreement"). Parts are fetched only from agreeing donors, spread over them
+   (DESIGN invariant 8): each serves a share, and one that fails mid-way has its parts fetched from
+   the others.
+3. Verification with a second nonce, drawn once the bytes are in (so no donor could shape what it
+   served to the projections it would be checked with): the agreeing donors sketch again, and each
+   part of the assembled state must lie within tolerance of their median. A part that does not is
+   blamed ("bad state") on the donor that served it, which serves nothing more, and fetched again
+   from another agreeing donor, then checked with a fresh nonce (at most ``VERIFY_PASSES`` passes).
+Nothing is used until every part passed and every floating-point value is finite. A joiner that
+needs only some of the tensors (``keep``) fetches, compares and checks only the parts that hold
+them. A donor that broke the protocol (a malformed description, part or sketch) is blamed "invalid
+frame", one that served NaN or Inf "bad state", on the transport's admission (accountability.py):
+enough of that bans it. A swarm of two (one donor) stays joinable: a single donor is its own
+majority, and what it serves is checked for consistency with its own sketches only.
 
 Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
 plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
-    -> {"t": "describe"}                      <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
+    -> {"t": "describe"[, "version"]}         <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
+    -> {"t": "sketch", "version", "seed"}     <- {"t": "sketch", "version", "seed", "parts", "classes", "k"}
+                                                 + float32[parts][classes][k]
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
     -> {"t": "result", "epoch"}               <- {"t": "result", "epoch", "numel"} + bfloat16 bytes
     -> {"t": "done"}
+``describe`` without a version describes the latest snapshot. A sketch costs the donor about one
+pass over its state (a few ms per MiB): donors compute one at a time, keep the last
+``SKETCH_CACHE`` by (version, seed), and answer at most ``SKETCHES_PER_CHANNEL`` per channel (one to
+compare, one per verification pass); past that the request is an invalid frame.
 """
 
 from __future__ import annotations
@@ -26,11 +54,13 @@ import hashlib
 import logging
 import math
 import random
+import struct
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import msgpack
+import numpy as np
 import torch
 
 from swarmgrad.averaging.transport import Channel, Transport
@@ -55,6 +85,25 @@ DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
+
+# How far a donor's tensors may lie from the donors' median and still agree, relative to the
+# median's norm, per part; the first prefix a tensor's name starts with decides (peer/state.py names
+# them). Measured (3 digits peers, DiLoCo, 42 epochs, group size 2, so one averaged alone each round):
+# parameters 2.1% apart at most (0.08% between two that shared groups), outer momentum 76%.
+TOLERANCES: tuple[tuple[str, float | None], ...] = (
+    ("optimizer/", None),  # each peer's own inner-optimizer moments: never compared, taken from agreeing donors
+    ("strategy/", 2.0),  # outer momentum, each peer's sum of its own groups' averages: blocks a rescaled one
+    ("", 0.1),  # the model and anything else: a donor can shift a joiner's parameters by 10% at most
+)
+# an absolute floor on the tolerance, per value (RMS): parts that are (nearly) zero, like a fresh momentum
+SKETCH_FLOOR = 1e-6
+# ±1 projections per part and class: with 8, a sketch's distance is within 0.55..1.8x the true one at
+# 99.9% (chi with 8 degrees of freedom), well inside the 5x between measured spreads and tolerances
+SKETCH_PROJECTIONS = 8
+VERIFY_PASSES = 3  # nonce-2 checks of what arrived: the first, and two after refetching failed parts
+SKETCHES_PER_CHANNEL = 1 + VERIFY_PASSES  # what a joiner asks of one donor: one to compare, one per pass
+SKETCH_CACHE = 4  # sketches a donor keeps, by (version, seed)
+MAX_SEED = 2**63 - 1
 
 
 class StateTransferError(SwarmgradError):
@@ -107,12 +156,16 @@ class StateSnapshot:
                              use_bin_type=True)
 
 
+def _element_size(dtype: str) -> int:
+    return torch.empty(0, dtype=DTYPES[dtype]).element_size()
+
+
 def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tuple[int, int]], int]:
     """(offset, length) of each tensor in the byte buffer, and its total size. Offsets are
     multiples of 8, so every tensor can be viewed in place as its own dtype."""
     offsets, position = [], 0
     for _, dtype, shape in specs:
-        length = math.prod(shape) * torch.empty(0, dtype=DTYPES[dtype]).element_size()
+        length = math.prod(shape) * _element_size(dtype)
         offsets.append((position, length))
         position += -(-length // ALIGNMENT) * ALIGNMENT
     return offsets, position
@@ -137,6 +190,110 @@ def _parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
     return specs, meta
 
 
+def tolerance_of(name: str) -> float | None:
+    """The tolerance ``TOLERANCES`` gives tensor ``name``: None when it is never compared."""
+    for prefix, tolerance in TOLERANCES:
+        if name.startswith(prefix):
+            return tolerance
+    return None
+
+
+# the compared classes, in table order: a sketch holds one row of projections per part and class
+CLASSES: tuple[float, ...] = tuple(tolerance for _, tolerance in TOLERANCES if tolerance is not None)
+
+
+def _segments(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> dict[int, list[list[tuple[int, int, str]]]]:
+    """Part -> per class, the (start, end, dtype) byte ranges of the compared tensors' values in it.
+    Offsets are multiples of 8 and so is a part's size: no value straddles two parts."""
+    offsets, _ = layout(specs)
+    segments: dict[int, list[list[tuple[int, int, str]]]] = {}
+    for (name, dtype, _), (start, length) in zip(specs, offsets):
+        tolerance = tolerance_of(name)
+        if tolerance is None or not length:
+            continue
+        position, end = start, start + length
+        while position < end:
+            part = position // PART_BYTES
+            stop = min(end, (part + 1) * PART_BYTES)
+            segments.setdefault(part, [[] for _ in CLASSES])[CLASSES.index(tolerance)].append((position, stop, dtype))
+            position = stop
+    return segments
+
+
+def compared_values(specs: Sequence[tuple[str, str, tuple[int, ...]]], parts: Sequence[int]) -> torch.Tensor:
+    """How many compared values each of ``parts`` holds, per class: [len(parts), classes]."""
+    segments = _segments(specs)
+    counts = torch.zeros(len(parts), len(CLASSES), dtype=torch.float64)
+    for row, part in enumerate(parts):
+        for column, ranges in enumerate(segments.get(part, ())):
+            counts[row, column] = sum((end - start) // _element_size(dtype) for start, end, dtype in ranges)
+    return counts
+
+
+def sketch(data: torch.Tensor, specs: Sequence[tuple[str, str, tuple[int, ...]]], seed: int,
+           parts: Sequence[int]) -> torch.Tensor:
+    """float32 [len(parts), classes, SKETCH_PROJECTIONS]: for each part of ``data`` (a snapshot's
+    bytes, laid out by ``specs``) and each tolerance class, the projections of the class's values in
+    it on ±1 vectors drawn from (seed, part, class). The signs come from SHAKE-256, so every machine
+    and torch version draws the same; a class with no values in a part projects to zeros."""
+    segments = _segments(specs)
+    result = torch.zeros(len(parts), len(CLASSES), SKETCH_PROJECTIONS, dtype=torch.float64)
+    for row, part in enumerate(parts):
+        for column, ranges in enumerate(segments.get(part, ())):
+            if ranges:
+                values = torch.cat([data[start:end].view(DTYPES[dtype]).to(torch.float32)
+                                    for start, end, dtype in ranges])
+                result[row, column] = _project(values, seed, part, column)
+    return result.to(torch.float32)
+
+
+def _project(values: torch.Tensor, seed: int, part: int, column: int) -> torch.Tensor:
+    width = -(-values.numel() // 8)  # bytes of signs per projection
+    stream = hashlib.shake_256(b"swarmgrad/state-sketch" + struct.pack("<QQQ", seed, part, column))
+    bits = np.unpackbits(np.frombuffer(stream.digest(SKETCH_PROJECTIONS * width), dtype=np.uint8))
+    signs = torch.from_numpy(bits.reshape(SKETCH_PROJECTIONS, width * 8)[:, : values.numel()]).to(torch.float32)
+    signs.mul_(2).sub_(1)
+    return (signs @ values).to(torch.float64)
+
+
+def reference_sketch(sketches: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise median of donors' sketches ([donors, ...]; for an even count the mean of
+    the middle two): a minority of donors, however far off, cannot move it past the majority's values."""
+    ordered = sketches.sort(dim=0).values
+    count = ordered.shape[0]
+    return (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+
+
+def parts_within(candidate: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool [parts]: whether each part of sketch ``candidate`` lies within tolerance of ``reference``
+    (both [parts, classes, k]; ``counts``: ``compared_values``). The rule, for every class c of the
+    part: |candidate - reference| <= CLASSES[c] * |reference| + SKETCH_FLOOR * sqrt(k * values). A
+    ±1 projection keeps a vector's norm in expectation, so this is about |x - x_ref| <= tolerance *
+    |x_ref| on the values themselves. NaN or Inf is never within."""
+    distance = (candidate.double() - reference.double()).norm(dim=-1)
+    tolerance = torch.tensor(CLASSES, dtype=torch.float64) * reference.double().norm(dim=-1)
+    allowed = tolerance + SKETCH_FLOOR * (SKETCH_PROJECTIONS * counts).sqrt()
+    return (distance <= allowed).all(dim=-1)
+
+
+def agreeing(sketches: Mapping[str, torch.Tensor], counts: torch.Tensor) -> list[str]:
+    """The donors (of ``sketches``: donor -> [parts, classes, k]) whose every part lies within
+    tolerance of the donors' median (``reference_sketch``, ``parts_within``)."""
+    if not sketches:
+        return []
+    reference = reference_sketch(torch.stack(list(sketches.values())))
+    return [donor for donor, drawn in sketches.items() if bool(parts_within(drawn, reference, counts).all())]
+
+
+def majority_version(versions: Sequence[int]) -> int:
+    """The highest version a strict majority of ``versions`` (one per donor that answered) reached:
+    sorted from the highest, the one at index n // 2. One donor's claim wins only where it is the
+    only donor, so that a swarm of two (one donor) stays joinable; of two, the lower (both reached it)."""
+    if not versions:
+        raise ValueError("no versions to choose from")
+    return sorted(versions, reverse=True)[len(versions) // 2]
+
+
 class StateServer:
     """Serves this peer's latest snapshots to joiners over ``protocol``."""
 
@@ -147,6 +304,8 @@ class StateServer:
         self._snapshots: dict[int, StateSnapshot] = {}
         self._described: dict[int, bytes] = {}
         self._results: dict[int, torch.Tensor] = {}
+        self._sketches: dict[tuple[int, int], bytes] = {}  # (version, seed) -> a sketch, oldest first
+        self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
 
     async def __aenter__(self) -> StateServer:
         await self.transport.serve(self.protocol, self._serve)
@@ -160,6 +319,9 @@ class StateServer:
         return self._snapshots[max(self._snapshots)] if self._snapshots else None
 
     def publish(self, snapshot: StateSnapshot) -> None:
+        for version in [version for version in self._snapshots if version > snapshot.version]:
+            self._snapshots.pop(version)  # this peer went back to the swarm's epoch: what it held past it goes
+            self._described.pop(version)
         self._snapshots[snapshot.version] = snapshot
         self._described[snapshot.version] = snapshot.describe()
         for version in sorted(self._snapshots)[: -self.keep]:
@@ -171,11 +333,14 @@ class StateServer:
         peer's own values when it stepped alone), for a peer that missed the round to replay."""
         if self.keep_results < 1:
             return
+        for later in [later for later in self._results if later > epoch]:
+            self._results.pop(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
         self._results[epoch] = result.detach().to("cpu").reshape(-1).to(RESULT_DTYPE, copy=True)
         for old in sorted(self._results)[: -self.keep_results]:
             self._results.pop(old)
 
     async def _serve(self, channel: Channel) -> None:
+        sketches = 0  # asked on this channel
         while True:
             try:
                 async with timeout(self.idle_seconds):  # an idle joiner does not hold the stream forever
@@ -185,12 +350,32 @@ class StateServer:
             if request.kind == "done":
                 return
             if request.kind == "describe":
-                latest = self.latest
-                if latest is None:
-                    await channel.send_error("this peer has no state to share yet")
+                if "version" in request.header:  # a joiner that chose a version by majority
+                    snapshot = self._snapshots.get(field(request.header, "version", int))
+                    if snapshot is None:
+                        await channel.send_error(f"version {request.header['version']} is no longer held here")
+                        return
+                else:
+                    snapshot = self.latest
+                    if snapshot is None:
+                        await channel.send_error("this peer has no state to share yet")
+                        return
+                await channel.send({"t": "state", "version": snapshot.version, "digest": snapshot.digest,
+                                    "nbytes": snapshot.nbytes}, self._described[snapshot.version])
+            elif request.kind == "sketch":
+                version = field(request.header, "version", int)
+                seed = int_field(request.header, "seed", 0, MAX_SEED)
+                sketches += 1
+                if sketches > SKETCHES_PER_CHANNEL:
+                    raise FrameError(f"more than {SKETCHES_PER_CHANNEL} sketch requests on one channel")
+                snapshot = self._snapshots.get(version)
+                if snapshot is None:
+                    await channel.send_error(f"version {version} is no longer held here")
                     return
-                await channel.send({"t": "state", "version": latest.version, "digest": latest.digest,
-                                    "nbytes": latest.nbytes}, self._described[latest.version])
+                parts = math.ceil(snapshot.nbytes / PART_BYTES)
+                await channel.send({"t": "sketch", "version": version, "seed": seed, "parts": parts,
+                                    "classes": len(CLASSES), "k": SKETCH_PROJECTIONS},
+                                   await self._sketch(snapshot, seed))
             elif request.kind == "part":
                 version = field(request.header, "version", int)
                 snapshot = self._snapshots.get(version)
@@ -211,6 +396,18 @@ class StateServer:
             else:
                 raise FrameError(f"unexpected request {request.kind!r}")
 
+    async def _sketch(self, snapshot: StateSnapshot, seed: int) -> bytes:
+        """The sketch of ``snapshot`` for ``seed``, computed off the event loop, one at a time, kept for reuse."""
+        key = (snapshot.version, seed)
+        async with self._sketching:
+            if key not in self._sketches:
+                parts = list(range(math.ceil(snapshot.nbytes / PART_BYTES)))
+                drawn = await asyncio.to_thread(sketch, snapshot.data, snapshot.specs, seed, parts)
+                self._sketches[key] = drawn.numpy().tobytes()
+                while len(self._sketches) > SKETCH_CACHE:
+                    self._sketches.pop(next(iter(self._sketches)))
+            return self._sketches[key]
+
 
 @dataclass
 class _Offer:
@@ -221,21 +418,32 @@ class _Offer:
     nbytes: int
     specs: tuple
     meta: dict
+    broken: bool = False  # its channel failed or was dropped: a later sketch takes a new one
+
+
+Blame = Callable[[str, str, str], None]
 
 
 async def download_state(transport: Transport, protocol: str, donors: list[str], *,
                          seconds: float = DEFAULT_TIMING.join_timeout,
                          min_version: int = 0, max_bytes: int = MAX_STATE_BYTES,
                          keep: Callable[[str], bool] | None = None) -> StateSnapshot:
-    """The freshest state among ``donors``, fetched in parts spread over every donor that holds it.
+    """The state a strict majority of ``donors`` agree on, fetched in parts spread over those donors
+    and verified once it is in (the rules: the module docstring).
 
     ``keep``: which tensors (by name) to fetch; the snapshot holds only those, and only the parts
-    that hold them travel. Raises StateTransferError when no donor offers a version >=
-    ``min_version`` or the transfer cannot be completed within ``seconds``.
+    that hold them travel and are compared. Raises StateTransferError, using nothing, when no donor
+    answers, when the version a majority of them reached is below ``min_version``, when fewer than
+    a strict majority of the donors that answered agree on the state, when a part fails every
+    verification pass, or when the transfer cannot be completed within ``seconds``.
     """
     if not donors:
         raise StateTransferError("no peer to download the state from")
     offers: list[_Offer] = []
+    blame: Blame = lambda donor, kind, detail: _blame(transport, donor, kind, detail)
+    # one part (or sketch) may take a quarter of the budget (a slow donor's parts move to the
+    # others), and never less than 2 s: 4 MiB at 20 Mbit/s
+    part_seconds = max(2.0, seconds / 4)
     try:
         async with timeout(seconds):
             described = await asyncio.gather(*(_describe(transport, protocol, d, max_bytes) for d in donors),
@@ -246,17 +454,29 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
                 else:
                     logger.info("donor %s cannot share its state: %s", donor, outcome)
                     if isinstance(outcome, FrameError):
-                        _blame(transport, donor, "invalid frame", str(outcome))
-            fresh = [offer for offer in offers if offer.version >= min_version]
-            if not fresh:
+                        blame(donor, "invalid frame", str(outcome))
+            if not offers:
                 raise StateTransferError(f"none of {len(donors)} peer(s) offered a state at version >= {min_version}")
-            newest = max(offer.version for offer in fresh)
-            layout = Counter(offer.digest for offer in fresh if offer.version == newest).most_common(1)[0][0]
-            sources = [offer for offer in fresh if offer.version == newest and offer.digest == layout]
-            # one part may take a quarter of the budget (a slow donor's parts move to the others),
-            # and never less than 2 s: 4 MiB at 20 Mbit/s
-            return await _fetch(sources, part_seconds=max(2.0, seconds / 4), keep=keep,
-                                blame=lambda donor, kind, detail: _blame(transport, donor, kind, detail))
+            version = majority_version([offer.version for offer in offers])
+            if version < min_version:
+                raise StateTransferError(f"no majority of the {len(offers)} donor(s) offered a state at version >= "
+                                         f"{min_version} (a majority reached {version})")
+            held = await asyncio.gather(*(_hold(offer, version, max_bytes, part_seconds) for offer in offers),
+                                        return_exceptions=True)
+            holders = []
+            for offer, outcome in zip(offers, held):
+                if outcome is True:
+                    holders.append(offer)
+                elif outcome is not False:
+                    logger.info("donor %s cannot describe version %d: %s", offer.donor, version, outcome)
+                    if isinstance(outcome, FrameError):
+                        blame(offer.donor, "invalid frame", str(outcome))
+            sources = await _agreeing_sources(holders, version, keep, part_seconds, blame)
+
+            async def sketch_of(offer: _Offer, seed: int) -> torch.Tensor:
+                return await _verification_sketch(transport, protocol, offer, seed, part_seconds)
+
+            return await _fetch(sources, part_seconds=part_seconds, keep=keep, blame=blame, sketch_of=sketch_of)
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
     finally:
@@ -274,14 +494,135 @@ async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: 
     channel = await transport.open(donor, protocol)
     try:
         await channel.send({"t": "describe"})
-        reply = expect_kind(await channel.recv(max_payload=MAX_DESCRIPTION_BYTES), "state")
-        nbytes = int_field(reply.header, "nbytes", 0, max_bytes)
-        specs, meta = _parse_description(bytes(reply.payload), nbytes)
-        return _Offer(donor, channel, field(reply.header, "version", int), field(reply.header, "digest", str),
-                      nbytes, specs, meta)
+        return await _described(donor, channel, max_bytes)
     except BaseException:
         await channel.close()
         raise
+
+
+async def _described(donor: str, channel: Channel, max_bytes: int) -> _Offer:
+    reply = expect_kind(await channel.recv(max_payload=MAX_DESCRIPTION_BYTES), "state")
+    nbytes = int_field(reply.header, "nbytes", 0, max_bytes)
+    specs, meta = _parse_description(bytes(reply.payload), nbytes)
+    return _Offer(donor, channel, field(reply.header, "version", int), field(reply.header, "digest", str),
+                  nbytes, specs, meta)
+
+
+async def _hold(offer: _Offer, version: int, max_bytes: int, seconds: float) -> bool:
+    """Whether ``offer``'s donor holds ``version``; one further on describes it again (and ``offer``
+    becomes that description), one behind does not hold it."""
+    if offer.version <= version:
+        return offer.version == version
+    try:
+        async with timeout(seconds):
+            await offer.channel.send({"t": "describe", "version": version})
+            again = await _described(offer.donor, offer.channel, max_bytes)
+    except RemoteError:  # it moved on further: no longer held (and the donor ended the channel)
+        offer.broken = True
+        return False
+    except BaseException:
+        offer.broken = True
+        await offer.channel.abort()
+        raise
+    if again.version != version:
+        raise FrameError(f"asked to describe version {version}, the donor described {again.version}")
+    offer.version, offer.digest, offer.nbytes, offer.specs, offer.meta = (
+        again.version, again.digest, again.nbytes, again.specs, again.meta)
+    return True
+
+
+async def _ask_sketch(channel: Channel, version: int, seed: int, nbytes: int) -> torch.Tensor:
+    """The donor's sketch of ``version`` for ``seed``: [parts, classes, k] float32, of the right size."""
+    parts = math.ceil(nbytes / PART_BYTES)
+    size = parts * len(CLASSES) * SKETCH_PROJECTIONS * 4
+    await channel.send({"t": "sketch", "version": version, "seed": seed})
+    reply = expect_kind(await channel.recv(max_payload=size), "sketch")
+    shape = (parts, len(CLASSES), SKETCH_PROJECTIONS)
+    said = tuple(reply.header.get(key) for key in ("version", "seed", "parts", "classes", "k"))
+    if said != (version, seed, *shape) or len(reply.payload) != size:
+        raise FrameError(f"expected a sketch of version {version} (seed {seed}) of shape {shape} in {size} bytes, "
+                         f"got {said} in {len(reply.payload)} bytes")
+    if not size:
+        return torch.zeros(shape)
+    return torch.frombuffer(bytearray(reply.payload), dtype=torch.float32).reshape(shape)
+
+
+async def _sketch_on(offer: _Offer, seed: int, seconds: float) -> torch.Tensor:
+    try:
+        async with timeout(seconds):
+            return await _ask_sketch(offer.channel, offer.version, seed, offer.nbytes)
+    except BaseException:
+        offer.broken = True  # a half-read reply may be left on it
+        await offer.channel.abort()
+        raise
+
+
+async def _verification_sketch(transport: Transport, protocol: str, offer: _Offer, seed: int,
+                               seconds: float) -> torch.Tensor:
+    """``offer``'s donor's sketch for ``seed``, on its channel, or on a new one where that failed
+    (a donor whose part timed out may still answer a sketch)."""
+    if not offer.broken:
+        return await _sketch_on(offer, seed, seconds)
+    async with timeout(seconds):
+        channel = await transport.open(offer.donor, protocol)
+        clean = False
+        try:
+            drawn = await _ask_sketch(channel, offer.version, seed, offer.nbytes)
+            await channel.send({"t": "done"})
+            clean = True
+            return drawn
+        finally:
+            await (channel.close() if clean else channel.abort())
+
+
+async def _agreeing_sources(holders: list[_Offer], version: int, keep: Callable[[str], bool] | None,
+                            seconds: float, blame: Blame) -> list[_Offer]:
+    """The donors of ``holders`` that agree with a strict majority of those that answered: of one
+    layout (the most common digest) and within tolerance of the donors' median sketch, for a nonce
+    drawn here. StateTransferError when fewer agree; with a majority, the others are blamed."""
+    if not holders:
+        raise StateTransferError(f"no donor holds version {version} any more")
+    digest = Counter(offer.digest for offer in holders).most_common(1)[0][0]
+    same = [offer for offer in holders if offer.digest == digest]
+    answered = [offer for offer in holders if offer.digest != digest]  # a layout of their own: disagree
+    parts = parts_holding(same[0].specs, keep)
+    seed = random.getrandbits(63)
+    drawn = await asyncio.gather(*(_sketch_on(offer, seed, seconds) for offer in same), return_exceptions=True)
+    sketches: dict[str, torch.Tensor] = {}
+    not_finite = []
+    for offer, outcome in zip(same, drawn):
+        if not isinstance(outcome, torch.Tensor):
+            logger.info("donor %s did not sketch version %d: %s", offer.donor, version, outcome)
+            if isinstance(outcome, FrameError):
+                blame(offer.donor, "invalid frame", str(outcome))
+            continue
+        answered.append(offer)
+        outcome = outcome[parts]
+        if bool(torch.isfinite(outcome).all()):
+            sketches[offer.donor] = outcome
+        else:
+            names = _names_in(offer.specs, [parts[row] for row in
+                                            (~torch.isfinite(outcome)).flatten(1).any(1).nonzero().flatten().tolist()])
+            not_finite.append(f"{offer.donor} holds NaN or Inf in {', '.join(map(repr, names[:3]))}")
+            blame(offer.donor, "bad state", f"NaN or Inf in {', '.join(names[:3])}")
+    agree = set(agreeing(sketches, compared_values(same[0].specs, parts)))
+    sources = [offer for offer in same if offer.donor in agree]
+    if len(sources) * 2 <= len(answered):
+        raise StateTransferError(f"the donors disagree on the state at version {version}: {len(sources)} of "
+                                 f"{len(answered)} agree" + "".join(f"; {line}" for line in not_finite[:2]))
+    for offer in answered:
+        if offer.digest != digest or (offer.donor in sketches and offer.donor not in agree):
+            logger.info("donor %s disagrees with the majority on the state at version %d", offer.donor, version)
+            blame(offer.donor, "digest disagreement", f"version {version}")
+    return sources
+
+
+def _names_in(specs: Sequence[tuple[str, str, tuple[int, ...]]], parts: Sequence[int]) -> list[str]:
+    """The tensors with bytes in ``parts``."""
+    offsets, _ = layout(specs)
+    wanted = set(parts)
+    return [name for (name, _, _), (start, length) in zip(specs, offsets)
+            if length and wanted & set(range(start // PART_BYTES, (start + length - 1) // PART_BYTES + 1))]
 
 
 def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Callable[[str], bool] | None) -> list[int]:
@@ -302,19 +643,37 @@ def _blame(transport: Transport, donor: str, kind: str, detail: str) -> None:
 
 
 async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None,
-                 blame: Callable[[str, str, str], None] = lambda donor, kind, detail: None) -> StateSnapshot:
+                 blame: Blame = lambda donor, kind, detail: None,
+                 sketch_of: Callable[[_Offer, int], Awaitable[torch.Tensor]] | None = None) -> StateSnapshot:
     """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on.
-    ``blame(donor, kind, detail)``: told of a donor that sent an invalid part, or parts holding NaN or Inf."""
+    ``sketch_of(donor, seed)``: a donor's sketch, to verify what arrived with (``_verify``).
+    ``blame(donor, kind, detail)``: told of a donor that sent an invalid part, a part that failed
+    verification, or parts holding NaN or Inf."""
     first = sources[0]
     data = torch.empty(first.nbytes, dtype=torch.uint8)
-    target = memoryview(data.numpy())
     parts = parts_holding(first.specs, keep)
     random.shuffle(sources)  # joiners arriving together start on different donors
+    done: dict[int, str] = {}  # part -> the donor it came from
+    healthy = list(sources)
+    await _fetch_parts(healthy, parts, data, done, part_seconds, blame)
+    if sketch_of is not None:
+        await _verify(sources, healthy, parts, data, done, part_seconds, blame, sketch_of)
+    snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
+    _check_finite(snapshot, keep, done, blame)
+    if keep is not None:  # repack the kept tensors: every byte of theirs was fetched, the rest is unset
+        kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}
+        snapshot = StateSnapshot.capture(first.version, kept, first.meta)
+    return snapshot
+
+
+async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.Tensor, done: dict[int, str],
+                       part_seconds: float, blame: Blame) -> None:
+    """Fetch ``parts`` into ``data`` from the donors of ``healthy`` (a donor that fails leaves it),
+    noting in ``done`` where each came from. StateTransferError when they all failed."""
+    target = memoryview(data.numpy())
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in parts:
         queue.put_nowait(index)
-    done: dict[int, str] = {}  # part -> the donor it came from
-    healthy = list(sources)
 
     async def worker(offer: _Offer) -> None:
         while not queue.empty():
@@ -336,19 +695,62 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
                     blame(offer.donor, "invalid frame", str(error))
                 queue.put_nowait(index)  # another donor fetches it
                 healthy.remove(offer)
+                offer.broken = True
                 await offer.channel.abort()  # nothing more may land in the buffer from this donor
                 return
 
     while not queue.empty() and healthy:  # a donor that failed late leaves parts for another pass
         await asyncio.gather(*(worker(offer) for offer in list(healthy)))
-    if len(done) != len(parts):
-        raise StateTransferError(f"every donor failed: {len(parts) - len(done)} of {len(parts)} parts missing")
-    snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
-    _check_finite(snapshot, keep, done, blame)
-    if keep is not None:  # repack the kept tensors: every byte of theirs was fetched, the rest is unset
-        kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}
-        snapshot = StateSnapshot.capture(first.version, kept, first.meta)
-    return snapshot
+    missing = sum(index not in done for index in parts)
+    if missing:
+        raise StateTransferError(f"every donor failed: {missing} of {len(parts)} parts missing")
+
+
+async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int], data: torch.Tensor,
+                  done: dict[int, str], part_seconds: float, blame: Blame,
+                  sketch_of: Callable[[_Offer, int], Awaitable[torch.Tensor]]) -> None:
+    """Check every fetched part against the median of the agreeing donors' sketches for a nonce
+    drawn now, once the bytes are in. A part off by more than the tolerance is blamed on the donor
+    that served it, which is trusted no more, and fetched again from the others, then checked with
+    a fresh nonce; at most ``VERIFY_PASSES`` passes. A strict majority of the donors still trusted
+    must answer each pass (a lone liar cannot vouch for itself). StateTransferError when a pass
+    cannot be made or parts still fail after the last."""
+    first = sources[0]
+    trusted = list(sources)
+    checking = list(parts)
+    for attempt in range(VERIFY_PASSES):
+        seed = random.getrandbits(63)
+        drawn = await asyncio.gather(*(sketch_of(offer, seed) for offer in trusted), return_exceptions=True)
+        sketches = []
+        for offer, outcome in zip(trusted, drawn):
+            if isinstance(outcome, torch.Tensor) and bool(torch.isfinite(outcome[checking]).all()):
+                sketches.append(outcome[checking])
+            else:
+                logger.info("donor %s did not sketch the state to verify it: %s", offer.donor, outcome)
+                if isinstance(outcome, FrameError):
+                    blame(offer.donor, "invalid frame", str(outcome))
+        if len(sketches) * 2 <= len(trusted):
+            raise StateTransferError(f"too few donors sketched the state to verify it: {len(sketches)} of {len(trusted)}")
+        reference = reference_sketch(torch.stack(sketches))
+        local = await asyncio.to_thread(sketch, data, first.specs, seed, checking)
+        fine = parts_within(local, reference, compared_values(first.specs, checking)).tolist()
+        failed = [index for index, good in zip(checking, fine) if not good]
+        if not failed:
+            return
+        culprits = Counter(done[index] for index in failed)
+        for donor, count in culprits.items():
+            logger.info("donor %s served %d part(s) that do not match the donors' sketches; fetching them again",
+                        donor, count)
+            blame(donor, "bad state", f"{count} part(s) of version {first.version} off the donors' sketches")
+        trusted = [offer for offer in trusted if offer.donor not in culprits]
+        healthy[:] = [offer for offer in healthy if offer.donor not in culprits]
+        if attempt + 1 == VERIFY_PASSES or not healthy:
+            break
+        for index in failed:
+            done.pop(index)
+        await _fetch_parts(healthy, failed, data, done, part_seconds, blame)
+        checking = failed
+    raise StateTransferError(f"{len(failed)} part(s) of the state failed verification; not using it")
 
 
 def _check_finite(snapshot: StateSnapshot, keep: Callable[[str], bool] | None, sources: dict[int, str],
