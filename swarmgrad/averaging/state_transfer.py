@@ -241,8 +241,8 @@ def sketch(data: torch.Tensor, specs: Sequence[tuple[str, str, tuple[int, ...]]]
     for row, part in enumerate(parts):
         for column, ranges in enumerate(segments.get(part, ())):
             if ranges:
-                values = torch.cat([data[start:end].view(DTYPES[dtype]).to(torch.float32)
-                                    for start, end, dtype in ranges])
+                pieces = [data[start:end].view(DTYPES[dtype]).to(torch.float32) for start, end, dtype in ranges]
+                values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
                 result[row, column] = _project(values, seed, part, column)
     return result.to(torch.float32)
 
@@ -251,9 +251,9 @@ def _project(values: torch.Tensor, seed: int, part: int, column: int) -> torch.T
     width = -(-values.numel() // 8)  # bytes of signs per projection
     stream = hashlib.shake_256(b"swarmgrad/state-sketch" + struct.pack("<QQQ", seed, part, column))
     bits = np.unpackbits(np.frombuffer(stream.digest(SKETCH_PROJECTIONS * width), dtype=np.uint8))
-    signs = torch.from_numpy(bits.reshape(SKETCH_PROJECTIONS, width * 8)[:, : values.numel()]).to(torch.float32)
-    signs.mul_(2).sub_(1)
-    return (signs @ values).to(torch.float64)
+    ones = torch.from_numpy(bits.reshape(SKETCH_PROJECTIONS, width * 8)[:, : values.numel()]).to(torch.float32)
+    # a bit 1 is +1, a bit 0 is -1: the sum over the ones, twice, less the sum over all
+    return 2 * (ones @ values).to(torch.float64) - values.sum(dtype=torch.float64)
 
 
 def reference_sketch(sketches: torch.Tensor) -> torch.Tensor:

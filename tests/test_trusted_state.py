@@ -1,0 +1,408 @@
+"""State a joiner can trust (issue 15, item 4): the version a majority reached, donors compared by
+sketches, parts only from those that agree, and what arrived verified with a second nonce.
+
+Four real p2pd nodes on loopback (one joiner, three donors) live for the whole module on a
+background event loop; each test serves its snapshots under its own protocol name. The joiner's
+transport has an admission that records what it blames (the scores themselves are accountability's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swarmgrad.averaging import state_transfer
+from swarmgrad.averaging.state_transfer import (
+    CLASSES,
+    SKETCHES_PER_CHANNEL,
+    StateServer,
+    StateSnapshot,
+    StateTransferError,
+    agreeing,
+    compared_values,
+    download_state,
+    majority_version,
+    parts_within,
+    reference_sketch,
+    sketch,
+    tolerance_of,
+)
+from swarmgrad.averaging.transport import Libp2pTransport
+from swarmgrad.averaging.wire import RemoteError
+from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.peer.state import OPTIMIZER_PREFIX
+from swarmgrad.runtime import BackgroundLoop
+
+_protocols = itertools.count()
+
+
+class Blames:
+    """Stands in for the joiner's admission: what it was told, as (peer, kind)."""
+
+    def __init__(self):
+        self.told: list[tuple[str, str]] = []
+
+    def blame(self, peer_id: str, kind: str, detail: str = "") -> None:
+        self.told.append((peer_id, kind))
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    loop = BackgroundLoop("trusted-state-test")
+    stack = AsyncExitStack()
+
+    async def start():
+        joiner = await stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1")))
+        donors = await asyncio.gather(*(
+            stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1", initial_peers=joiner.maddrs)))
+            for _ in range(3)))
+        return joiner, donors
+
+    try:
+        joiner, donors = loop.run(start(), timeout=60)
+        transports = [Libp2pTransport(node.p2p) for node in (joiner, *donors)]
+        yield SimpleNamespace(loop=loop, joiner=joiner, donors=donors, transports=transports,
+                              ids=[node.peer_id for node in donors])
+    finally:
+        loop.run(stack.aclose(), timeout=30)
+        loop.close()
+
+
+@pytest.fixture
+def blames(swarm):
+    recorder = Blames()
+    swarm.transports[0].admission = recorder
+    yield recorder
+    swarm.transports[0].admission = None
+
+
+@pytest.fixture(autouse=True)
+def small_parts(monkeypatch):
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 128 * 1024)  # a state of ~2 MB in ~16 parts
+
+
+def run(swarm, coroutine, seconds: float = 60.0):
+    return swarm.loop.run(coroutine, timeout=seconds)
+
+
+def new_protocol() -> str:
+    return f"swarmgrad/test-trusted-{next(_protocols)}/state"
+
+
+class CountingServer(StateServer):
+    """A StateServer that records which parts it served."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.served: list[int] = []
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+
+        async def counting_send(header, payload=b""):
+            await send(header, payload)
+            if header.get("t") == "part":
+                self.served.append(header["index"])
+
+        channel.send = counting_send
+        await super()._serve(channel)
+
+
+class ServesPoison(CountingServer):
+    """Describes and sketches its honest snapshot, but every part it serves comes from ``poison``."""
+
+    poison: StateSnapshot
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+
+        async def poisoned_send(header, payload=b""):
+            if header.get("t") == "part":
+                size = state_transfer.PART_BYTES
+                payload = memoryview(self.poison.data[header["index"] * size: (header["index"] + 1) * size].numpy())
+            await send(header, payload)
+
+        channel.send = poisoned_send
+        await super()._serve(channel)
+
+
+@asynccontextmanager
+async def serving(swarm, protocol: str, snapshots: list[list[StateSnapshot]], kinds: list[type] | None = None):
+    """Donor i publishes snapshots[i] (in order) with a server of kinds[i]."""
+    kinds = kinds or [CountingServer] * len(snapshots)
+    async with AsyncExitStack() as stack:
+        servers = []
+        for transport, published, kind in zip(swarm.transports[1:], snapshots, kinds):
+            server = await stack.enter_async_context(kind(transport, protocol))
+            for snapshot in published:
+                server.publish(snapshot)
+            servers.append(server)
+        yield servers
+
+
+def training_state(version: int = 7, optimizer_seed: int = 0, spread: float = 0.0, momentum_spread: float = 0.0,
+                   spread_seed: int = 1) -> StateSnapshot:
+    """A peer's state: the swarm's model and outer momentum (moved by ``spread`` and
+    ``momentum_spread`` of their norms, as moshpit groups leave honest peers apart) and inner-optimizer
+    moments of its own."""
+    swarm_values = torch.Generator().manual_seed(0)
+    model = torch.randn(300_000, generator=swarm_values)
+    bias = torch.randn(100, generator=swarm_values)
+    momentum = torch.randn(100_000, generator=swarm_values) * 0.01
+    apart = torch.Generator().manual_seed(spread_seed)
+
+    def moved(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
+        noise = torch.randn(tensor.shape, generator=apart)
+        return tensor + noise * (fraction * tensor.norm() / noise.norm())
+
+    own = torch.Generator().manual_seed(1000 + optimizer_seed)
+    tensors = {"model/w": moved(model, spread), "model/b": moved(bias, spread),
+               "strategy/momentum/0": moved(momentum, momentum_spread),
+               "optimizer/0/exp_avg": torch.randn(150_000, generator=own),
+               "optimizer/0/exp_avg_sq": torch.rand(150_000, generator=own)}
+    return StateSnapshot.capture(version, tensors, {"epoch": version})
+
+
+def scaled(snapshot: StateSnapshot, factor: float) -> StateSnapshot:
+    return StateSnapshot.capture(snapshot.version, {name: tensor * factor if tensor.is_floating_point() else tensor
+                                                    for name, tensor in snapshot.tensors().items()}, snapshot.meta)
+
+
+def noisy(snapshot: StateSnapshot, fraction: float, seed: int = 5) -> StateSnapshot:
+    """``snapshot`` with noise of ``fraction`` of each compared tensor's norm added (optimizer moments,
+    never compared, are left alone)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, tensor in snapshot.tensors().items():
+        noise = torch.randn(tensor.shape, generator=generator)
+        tensors[name] = tensor if tolerance_of(name) is None else tensor + noise * (fraction * tensor.norm() / noise.norm())
+    return StateSnapshot.capture(snapshot.version, tensors, snapshot.meta)
+
+
+def parts_of(snapshot: StateSnapshot) -> int:
+    return math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+
+
+def part(snapshot: StateSnapshot, index: int) -> torch.Tensor:
+    size = state_transfer.PART_BYTES
+    return snapshot.data[index * size: (index + 1) * size]
+
+
+def assert_same(got: StateSnapshot, want: StateSnapshot) -> None:
+    assert got.version == want.version and got.specs == want.specs and got.meta == want.meta
+    assert torch.equal(got.data, want.data)
+
+
+# ---- the rules, as units ---------------------------------------------------------------------------
+
+
+def test_the_version_is_the_highest_a_strict_majority_reached():
+    assert majority_version([5]) == 5  # one donor: its own (a swarm of two stays joinable)
+    assert majority_version([5, 3]) == 3  # of two, the lower: both reached it
+    assert majority_version([10**6, 7, 7]) == 7  # one huge claim does not win
+    assert majority_version([10**6, 10**6, 7]) == 10**6
+    assert majority_version([9, 8, 7, 6]) == 7  # 3 of 4 reached 7, only 2 reached 8
+    assert majority_version([4, 9, 1, 9, 9]) == 9
+    with pytest.raises(ValueError):
+        majority_version([])
+
+
+def test_which_tensors_are_compared_and_how_closely():
+    assert tolerance_of(OPTIMIZER_PREFIX + "0/exp_avg") is None  # each peer's own moments: never compared
+    assert tolerance_of("strategy/momentum/3") == 2.0
+    assert tolerance_of("model/layer.weight") == tolerance_of("steps") == 0.1
+    assert CLASSES == (2.0, 0.1)
+
+
+def test_a_sketch_depends_on_its_seed_and_keeps_distances():
+    honest = training_state()
+    parts = list(range(parts_of(honest)))
+    first, again = sketch(honest.data, honest.specs, 1, parts), sketch(honest.data, honest.specs, 1, parts)
+    assert first.shape == (len(parts), len(CLASSES), state_transfer.SKETCH_PROJECTIONS) and first.dtype == torch.float32
+    assert torch.equal(first, again)
+    assert not torch.equal(first, sketch(honest.data, honest.specs, 2, parts))
+    # parts holding only optimizer moments sketch to zeros: two peers' moments never disagree
+    own = training_state(optimizer_seed=1)
+    optimizer_only = [index for index in parts if not compared_values(honest.specs, [index]).any()]
+    assert optimizer_only and torch.equal(sketch(own.data, own.specs, 1, optimizer_only),
+                                          torch.zeros(len(optimizer_only), len(CLASSES), 8))
+    # a state 5% apart sketches about 5% apart (8 projections: within 0.3..2x, seed by seed)
+    apart = training_state(spread=0.05)
+    ratios = []
+    for seed in range(20):
+        a, b = sketch(honest.data, honest.specs, seed, [0]), sketch(apart.data, apart.specs, seed, [0])
+        ratios.append(float((a - b)[0, 1].norm() / a[0, 1].norm()) / 0.05)
+    assert 0.3 < min(ratios) and max(ratios) < 2.0 and 0.7 < sum(ratios) / len(ratios) < 1.3, ratios
+
+
+def test_the_median_of_sketches_ignores_a_minority_however_far():
+    honest = torch.ones(3, 2, 8)
+    liar = torch.full((3, 2, 8), -1000.0)
+    assert torch.equal(reference_sketch(torch.stack([honest * 1.01, liar, honest])), honest)
+    assert torch.equal(reference_sketch(torch.stack([honest, honest * 3])), honest * 2)  # even count: the middle two's mean
+
+
+def test_a_part_agrees_within_its_class_tolerance():
+    counts = torch.tensor([[10.0, 10.0]])
+    reference = torch.zeros(1, 2, 8)
+    reference[0, 0, 0] = reference[0, 1, 0] = 100.0  # norms 100 in both classes
+    near = reference.clone()
+    near[0, 1, 0] += 9.0  # model class: 9% < 10%
+    near[0, 0, 0] += 150.0  # momentum class: 150% < 200%
+    assert parts_within(near, reference, counts).tolist() == [True]
+    far = reference.clone()
+    far[0, 1, 0] += 11.0
+    assert parts_within(far, reference, counts).tolist() == [False]
+    nan = reference.clone()
+    nan[0, 1, 3] = float("nan")
+    assert parts_within(nan, reference, counts).tolist() == [False]
+    # a part of zeros agrees with zeros, and with what lies under the floor (1e-6 per value)
+    zeros = torch.zeros(1, 2, 8)
+    assert parts_within(zeros, zeros, counts).tolist() == [True]
+    assert parts_within(zeros + 1e-7, zeros, counts).tolist() == [True]
+    assert parts_within(zeros + 1e-3, zeros, counts).tolist() == [False]
+
+
+def test_agreeing_donors_are_those_near_the_median():
+    honest = training_state()
+    parts = list(range(parts_of(honest)))
+    counts = compared_values(honest.specs, parts)
+    states = {"a": honest, "b": training_state(optimizer_seed=1, spread=0.02, momentum_spread=0.7),
+              "c": training_state(optimizer_seed=2, spread=0.02, momentum_spread=0.7, spread_seed=2),
+              "liar": scaled(honest, -10.0), "noisy": noisy(honest, 0.5)}
+    sketches = {name: sketch(state.data, state.specs, 3, parts) for name, state in states.items()}
+    assert agreeing(sketches, counts) == ["a", "b", "c"]
+    assert agreeing({"a": sketches["a"], "b": sketches["b"]}, counts) == ["a", "b"]
+    assert agreeing({"a": sketches["a"], "liar": sketches["liar"]}, counts) == []
+    assert agreeing({}, counts) == []
+
+
+# ---- real donors ---------------------------------------------------------------------------------
+
+
+def test_a_donor_serving_a_poisoned_state_is_outvoted_and_blamed(swarm, blames):
+    honest = [training_state(optimizer_seed=seed) for seed in (0, 1)]
+    poisoned = scaled(training_state(optimizer_seed=2), -10.0)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest[0]], [poisoned], [honest[1]]]) as servers:
+            got = await download_state(swarm.transports[0], protocol, swarm.ids, seconds=20)
+            return got, [server.served for server in servers]
+
+    got, (first, liar, second) = run(swarm, scenario())
+    assert liar == [] and first and second
+    kept = got.tensors()
+    for name, tensor in honest[0].tensors().items():
+        if not name.startswith(OPTIMIZER_PREFIX):
+            assert torch.equal(kept[name], tensor), name
+    for index in range(parts_of(got)):  # each part (optimizer moments included) is one honest donor's
+        assert any(torch.equal(part(got, index), part(state, index)) for state in honest), index
+    assert blames.told == [(swarm.ids[1], "digest disagreement")]
+
+
+def test_poisoned_parts_behind_honest_sketches_are_caught_and_fetched_again(swarm, blames):
+    """The liar sketches an honest copy, so it agrees; the parts it serves are 3x their norm off. The check with
+    a nonce drawn once the bytes are in catches them, and they come again from the others."""
+    honest = training_state()
+    liar = type("Liar", (ServesPoison,), {"poison": noisy(honest, 3.0)})
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest]] * 3, [CountingServer, liar, CountingServer]) as servers:
+            got = await download_state(swarm.transports[0], protocol, swarm.ids, seconds=20)
+            return got, [server.served for server in servers]
+
+    got, (first, poisoner, second) = run(swarm, scenario())
+    assert_same(got, honest)
+    # its parts holding compared values were poisoned (the first three parts, one to each donor, hold
+    # the model's), caught and fetched again from the others; its optimizer-only parts were not touched
+    poisoned = [index for index in poisoner if compared_values(honest.specs, [index]).any()]
+    assert poisoned, poisoner
+    assert sorted(first + second) == sorted([*(i for i in range(parts_of(honest)) if i not in poisoner), *poisoned])
+    assert blames.told == [(swarm.ids[1], "bad state")]
+
+
+def test_a_huge_version_claimed_by_one_donor_does_not_win(swarm, blames):
+    honest = training_state(version=7)
+    claim = scaled(training_state(version=10**6), 3.0)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest], [claim], [honest]]) as servers:
+            got = await download_state(swarm.transports[0], protocol, swarm.ids, seconds=20, min_version=7)
+            return got, [server.served for server in servers]
+
+    got, (_, claimant, _) = run(swarm, scenario())
+    assert_same(got, honest)
+    assert claimant == [] and blames.told == []  # it does not hold version 7: it just drops out
+
+
+def test_two_donors_a_little_apart_and_a_single_donor_hand_over_a_state(swarm, blames):
+    one = training_state(optimizer_seed=0)
+    other = training_state(optimizer_seed=1, spread=0.02, momentum_spread=0.7)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[one], [other]]) as servers:
+            pair = await download_state(swarm.transports[0], protocol, swarm.ids[:2], seconds=20)
+            alone = await download_state(swarm.transports[0], protocol, swarm.ids[1:2], seconds=20)
+            return pair, alone, [server.served for server in servers]
+
+    pair, alone, served = run(swarm, scenario())
+    assert all(served), served
+    for index in range(parts_of(pair)):
+        assert any(torch.equal(part(pair, index), part(state, index)) for state in (one, other)), index
+    assert_same(alone, other)
+    assert blames.told == []
+
+
+def test_two_donors_that_disagree_wildly_hand_over_nothing(swarm, blames):
+    honest = training_state()
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest], [scaled(honest, -10.0)]]) as servers:
+            with pytest.raises(StateTransferError, match="the donors disagree on the state at version 7: 0 of 2"):
+                await download_state(swarm.transports[0], protocol, swarm.ids[:2], seconds=20)
+            return [server.served for server in servers]
+
+    assert run(swarm, scenario()) == [[], []]  # not a byte fetched
+    assert blames.told == []  # no majority: nobody can tell which one lies
+
+
+def test_a_donor_answers_a_few_sketches_per_channel_and_computes_each_once(swarm, monkeypatch):
+    honest = training_state()
+    computed = []
+    real_sketch = state_transfer.sketch
+
+    def counting_sketch(data, specs, seed, parts):
+        computed.append(seed)
+        return real_sketch(data, specs, seed, parts)
+
+    monkeypatch.setattr(state_transfer, "sketch", counting_sketch)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest]]):
+            channel = await swarm.transports[0].open(swarm.ids[0], protocol)
+            try:
+                answers = []
+                for _ in range(SKETCHES_PER_CHANNEL):
+                    answers.append(await state_transfer._ask_sketch(channel, 7, 42, honest.nbytes))
+                with pytest.raises(RemoteError, match="more than 4 sketch requests"):
+                    await state_transfer._ask_sketch(channel, 7, 43, honest.nbytes)
+            finally:
+                await channel.close()
+            return answers
+
+    answers = run(swarm, scenario())
+    assert computed == [42]  # the same nonce again comes from the cache
+    assert all(torch.equal(answer, answers[0]) for answer in answers)
+    assert torch.equal(answers[0], real_sketch(honest.data, honest.specs, 42, list(range(parts_of(honest)))))
