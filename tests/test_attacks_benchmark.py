@@ -1,0 +1,61 @@
+"""The attack benchmark's quick form end to end: real ``swarmgrad peer`` processes (real p2pd, a real
+DHT, loopback) train digits, clean and with one peer of four sending its update x100, both under
+the run's defaults; the JSON report holds both rows, and the defended row's honest peers end close
+to the clean run, with the attacker clipped or banned. (With ``--aggregators mean`` in place of the
+defaults, ``defended_check`` fails: the honest peers' accuracy collapses and nothing is clipped.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "attacks.py"
+TOLERANCE = 0.05  # a 10 s run on a loaded machine: a few points either way between runs
+
+
+def numbers(value: Any) -> list[float]:
+    """Every number in a JSON value, nested."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    items = value.values() if isinstance(value, dict) else value
+    return [number for item in items for number in numbers(item)]
+
+
+def row(report: dict[str, Any], attack: str) -> dict[str, Any]:
+    found = [entry for entry in report["rows"] if entry["attack"] == attack]
+    assert len(found) == 1, report["rows"]
+    assert "error" not in found[0], found[0]
+    return found[0]
+
+
+def defended_check(report: dict[str, Any]) -> None:
+    """The scaled attacker leaves the honest peers within a few points of the clean run, and their
+    aggregation bounded it (clipped its contribution, or banned it)."""
+    clean, attacked = row(report, "clean"), row(report, "scaled")
+    assert attacked["attackers"] == 1 and attacked["honest_peers"] == 3, attacked
+    assert attacked["accuracy_median"] >= clean["accuracy_median"] - TOLERANCE, (clean, attacked)
+    assert attacked["attacker_clipped"] > 0 or attacked["attackers_banned"] > 0, attacked
+    assert attacked["honest_banned"] == 0, attacked
+
+
+def test_quick_attack_benchmark_reports_the_defence():
+    done = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--json"], capture_output=True, text=True,
+                          timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert [(entry["attack"], entry["aggregator"]) for entry in report["rows"]] == \
+        [("clean", "defaults"), ("scaled", "defaults")], report["rows"]
+    assert all(math.isfinite(number) for number in numbers(report)), report
+    clean = row(report, "clean")
+    assert clean["attackers"] == 0 and clean["honest_peers"] == 4, clean
+    for entry in report["rows"]:  # every honest peer trained with the others and learned
+        assert entry["rounds_ok"] >= 1 and entry["epoch_median"] >= 1, entry
+        assert len(entry["accuracies"]) == entry["honest_peers"], entry
+    assert clean["accuracy_median"] >= 0.8 and clean["honest_clipped"] >= 0, clean
+    defended_check(report)
