@@ -7,9 +7,11 @@ Whatever this peer catches another peer doing wrong adds that kind's weight to t
                                    a donor's state description or part broke the protocol
     clipped                0.5     a round's robust aggregation clipped its contribution (round suspicions)
     weight cut             2       it claimed a weight above the bound (round suspicions)
-    bad state              3       a donor's state held NaN or Inf in the parts it served
+    bad state              3       a donor's state held NaN or Inf (in its sketch or the parts it served),
+                                   or parts it served failed the check against the donors' sketches
     implausible progress   1       (not reported yet: progress that cannot be gamed, item 3, is not built)
-    digest disagreement    2       (not reported yet: state a joiner can trust, item 4, is not built)
+    digest disagreement    2       a donor's state (layout or sketch) lay outside the tolerance of the
+                                   majority of the donors a joiner asked (state_transfer.py)
 
 A kind not in the table weighs 1. Two things bring a score down. A round in which this peer took
 a member's contribution and found nothing wrong with it halves that member's score (``note_round``

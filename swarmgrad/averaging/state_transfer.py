@@ -145,7 +145,9 @@ class StateSnapshot:
 
     @property
     def digest(self) -> str:
-        """Identifies the layout: donors with equal digests (and versions) hold interchangeable bytes."""
+        """Identifies the layout (names, dtypes, shapes), not the values: donors with equal digests lay
+        their bytes out alike, so their parts and sketches compare part by part (values agree only up
+        to a tolerance: ``agreeing``)."""
         described = msgpack.packb([[n, d, list(s)] for n, d, s in self.specs], use_bin_type=True)
         return hashlib.sha256(described).hexdigest()[:32]
 
