@@ -8,15 +8,16 @@ processes (DiLoCo, moshpit, int8), ``--attackers`` of them the real peer with on
 (benchmarks/_attacker.py, which lists the attacks). Each attack runs twice: with ``--aggregator
 mean`` (what the attack does) and with the run's defaults (centered-clip, weight caps, bans: what the
 defences do), next to a clean run of each. The poisoned-state rows add a joiner: one of the honest
-peers starts late and takes the swarm's state, attackers' included, and its final accuracy is
-reported apart.
+peers starts a quarter of the training time late, takes the swarm's state (attackers serve it too)
+and trains at least that long (the row runs longer if it must); its final accuracy is reported apart.
 
 Reported per row: the honest peers' final held-out accuracy (median and min), seconds to
 ``--target`` (the median honest peer's first evaluation at or above it, counted from when every
 starting peer was ready), rounds ok / failed (median honest peer), bans (how many honest peers
 banned an attacker, how many attackers were banned by any honest peer, and any honest peer banned
 by another), how often honest peers logged an attacker's contribution clipped or its weight cut,
-and the median round time (the honest peers' last all-reduce). Then, from the two clean rows, the
+and the round time (the mean over each honest peer's rounds, from its /metrics round-time
+histogram, median over peers). Then, from the two clean rows, the
 defaults' overhead: their time to target over mean's and their round time over mean's. Nothing is
 judged in advance: every number is what the run produced.
 
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +78,7 @@ class Layout:
     inner_steps: int
     eval_every: float
     target: float
-    join_after: float  # a joiner starts this long after every starting peer was ready
+    join_after: float  # a joiner starts this long after every starting peer was ready, and trains at least as long
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class Child:
         self.name, self.argv = name, argv
         self.launched = time.time()
         self.exited: float | None = None
+        self.round_seconds: float | None = None  # mean over its rounds, read before it is stopped
         self.events: list[dict[str, Any]] = []
         self.received: list[float] = []  # wall time each event arrived
         self.stderr_tail: list[str] = []
@@ -198,6 +201,8 @@ def peer_argv(layout: Layout, row: Row, run_id: str, bootstrap: str, shard: int,
             # the benchmark stops the peers; this only bounds a peer the benchmark could not stop
             "--max-seconds", f"{layout.seconds + SAFETY_S:.0f}", "--eval-every", f"{layout.eval_every:g}",
             "--wait-peers", str(wait_peers), "--wait", "90", "--json"]
+    if attack is None:
+        argv += ["--metrics-port", "0"]  # its round-time histogram, read before the row stops it
     if row.aggregator != DEFAULTS:
         argv += ["--aggregator", row.aggregator]
     if attack is not None:
@@ -237,8 +242,14 @@ def run_row(layout: Layout, row: Row, bootstrap: str, stop: threading.Event, log
                 raise KeyboardInterrupt
             joiner = start(peer_argv(layout, row, run_id, bootstrap, starters, 1, None), "joiner")
             peers.append((joiner, True))
-        if stop.wait(max(0.0, started + layout.seconds - time.time())):
+        ends = started + layout.seconds
+        if joiner is not None:  # it trains a while after taking the state, however long it took to start
+            ends = max(ends, _wait_all([(joiner, True)], "ready", 120, stop) + layout.join_after)
+        if stop.wait(max(0.0, ends - time.time())):
             raise KeyboardInterrupt
+        for child, honest in peers:
+            if honest:
+                child.round_seconds = _mean_round_seconds(child)
         for child in children:
             child.signal(signal.SIGTERM)  # each ends its step (or round), evaluates, and leaves
         _wait_all(peers, "done", 60 + GRACE_S, stop)
@@ -252,6 +263,23 @@ def run_row(layout: Layout, row: Row, bootstrap: str, stop: threading.Event, log
             thread.start()
         for thread in stopping:
             thread.join()
+
+
+def _mean_round_seconds(child: Child) -> float | None:
+    """The mean of every round's time so far, from the peer's /metrics round-time histogram."""
+    ready = child.of("ready")
+    url = ready[0].get("metrics_url") if ready else None
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError as error:
+        log(f"{child.name}: no metrics from {url}: {error}")
+        return None
+    found = dict(re.findall(r"^swarmgrad_peer_round_seconds_(sum|count) (\S+)$", text, re.M))
+    count = float(found.get("count", 0))
+    return float(found["sum"]) / count if count else None
 
 
 def _wait_all(peers: list[tuple[Child, bool]], kind: str, timeout: float, stop: threading.Event) -> float:
@@ -301,8 +329,7 @@ def summarize(layout: Layout, row: Row, peers: list[tuple[Child, bool]], joiner:
     def counted(kind: str, whose: set[str]) -> int:
         return sum(count for child in everyone for pid, count in getattr(child, kind).items() if pid in whose)
 
-    round_seconds = [report["seconds"] for child in honest
-                     if (report := done[child]["status"].get("last_report")) and report.get("ok")]
+    round_seconds = [child.round_seconds for child in honest if child.round_seconds is not None]
     status = [done[child]["status"] for child in honest]
     result: dict[str, Any] = {
         "attack": row.attack or "clean",
@@ -410,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None,
                         help="training seconds per row, from when every peer is ready (default 40; --quick 8)")
     parser.add_argument("--task", default="digits", help="digits (default) or fashion-mnist")
-    parser.add_argument("--target", type=float, default=None, help="accuracy timed (default 0.9)")
+    parser.add_argument("--target", type=float, default=None, help="accuracy timed (default 0.93)")
     parser.add_argument("--inner-steps", type=int, default=None,
                         help="DiLoCo local steps per round (default 20; --quick 10)")
     parser.add_argument("--quick", action="store_true",
@@ -435,14 +462,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--inner-steps must be within 1..10000, got {inner_steps}")
         if not 1 <= seconds <= 3600:
             raise ValueError(f"--seconds must be within 1..3600, got {seconds:g}")
-        target = args.target if args.target is not None else 0.9
+        target = args.target if args.target is not None else 0.93
         if not 0 < target < 1:
             raise ValueError(f"--target must be within (0, 1), got {target:g}")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     layout = Layout(task=args.task, peers=peers, attackers=attackers, seconds=seconds, inner_steps=inner_steps,
-                    eval_every=1.0 if quick else 2.0, target=target, join_after=seconds / 3)
+                    eval_every=0.5, target=target, join_after=seconds / 4)
     # --quick: the attack rows are compared with the clean run under the defaults (--aggregators mean
     # then shows the same attack without the defences)
     clean = [] if args.no_clean else [DEFAULTS] if quick else aggregators
