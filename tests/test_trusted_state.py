@@ -232,6 +232,12 @@ def test_a_sketch_depends_on_its_seed_and_keeps_distances():
     optimizer_only = [index for index in parts if not compared_values(honest.specs, [index]).any()]
     assert optimizer_only and torch.equal(sketch(own.data, own.specs, 1, optimizer_only),
                                           torch.zeros(len(optimizer_only), len(CLASSES), 8))
+    # integer tensors (counters each peer keeps, like BatchNorm's num_batches_tracked) are not compared
+    counted = {"model/w": torch.ones(1000), "model/bn.num_batches_tracked": torch.tensor(5)}
+    one = StateSnapshot.capture(1, counted)
+    other = StateSnapshot.capture(1, {**counted, "model/bn.num_batches_tracked": torch.tensor(90_000)})
+    assert torch.equal(sketch(one.data, one.specs, 1, [0]), sketch(other.data, other.specs, 1, [0]))
+    assert compared_values(one.specs, [0]).tolist() == [[0.0, 1000.0]]
     # a state 5% apart sketches about 5% apart (8 projections: within 0.3..2x, seed by seed)
     apart = training_state(spread=0.05)
     ratios = []

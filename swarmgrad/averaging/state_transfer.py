@@ -209,13 +209,15 @@ CLASSES: tuple[float, ...] = tuple(tolerance for _, tolerance in TOLERANCES if t
 
 
 def _segments(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> dict[int, list[list[tuple[int, int, str]]]]:
-    """Part -> per class, the (start, end, dtype) byte ranges of the compared tensors' values in it.
-    Offsets are multiples of 8 and so is a part's size: no value straddles two parts."""
+    """Part -> per class, the (start, end, dtype) byte ranges of the compared tensors' values in it:
+    floating-point tensors only (integer and bool ones are counters and flags each peer keeps, such
+    as BatchNorm's num_batches_tracked: rounds average only parameters). Offsets are multiples of 8
+    and so is a part's size: no value straddles two parts."""
     offsets, _ = layout(specs)
     segments: dict[int, list[list[tuple[int, int, str]]]] = {}
     for (name, dtype, _), (start, length) in zip(specs, offsets):
         tolerance = tolerance_of(name)
-        if tolerance is None or not length:
+        if tolerance is None or not length or not DTYPES[dtype].is_floating_point:
             continue
         position, end = start, start + length
         while position < end:
