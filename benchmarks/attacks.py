@@ -11,15 +11,18 @@ defences do), next to a clean run of each. The poisoned-state rows add a joiner:
 peers starts a quarter of the training time late, takes the swarm's state (attackers serve it too)
 and trains at least that long (the row runs longer if it must); its final accuracy is reported apart.
 
-Reported per row: the honest peers' final held-out accuracy (median and min), seconds to
+Reported per row: the honest peers' held-out accuracy when the row stops them (median and min;
+their final evaluations after leaving are in the JSON too), seconds to
 ``--target`` (the median honest peer's first evaluation at or above it, counted from when every
 starting peer was ready), rounds ok / failed (median honest peer), bans (how many honest peers
 banned an attacker, how many attackers were banned by any honest peer, and any honest peer banned
-by another), how often honest peers logged an attacker's contribution clipped or its weight cut,
+by another), honest peers that crashed (exited without their final report: a diverged model can
+do that), how often honest peers logged an attacker's contribution clipped or its weight cut,
 and the round time (the mean over each honest peer's rounds, from its /metrics round-time
 histogram, median over peers). Then, from the two clean rows, the
-defaults' overhead: their time to target over mean's and their round time over mean's. Nothing is
-judged in advance: every number is what the run produced.
+defaults' overhead: their time to target over mean's and their round time over mean's, and
+issue 15's bars judged on those numbers (each attack under the defaults within 2 points of the
+clean run; the defaults' time to target within 10% of mean's); they do not set the exit status.
 
 ``--quick`` (for CI): 4 peers, 1 attacker, 10 s rows side by side: clean and the scaled attack,
 under the defaults (``--aggregators mean``: the scaled attack without them).
@@ -44,13 +47,14 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from _attacker import ATTACKS  # a script: its directory is on sys.path
-from _harness import fmt, log
+from _harness import checks_table, fmt, log
 from rich.console import Console
 from rich.table import Table
 
@@ -65,6 +69,8 @@ CLIPPED = re.compile(r"round \S+: (\S+)'s contribution was ")
 WEIGHT_CUT = re.compile(r"round \S+: (\S+) claimed weight \S+; cut to ")
 GRACE_S = 20.0  # a peer's final evaluation and leaving, after SIGTERM
 SAFETY_S = 180.0  # a peer's own --max-seconds: the row's training time plus this
+ACCURACY_POINTS = 2.0  # issue 15's bar: an attack under the defaults ends this close to the clean run
+TIME_SLACK = 0.10  # and without attackers the defaults reach the target within this of mean's time
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Layout:
     task: str
     peers: int
     attackers: int
-    seconds: float  # each starting peer's --max-seconds (start-up included)
+    seconds: float  # training time of a row, from when every starting peer is ready
     inner_steps: int
     eval_every: float
     target: float
@@ -151,6 +157,18 @@ class Child:
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [event for event in list(self.events) if event.get("event") == kind]
 
+    def drained(self) -> None:
+        """Wait (briefly) until the pipes of an exited process are read to the end."""
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def crash(self) -> str | None:
+        """Why it exited without a ``done`` event: the last line of its traceback, or its exit code."""
+        if self.of("done") or self.process.poll() is None:
+            return None
+        errors = [line for line in self.stderr_tail if line and not line.startswith((" ", "\t"))]
+        return errors[-1][:200] if errors else f"exit code {self.process.returncode}"
+
     def arrived(self, kind: str) -> float | None:
         """When the first ``kind`` event arrived here (wall time)."""
         for event, at in zip(list(self.events), list(self.received)):
@@ -163,31 +181,24 @@ class Child:
             self.process.send_signal(sig)
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM to the whole group, SIGKILL what is left after ``grace_s``."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        """SIGTERM (a peer leaves the run cleanly) and ``grace_s`` to exit, then SIGKILL to whatever is
+        left of its process group (a p2pd daemon whose peer died)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
             try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait_s)
+                self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(self.process.pid):
-                break
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is empty: everything exited
+        self.process.wait()
         for thread in self._threads:
             thread.join(timeout=5)
 
     def describe(self) -> str:
         return f"--- {self.name}: exit {self.process.poll()}\n" + "\n".join(self.stderr_tail[-15:])
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 class RowFailed(RuntimeError):
@@ -250,12 +261,14 @@ def run_row(layout: Layout, row: Row, bootstrap: str, stop: threading.Event, log
         for child, honest in peers:
             if honest:
                 child.round_seconds = _mean_round_seconds(child)
+        stopped = time.time()
         for child in children:
             child.signal(signal.SIGTERM)  # each ends its step (or round), evaluates, and leaves
-        _wait_all(peers, "done", 60 + GRACE_S, stop)
+        _wait_all(peers, "done", 60 + GRACE_S, stop, exits_count=True)  # a peer may have crashed: that is data
         result = summarize(layout, row, [(child, honest) for child, honest in peers if child is not joiner], joiner,
-                           started)
+                           started, stopped)
         result["ready_after"] = started - peers[0][0].launched  # start-up, on this machine now
+        result["train_seconds"] = ends - started
         return result
     finally:
         stopping = [threading.Thread(target=child.stop, args=(GRACE_S,)) for child in children]
@@ -282,8 +295,9 @@ def _mean_round_seconds(child: Child) -> float | None:
     return float(found["sum"]) / count if count else None
 
 
-def _wait_all(peers: list[tuple[Child, bool]], kind: str, timeout: float, stop: threading.Event) -> float:
-    """Wait until every peer emitted ``kind``; when the last one did (wall time)."""
+def _wait_all(peers: list[tuple[Child, bool]], kind: str, timeout: float, stop: threading.Event,
+              exits_count: bool = False) -> float:
+    """Wait until every peer emitted ``kind`` (``exits_count``: or exited); when the last one did (wall time)."""
     deadline = time.monotonic() + timeout
     while True:
         if stop.is_set():
@@ -293,8 +307,11 @@ def _wait_all(peers: list[tuple[Child, bool]], kind: str, timeout: float, stop: 
             return max(child.arrived(kind) or 0.0 for child, _ in peers)
         dead = [child for child in missing if child.process.poll() is not None]
         if dead:
-            time.sleep(0.5)  # its last lines may still be in the pipe
-            if not dead[0].of(kind):
+            for child in dead:
+                child.drained()  # its last lines may still be in the pipe
+            if exits_count and all(child.process.poll() is not None for child in missing):
+                return time.time()
+            if not exits_count and not dead[0].of(kind):
                 raise RowFailed(f"{dead[0].name} exited before its {kind!r} event\n{dead[0].describe()}")
         if time.monotonic() > deadline:
             raise RowFailed(f"{missing[0].name}: no {kind!r} event within {timeout:.0f} s\n{missing[0].describe()}")
@@ -305,8 +322,23 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def latest_status(child: Child) -> dict[str, Any]:
+    """Its final status, or for a peer that crashed its last progress event (the status less the last round's report)."""
+    done = child.of("done")
+    return done[0]["status"] if done else (child.of("progress") or [{}])[-1]
+
+
+def last_accuracy(child: Child, before: float) -> float | None:
+    """The peer's last held-out accuracy of a state from before ``before`` (wall time)."""
+    found = [event["accuracy"] for event in child.of("eval") if event["t"] <= before and event.get("accuracy") is not None]
+    return found[-1] if found else None
+
+
 def summarize(layout: Layout, row: Row, peers: list[tuple[Child, bool]], joiner: Child | None,
-              started: float) -> dict[str, Any]:
+              started: float, stopped: float) -> dict[str, Any]:
+    """The row's numbers. Accuracy is each honest peer's last evaluation before the row stopped the
+    peers: while they leave, the last rounds have fewer members (two cannot out-vote a liar), so the
+    final evaluations after that (``left_accuracies``) also measure how the swarm came apart."""
     honest = [child for child, is_honest in peers if is_honest]
     attackers = [child for child, is_honest in peers if not is_honest]
     everyone = [*honest, *([joiner] if joiner else [])]
@@ -315,34 +347,40 @@ def summarize(layout: Layout, row: Row, peers: list[tuple[Child, bool]], joiner:
         ids[joiner.of("ready")[0]["peer_id"]] = joiner
     attacker_ids = {pid for pid, child in ids.items() if child in attackers}
     honest_ids = set(ids) - attacker_ids
-    done = {child: child.of("done")[0] for child in everyone}
-    accuracies = [done[child]["final"]["accuracy"] for child in honest if done[child].get("final")]
-    accuracies = [value for value in accuracies if value is not None]
+    done = {child: child.of("done")[0] for child in everyone if child.of("done")}
+    crashed = {child.name: child.crash() for child in everyone if child not in done}
+    status_of = {child: latest_status(child) for child in everyone}
+    accuracies = [value for child in honest if (value := last_accuracy(child, stopped)) is not None]
+    left = [done[child]["final"]["accuracy"] for child in honest if child in done and done[child].get("final")]
     reached = []
     for child in honest:
         times = [event["t"] - started for event in child.of("eval")
                  if (event.get("accuracy") or 0) >= layout.target]
         reached.append(min(times) if times else math.inf)
     time_to_target = statistics.median(reached) if reached else math.inf
-    bans = {child: set(done[child]["status"].get("banned") or {}) for child in everyone}
+    bans = {child: set(status_of[child].get("banned") or {}) for child in everyone}
 
     def counted(kind: str, whose: set[str]) -> int:
         return sum(count for child in everyone for pid, count in getattr(child, kind).items() if pid in whose)
 
     round_seconds = [child.round_seconds for child in honest if child.round_seconds is not None]
-    status = [done[child]["status"] for child in honest]
+    status = [status_of[child] for child in honest if status_of[child]]
     result: dict[str, Any] = {
         "attack": row.attack or "clean",
         "aggregator": row.aggregator,
-        "honest_peers": len(honest),
+        "honest_peers": len(honest),  # the starters; a joiner is reported apart
+        "observers": len(everyone),  # honest peers whose bans count (a joiner's too)
         "attackers": len(attackers),
+        # rounds the attackers averaged in (with honest peers: nobody else is there), so their attack was delivered
+        "attacker_rounds_ok": sum((latest_status(child).get("rounds_ok") or 0) for child in attackers),
         "accuracy_median": _median(accuracies),
         "accuracy_min": min(accuracies) if accuracies else None,
         "accuracies": accuracies,
+        "left_accuracies": [value for value in left if value is not None],  # final evaluations, after leaving
         "time_to_target": None if math.isinf(time_to_target) else time_to_target,
         "reached_target": sum(not math.isinf(value) for value in reached),
-        "train_seconds": _median([done[child]["seconds"] for child in honest]),
-        "epoch_median": _median([done[child]["epoch"] for child in honest]),
+        "crashed": crashed,  # honest peers that exited without their final report, and why
+        "epoch_median": _median([s["epoch"] for s in status]),
         "rounds_ok": _median([s["rounds_ok"] for s in status]),
         "rounds_failed": _median([s["rounds_failed"] for s in status]),
         "round_seconds": _median(round_seconds),
@@ -357,11 +395,11 @@ def summarize(layout: Layout, row: Row, peers: list[tuple[Child, bool]], joiner:
         "joiner": None,
     }
     if joiner is not None:
-        final = done[joiner].get("final") or {}
+        final = (done[joiner].get("final") or {}) if joiner in done else {}
         evals = joiner.of("eval")
-        result["joiner"] = {"accuracy": final.get("accuracy"),
+        result["joiner"] = {"accuracy": last_accuracy(joiner, stopped), "left_accuracy": final.get("accuracy"),
                             "first_accuracy": evals[0]["accuracy"] if evals else None,  # of the state it took
-                            "state_downloads": done[joiner]["status"]["state_downloads"]}
+                            "state_downloads": status_of[joiner].get("state_downloads")}
     return result
 
 
@@ -381,18 +419,45 @@ def overhead(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
             "round_seconds_defaults": defaults["round_seconds"], "round_ratio": ratio("round_seconds")}
 
 
+def checks(rows: list[dict[str, Any]], over: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Issue 15's bars, judged on what the rows measured: each attack under the defaults within
+    ``ACCURACY_POINTS`` of the clean run's median, and the defaults' time to target within
+    ``TIME_SLACK`` of mean's without attackers."""
+    clean = next((row for row in rows if row["attack"] == "clean" and row["aggregator"] == DEFAULTS
+                  and "error" not in row), None)
+    found = []
+    for row in rows:
+        if row["attack"] == "clean" or row["aggregator"] != DEFAULTS:
+            continue
+        reference = None if clean is None else clean["accuracy_median"]
+        value = row.get("accuracy_median")
+        ok = None if reference is None or value is None else \
+            value >= reference - ACCURACY_POINTS / 100 and not row["crashed"]
+        found.append({"check": f"{row['attack']} under the defaults: within {ACCURACY_POINTS:g} points of clean",
+                      "seen": row["error"][:60] if "error" in row else
+                      f"{_pct(value)} vs {_pct(reference)}" + (f", {len(row['crashed'])} crashed" if row["crashed"] else ""),
+                      "ok": ok})
+    if over is not None:
+        ratio = over["time_ratio"]
+        found.append({"check": f"no attackers: the defaults reach the target within {TIME_SLACK:.0%} of mean's time",
+                      "seen": f"{fmt(over['time_to_target_defaults'], 1)} s vs {fmt(over['time_to_target_mean'], 1)} s",
+                      "ok": None if ratio is None else ratio <= 1 + TIME_SLACK})
+    return found
+
+
 def table(rows: list[dict[str, Any]], layout: Layout) -> Table:
     clean = {row["aggregator"]: row.get("accuracy_median") for row in rows if row["attack"] == "clean"}
     title = (f"attacks: {layout.peers} peers ({layout.attackers} attackers), {layout.task}, {layout.seconds:g} s per "
              f"peer, target {layout.target:.0%}")
     out = Table(title=title, title_justify="left")
+    # bans h->a: honest peers that banned an attacker / honest peers; clip/cut: (observer, round) pairs
     for column in ("attack", "aggregator", "acc median", "acc min", "vs clean", "to target s", "epochs",
-                   "rounds ok/failed", "round s", "bans (honest->attacker)", "attackers banned", "honest banned",
-                   "attacker clipped/cut", "joiner acc"):
-        out.add_column(column, justify="left" if column in ("attack", "aggregator") else "right")
+                   "rounds ok/fail", "round s", "crashed", "bans h->a", "atk banned", "hon banned", "atk clip/cut",
+                   "joiner acc"):
+        out.add_column(column, justify="left" if column in ("attack", "aggregator") else "right", no_wrap=True)
     for row in rows:
         if "error" in row:
-            out.add_row(row["attack"], row["aggregator"], f"[red]{row['error'][:60]}[/red]", *[""] * 11)
+            out.add_row(row["attack"], row["aggregator"], f"[red]{row['error'][:60]}[/red]", *[""] * 12)
             continue
         reference = clean.get(row["aggregator"], clean.get(DEFAULTS))  # --quick has the defaults' clean row only
         gap = None if reference is None or row["accuracy_median"] is None else row["accuracy_median"] - reference
@@ -400,7 +465,7 @@ def table(rows: list[dict[str, Any]], layout: Layout) -> Table:
         out.add_row(row["attack"], row["aggregator"], _pct(row["accuracy_median"]), _pct(row["accuracy_min"]),
                     "-" if gap is None else f"{gap * 100:+.1f}", fmt(row["time_to_target"], 1),
                     fmt(row["epoch_median"], 0), f"{fmt(row['rounds_ok'], 0)}/{fmt(row['rounds_failed'], 0)}",
-                    fmt(row["round_seconds"], 3), f"{row['bans_of_attackers']}/{row['honest_peers']}",
+                    fmt(row["round_seconds"], 3), str(len(row["crashed"])), f"{row['bans_of_attackers']}/{row['observers']}",
                     f"{row['attackers_banned']}/{row['attackers']}", str(row["honest_banned"]),
                     f"{row['attacker_clipped']}/{row['attacker_weight_cut']}", "-" if joiner is None else _pct(joiner["accuracy"]))
     return out
@@ -432,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aggregators", default=None,
                         help="rows per attack: mean and/or defaults (default both; --quick: defaults)")
     parser.add_argument("--no-clean", action="store_true", help="leave out the clean rows")
-    parser.add_argument("--peers", type=int, default=None, help="peers per row, attackers included (default 8)")
-    parser.add_argument("--attackers", type=int, default=None, help="attackers per attack row (default 2)")
+    parser.add_argument("--peers", type=int, default=None, help="peers per row, attackers included (default 8; --quick 4)")
+    parser.add_argument("--attackers", type=int, default=None, help="attackers per attack row (default 2; --quick 1)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="training seconds per row, from when every peer is ready (default 40; --quick 8)")
     parser.add_argument("--task", default="digits", help="digits (default) or fashion-mnist")
@@ -492,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bootstrap.stop(5.0)
     report = {"layout": layout.__dict__, "rows": results, "overhead": overhead(results)}
-    console = Console(stderr=args.json, width=200)
+    report["checks"] = checks(results, report["overhead"])
+    console = Console(stderr=args.json, width=220)
     console.print(table(results, layout))
     if report["overhead"] is not None:
         o = report["overhead"]
@@ -500,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"vs {fmt(o['time_to_target_mean'], 1)} s (ratio {fmt(o['time_ratio'])}); round "
                       f"{fmt(o['round_seconds_defaults'], 3)} s vs {fmt(o['round_seconds_mean'], 3)} s "
                       f"(ratio {fmt(o['round_ratio'])})")
+    if report["checks"]:
+        console.print(checks_table("issue 15's bars (measured, not gating the exit status)", report["checks"]))
     if args.json:
         print(json.dumps(report))
     return 0 if all("error" not in row for row in results) else 1
@@ -513,9 +581,12 @@ def _run_rows(layout: Layout, rows: list[Row], bootstrap: str, stop: threading.E
         begun = time.monotonic()
         try:
             result = run_row(layout, row, bootstrap, stop, logs)
-        except RowFailed as error:
+        except Exception as error:  # one row's failure (or a bug reading it) must not lose the others
+            if not isinstance(error, RowFailed):
+                log(traceback.format_exc())
             log(f"{row.label}: FAILED: {error}")
-            return {"attack": row.attack or "clean", "aggregator": row.aggregator, "error": str(error).splitlines()[0]}
+            return {"attack": row.attack or "clean", "aggregator": row.aggregator,
+                    "error": (str(error).splitlines() or [type(error).__name__])[0]}
         log(f"{row.label}: honest accuracy median {_pct(result['accuracy_median'])}, min "
             f"{_pct(result['accuracy_min'])}, {time.monotonic() - begun:.0f} s")
         return result

@@ -39,8 +39,9 @@ def defended_check(report: dict[str, Any]) -> None:
     aggregation bounded it (clipped its contribution, or banned it)."""
     clean, attacked = row(report, "clean"), row(report, "scaled")
     assert attacked["attackers"] == 1 and attacked["honest_peers"] == 3, attacked
+    assert attacked["attacker_rounds_ok"] >= 1, json.dumps(attacked)  # the attack reached the honest peers
     assert attacked["accuracy_median"] >= clean["accuracy_median"] - TOLERANCE, (clean, attacked)
-    assert attacked["attacker_clipped"] > 0 or attacked["attackers_banned"] > 0, attacked
+    assert attacked["attacker_clipped"] > 0 or attacked["attackers_banned"] > 0, json.dumps(attacked)
     assert attacked["honest_banned"] == 0, attacked
 
 
@@ -56,6 +57,6 @@ def test_quick_attack_benchmark_reports_the_defence():
     assert clean["attackers"] == 0 and clean["honest_peers"] == 4, clean
     for entry in report["rows"]:  # every honest peer trained with the others and learned
         assert entry["rounds_ok"] >= 1 and entry["epoch_median"] >= 1, entry
-        assert len(entry["accuracies"]) == entry["honest_peers"], entry
-    assert clean["accuracy_median"] >= 0.8 and clean["honest_clipped"] >= 0, clean
+        assert len(entry["accuracies"]) == entry["honest_peers"] and not entry["crashed"], entry
+    assert clean["accuracy_median"] >= 0.8, clean
     defended_check(report)
