@@ -32,7 +32,10 @@ class FakeTracker:
         return SwarmProgress((me, *self.others), taken_at=time.monotonic(), other_settings=self.other_settings)
 
     def ahead_of(self, epoch: int) -> list[str]:
-        return [peer.peer_id for peer in self.others if peer.epoch > epoch]
+        return self.fresh().ahead(epoch)
+
+    def rejoin_from(self, epoch: int) -> list[str]:
+        return self.fresh().rejoin(epoch)
 
     def others_at(self, epoch: int) -> list[str]:
         return [peer.peer_id for peer in self.others if peer.epoch == epoch]

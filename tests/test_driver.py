@@ -37,12 +37,13 @@ class Harness:
         self.swarm_average = torch.full((self.policy.layout.total,), 0.25)
         self.backend = FakeBackend(self.policy.contribution, outcomes, self.swarm_average, on_call)
         self.catch_ups: list[tuple[list[str], int]] = []
+        self.rejoins: list[tuple[list[str], int]] = []  # the state taken from a swarm behind this peer
         self.fail_catch_up, self.recorded = fail_catch_up, []
         self.driver = RoundDriver(self.policy, self.backend, self.tracker, FAST, self.catch_up,
                                   self.recorded.append, run_id="unit")
 
-    async def catch_up(self, donors: list[str], min_version: int) -> None:
-        self.catch_ups.append((donors, min_version))
+    async def catch_up(self, donors: list[str], min_version: int, rejoin: bool = False) -> None:
+        (self.rejoins if rejoin else self.catch_ups).append((donors, min_version))
         if self.fail_catch_up:
             raise ConnectionError("donor left")
         self.tracker.next_epoch(min_version)

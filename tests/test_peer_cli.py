@@ -165,6 +165,7 @@ def test_mid_run_joiner_downloads_the_swarms_state(swarm):
         finished(peer, 40)
 
 
+@pytest.mark.extended  # CI's quick churn lab run (test_lab_driver) SIGKILLs a peer of three and checks the others go on
 def test_swarm_survives_a_sigkilled_peer(swarm):
     run = swarm("sigkill")
     peers = [run.peer("--strategy", "diloco", "--inner-steps", "20", "--shard", str(shard), "--num-shards", "3",

@@ -137,6 +137,21 @@ def test_a_claimed_weight_of_1e9_is_cut(aggregator, cap):
     run_async(scenario())
 
 
+def test_a_fast_peers_claim_under_the_cap_is_cut_to_twice_the_median_but_not_held_against_it():
+    """3 x the median is a fast honest peer (its claim under the run's cap): bounded, not suspected."""
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            tensors = peer_tensors(4, seed=2)
+            expected = weighted_mean(torch.stack(tensors), torch.tensor([2.0, 1.0, 1.0, 1.0], dtype=torch.float64))
+            ids, reports = await one_round(stack, tensors, [3.0, 1.0, 1.0, 1.0], codec="none",
+                                           aggregator="centered-clip", weight_cap=4.0)
+            torch.testing.assert_close(tensors[1], expected, rtol=0, atol=1e-4)
+            assert suspicions(reports) == {}
+
+    run_async(scenario())
+
+
 def test_the_mean_with_no_cap_takes_a_claimed_weight_as_it_is():
     """The defence off: the same claim of 1e9, and the result is the liar's values."""
 

@@ -9,8 +9,10 @@ With a robust aggregator (the plan's ``aggregator``: centered-clip or trimmed-me
 owner instead keeps each chunk's decoded contributions, one row per member, until every member's
 is in, and sends back their robust aggregate; ``mean`` keeps the streaming sum (no extra memory).
 Claimed weights are bounded (robust.py ``bound_weights``): to ``weight_cap`` always, and to twice
-the group's median claim with a robust aggregator. A weight cut or a clipped contribution is
-logged once per peer and round and listed in the report's ``suspicions``.
+the group's median claim with a robust aggregator. A clipped contribution, or a claim above the
+cap (without one: ``SUSPECT_FACTOR`` x its bound), is logged once per peer and round and listed in
+the report's ``suspicions``; a claim over twice the median but under the cap is only cut (honest
+peers differ that much in speed, and blaming it banned a fast honest peer in 5 rounds).
 
 A member's tensors are written only once every part has arrived and been checked, so a round
 that fails (deadline, crash, bad frame) changes nothing (DESIGN invariant 2). Peers that missed
@@ -44,6 +46,7 @@ from swarmgrad.runtime import timeout
 logger = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e15
+SUSPECT_FACTOR = 4.0  # without a run cap, a claim this far past its bound is held against its peer
 
 
 def gather_codec_for(codec: Codec) -> Codec:
@@ -392,8 +395,15 @@ class GroupAllReduce:
                                   dtype=torch.float64)
             self._weights = bound_weights(claims, self.weight_cap)
             for peer, claim, bounded in zip(members, claims.tolist(), self._weights.tolist()):
-                if bounded < claim:
+                if bounded >= claim:
+                    continue
+                # past the run's cap, a lie; past 2 x the median only, maybe a faster peer (4x is
+                # common among volunteers): counted, but not against it unless far past
+                limit = self.weight_cap if self.weight_cap is not None else SUSPECT_FACTOR * bounded
+                if claim > limit:
                     self._note_cut(peer, claim, bounded)
+                else:
+                    logger.debug("round %s: %s claimed weight %g; %g counts", self.plan.round_id, peer, claim, bounded)
         return self._weights
 
     def _capped(self, peer: str, weight: float) -> float:

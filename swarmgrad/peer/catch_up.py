@@ -56,7 +56,11 @@ class CatchUp:
     def epoch(self) -> int:
         return self.tracker.local.epoch
 
-    async def __call__(self, donors: list[str], min_version: int) -> None:
+    async def __call__(self, donors: list[str], min_version: int, rejoin: bool = False) -> None:
+        """``rejoin``: this peer is ahead of the swarm on its own; it takes the donors' state as it is."""
+        if rejoin:
+            await self.download(donors, min_version)
+            return
         if await self.replay(donors) and not self.tracker.ahead_of(self.epoch):
             return
         await self.download(self.tracker.ahead_of(self.epoch) or donors, max(min_version, self.epoch + 1))

@@ -72,6 +72,8 @@ class Tracker(Protocol):
 
     def ahead_of(self, epoch: int) -> list[str]: ...
 
+    def rejoin_from(self, epoch: int) -> list[str]: ...
+
     def others_at(self, epoch: int) -> list[str]: ...
 
     def set_averaging(self, averaging: bool) -> None: ...
@@ -79,13 +81,13 @@ class Tracker(Protocol):
     def next_epoch(self, epoch: int) -> None: ...
 
 
-CatchUp = Callable[[list[str], int], Awaitable[None]]  # donors, minimum version; raises on failure
+CatchUp = Callable[[list[str], int, bool], Awaitable[None]]  # donors, minimum version, rejoin; raises on failure
 
 
 class RoundDriver:
     """Runs a policy's swarm steps: ``await driver.swarm_step()`` when ``policy.after_backward`` said so.
 
-    ``catch_up(donors, min_version)`` takes the swarm's state (the peer's job: it owns the state);
+    ``catch_up(donors, min_version, rejoin)`` takes the swarm's state (the peer's job: it owns the state);
     when it fails the peer trains on locally and retries after ``timing.catch_up_retry``.
     ``record(outcome)`` counts each round. ``keep_result(epoch, tensor)`` is handed what each epoch
     applied (the swarm's average, or the peer's own values when it stepped alone), before it is
@@ -136,6 +138,14 @@ class RoundDriver:
                 return await self._try_catch_up(ahead, epoch + 1)
             if not self.tracker.others_at(epoch):
                 break  # nobody else is training: finish the epoch alone
+        # no round formed here. Ahead of the swarm on our own (a head start, rounds that failed),
+        # stepping alone would only widen the gap: take the swarm's state instead. Only now, not
+        # before the round, since a view of others' records a beat old often lags by an epoch.
+        behind = self.tracker.rejoin_from(epoch)
+        if behind:
+            target = self.tracker.fresh().epoch
+            logger.info("epoch %d: ahead of the swarm (epoch %d) on its own; taking its state", epoch, target)
+            return await self._try_catch_up(behind, target, rejoin=True)
         logger.info("epoch %d: no group after %d attempt(s); stepping on local values", epoch, attempts)
         self.policy.prepare()
         self.keep_result(epoch, self.policy.contribution)  # before solo(): sync's apply clears the contribution
@@ -158,11 +168,12 @@ class RoundDriver:
                 return ahead
             await asyncio.sleep(min(0.1, self.timing.presence_refresh / 4))
 
-    async def _try_catch_up(self, donors: list[str], min_version: int) -> bool:
+    async def _try_catch_up(self, donors: list[str], min_version: int, rejoin: bool = False) -> bool:
         """Take the swarm's state; if no donor can hand it over, keep training locally and retry later
-        (a donor that just left, or a slow link, must not end this peer)."""
+        (a donor that just left, or a slow link, must not end this peer). ``rejoin``: the swarm is
+        behind this peer, its state is taken as it is (no rounds to replay from here)."""
         try:
-            await self.catch_up(donors, min_version)
+            await self.catch_up(donors, min_version, rejoin)
             return True
         except Exception as error:
             self._retry_at = time.monotonic() + self.timing.catch_up_retry

@@ -176,7 +176,8 @@ class Peer:
                                       download_limit_mbps=download_limit_mbps, ticket=ticket,
                                       accountability=accountability)
         self.node = self.runtime.node
-        self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon, stats=self._stats)
+        self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon, stats=self._stats,
+                                       blame=self.runtime.admission.blame)
         self.evaluations = EvaluationLog(self.node, self.run_id, task=self.requested.task or "")
         # called on the peer's loop with each round's outcome (the metrics' round-time histogram)
         self.round_listeners: list[Callable[[RoundOutcome], None]] = []

@@ -10,11 +10,28 @@ Others' counts are extrapolated from their rates since their last record (as hiv
 tracker does), so a peer does not wait one refresh interval to see that the target was reached.
 Peers that train with other settings (another digest) never meet this peer's rounds: they are
 listed apart (``SwarmProgress.other_settings``) and counted neither as groupmates nor as donors.
+
+No single record can force, stall or skip a swarm step, or make peers download (issue 15):
+- the swarm's epoch is the furthest epoch at least half of its peers (this one included) have
+  reached, not the furthest any record claims. Every peer computes the same number from the same
+  records, so the rule "be at the swarm's epoch" moves the minority, never both sides: a peer behind
+  it catches up, taking the state only from peers at it (at most ``DONOR_LEAD`` past it), and a peer
+  ahead of it on its own (nobody at its epoch, nobody about to come: a head start, or rounds that
+  failed) rejoins it the same way, since in DiLoCo only a state download makes two models one.
+  A record claiming epoch 10^6 beside three honest peers moves nothing (before: the three froze at
+  epoch 55 for the 40 s it lived, retrying downloads from its author); its author is blamed for
+  ``implausible progress`` once per claim. In a swarm of two the other peer is half the swarm:
+  there a liar is followed (nothing can tell it from an honest leader);
+- whether a step is due comes from step and sample counts at this peer's epoch each capped at
+  ``CLAIM_CAP`` x the median claim, from at least half of the other peers at this epoch averaging,
+  and from this peer's own count reaching ``OWN_STEPS_DUE`` x the target: a huge claim counts as
+  two peers, a zero one as none, and no claim keeps a peer from its round for long.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +40,22 @@ from typing import Callable
 from swarmgrad.dht.membership import Membership, Progress, TrainingStats
 
 RATE_SMOOTHING = 0.3  # weight of the newest interval in the samples/s average
+# how far past the swarm's epoch a donor may be: honest peers are within a round of each other (a
+# group that just stepped); a peer further ahead is never asked for its state
+DONOR_LEAD = 1
+# a peer's claimed samples or steps count at most this many times the median claim at its epoch:
+# honest peers differ by their speed, a liar's 10^9 counts as two peers
+CLAIM_CAP = 2.0
+# a peer's step is due once it trained this many times the steps a round wants, whatever the others
+# claim: a swarm of slow peers (or liars claiming zero) cannot hold it past the run's weight cap
+OWN_STEPS_DUE = 2.0
+
+
+def _capped(claims: list[float]) -> list[float]:
+    if not claims:
+        return []
+    cap = CLAIM_CAP * statistics.median(claims)
+    return [min(claim, cap) for claim in claims]
 
 
 @dataclass(frozen=True)
@@ -46,21 +79,50 @@ class SwarmProgress:
 
     @property
     def epoch(self) -> int:
-        """The swarm's epoch: the furthest any live peer has got."""
-        return max((peer.epoch for peer in self.peers), default=0)
+        """The swarm's epoch: the furthest epoch at least half of the peers (this one included) reached."""
+        epochs = sorted((peer.epoch for peer in self.peers), reverse=True)
+        return epochs[math.ceil(len(epochs) / 2) - 1] if epochs else 0
 
     def at(self, epoch: int) -> list[PeerProgress]:
         return [peer for peer in self.peers if peer.epoch == epoch]
 
+    def _donors(self, target: int) -> list[str]:
+        """Other peers at ``target`` or at most ``DONOR_LEAD`` past it (``peers[0]`` is this peer)."""
+        return [peer.peer_id for peer in self.peers[1:] if target <= peer.epoch <= target + DONOR_LEAD]
+
+    def ahead(self, epoch: int) -> list[str]:
+        """Donors for a peer at ``epoch`` behind the swarm's epoch; [] when it is not behind."""
+        target = self.epoch
+        return self._donors(target) if target > epoch else []
+
+    def rejoin(self, epoch: int) -> list[str]:
+        """Donors for a peer at ``epoch`` ahead of the swarm's epoch on its own: nobody else at its
+        epoch, and nobody one behind it averaging (about to come); [] otherwise."""
+        target, others = self.epoch, self.peers[1:]
+        if target >= epoch or any(peer.epoch == epoch or (peer.epoch == epoch - 1 and peer.averaging)
+                                  for peer in others):
+            return []
+        return self._donors(target)
+
+    def implausible(self) -> list[PeerProgress]:
+        """Peers further past the swarm's epoch than a round: what no honest peer claims for long."""
+        target = self.epoch
+        return [peer for peer in self.peers[1:] if peer.epoch > target + DONOR_LEAD]
+
     def samples_in(self, epoch: int) -> float:
-        return sum(peer.samples for peer in self.at(epoch))
+        """Samples trained at ``epoch``, each peer's claim capped at ``CLAIM_CAP`` x the median claim."""
+        return sum(_capped([peer.samples for peer in self.at(epoch)]))
 
     def mean_steps_in(self, epoch: int) -> float:
-        peers = self.at(epoch)
-        return sum(peer.steps for peer in peers) / len(peers) if peers else 0.0
+        """The mean local step count at ``epoch``, each peer's claim capped at ``CLAIM_CAP`` x the median
+        claim (a mean, not the median: a peer twice as fast pulls the round forward, as it should)."""
+        steps = _capped([peer.steps for peer in self.at(epoch)])
+        return sum(steps) / len(steps) if steps else 0.0
 
     def averaging_in(self, epoch: int) -> bool:
-        return any(peer.averaging for peer in self.at(epoch))
+        """At least half of the other peers at ``epoch`` (this peer is ``peers[0]``) started averaging."""
+        others = [peer for peer in self.peers[1:] if peer.epoch == epoch]
+        return bool(others) and sum(peer.averaging for peer in others) >= math.ceil(len(others) / 2)
 
     @property
     def samples_per_second(self) -> float:
@@ -111,8 +173,12 @@ class ProgressTracker:
 
     def __init__(self, presence: Membership, settings: str = "", *,
                  epsilon: Callable[[], float | None] = lambda: None,
-                 stats: Callable[[], TrainingStats | None] = lambda: None):
+                 stats: Callable[[], TrainingStats | None] = lambda: None,
+                 blame: Callable[[str, str, str], None] = lambda peer_id, kind, detail: None):
         self.presence, self.settings, self.epsilon, self.stats = presence, settings, epsilon, stats
+        self.blame = blame  # (peer id, kind, detail): told of implausible progress, once per claim
+        self.suspicions: dict[str, str] = {}  # peer id -> why its progress is not believed, now
+        self._blamed: set[tuple[str, int]] = set()  # (peer id, claimed epoch) already blamed
         self.local = LocalProgress()
         self.swarm = SwarmProgress()
         self._lock = threading.Lock()  # the training thread changes epochs while the loop reads counters
@@ -187,6 +253,18 @@ class ProgressTracker:
             peers.append(PeerProgress(member.peer_id, record.epoch, samples, steps, member.samples_per_second,
                                       record.averaging))
         self.swarm = SwarmProgress(tuple(peers), taken_at=now, other_settings=tuple(other_settings))
+        self._suspect(self.swarm)
+
+    def _suspect(self, swarm: SwarmProgress) -> None:
+        implausible = swarm.implausible()
+        self.suspicions = {peer.peer_id: f"implausible progress: epoch {peer.epoch}, the swarm's is {swarm.epoch}"
+                           for peer in implausible}
+        for peer in implausible:
+            if (peer.peer_id, peer.epoch) not in self._blamed:
+                if len(self._blamed) > 4096:  # bounded: a liar changing its claim every beat is blamed each time
+                    self._blamed.clear()
+                self._blamed.add((peer.peer_id, peer.epoch))
+                self.blame(peer.peer_id, "implausible progress", self.suspicions[peer.peer_id])
 
     def fresh(self) -> SwarmProgress:
         """A snapshot with this peer's exact counters and others' extrapolated to now."""
@@ -194,8 +272,12 @@ class ProgressTracker:
         return self.swarm
 
     def ahead_of(self, epoch: int) -> list[str]:
-        """Other peers (with this peer's settings) already past ``epoch``: donors for a peer that fell behind."""
-        return [peer.peer_id for peer in self.fresh().peers if peer.peer_id != self.peer_id and peer.epoch > epoch]
+        """Donors for a peer at ``epoch`` behind the swarm's epoch (``SwarmProgress.ahead``)."""
+        return self.fresh().ahead(epoch)
+
+    def rejoin_from(self, epoch: int) -> list[str]:
+        """Donors for a peer at ``epoch`` ahead of the swarm on its own (``SwarmProgress.rejoin``)."""
+        return self.fresh().rejoin(epoch)
 
     def others_at(self, epoch: int) -> list[str]:
         return [peer.peer_id for peer in self.fresh().at(epoch) if peer.peer_id != self.peer_id]

@@ -12,7 +12,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from swarmgrad.peer.progress import SwarmProgress
+from swarmgrad.peer.progress import OWN_STEPS_DUE, SwarmProgress
 
 # the most samples one contribution may claim, as a multiple of what the run's settings say a peer
 # trains on between two rounds: a peer faster than the others does more steps, up to this many times
@@ -105,13 +105,15 @@ class Policy(ABC):
             for name, target in self.expected_state().items():
                 target.copy_(tensors[name])
 
-    def epoch_due(self, mean_steps: float | None = None, samples: float | None = None) -> bool:
-        """Common test: the swarm moved on, somebody started averaging, or the target was reached."""
+    def epoch_due(self, steps: float | None = None, samples: float | None = None) -> bool:
+        """Common test: the swarm moved on, half the others here started averaging, or the target was
+        reached (steps or samples with each claim capped, or this peer's own steps: progress.py)."""
         epoch = self.progress.local.epoch  # type: ignore[attr-defined]
         swarm = self.progress.fresh()
         if swarm.epoch > epoch or swarm.averaging_in(epoch):
             return True
-        if mean_steps is not None and swarm.mean_steps_in(epoch) >= mean_steps:
+        if steps is not None and (swarm.mean_steps_in(epoch) >= steps or
+                                  self.progress.local.steps >= OWN_STEPS_DUE * steps):  # type: ignore[attr-defined]
             return True
         return samples is not None and swarm.samples_in(epoch) >= samples
 

@@ -30,7 +30,7 @@ class DiLoCoPolicy(Policy):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.add(batch_size)
-        return self.epoch_due(mean_steps=self.settings.inner_steps)
+        return self.epoch_due(steps=self.settings.inner_steps)
 
     @torch.no_grad()
     def prepare(self) -> None:

@@ -32,7 +32,7 @@ class GossipPolicy(Policy):
         self._since += 1
         if not self.synchronous:
             return self._since >= self.settings.every
-        return self.epoch_due(mean_steps=self.settings.every)
+        return self.epoch_due(steps=self.settings.every)
 
     def prepare(self) -> None:
         self._since = 0
