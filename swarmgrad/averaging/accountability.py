@@ -9,7 +9,7 @@ Whatever this peer catches another peer doing wrong adds that kind's weight to t
     weight cut             2       it claimed a weight above the bound (round suspicions)
     bad state              3       a donor's state held NaN or Inf (in its sketch or the parts it served),
                                    or parts it served failed the check against the donors' sketches
-    implausible progress   1       (not reported yet: progress that cannot be gamed, item 3, is not built)
+    implausible progress   1       its record claimed an epoch over one past the swarm's (peer/progress.py), once per claim
     digest disagreement    2       a donor's state (layout or sketch) lay outside the tolerance of the
                                    majority of the donors a joiner asked (state_transfer.py)
 
