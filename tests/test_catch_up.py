@@ -198,3 +198,37 @@ def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its
                     assert torch.allclose(pa, pb, atol=2e-3, rtol=0), (pa - pb).abs().max()
 
     run_async(scenario())
+
+
+def results_from(monkeypatch, served: dict[str, torch.Tensor | None]) -> list[list[str]]:
+    """Round results served per donor (None: it kept none); returns the donor lists asked."""
+    asked: list[list[str]] = []
+
+    async def download_result(transport, protocol, donors, epoch, numel, seconds):
+        asked.append(list(donors))
+        result = served[donors[0]]
+        if result is None:
+            raise StateTransferError(f"the result of round {epoch} is not kept here")
+        return result
+
+    monkeypatch.setattr(catch_up_module, "download_result", download_result)
+    return asked
+
+
+def test_a_replayed_result_is_the_median_of_three_donors_so_a_poisoned_one_moves_nothing(monkeypatch):
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    honest = h.donor_results[0]
+    asked = results_from(monkeypatch, {"a": honest, "b": honest * 1.1, "liar": -10 * honest, "d": honest})
+    result = run_async(h.catch_up.agreed_result(["a", "liar", "b", "d"], 0))
+    assert sorted(map(tuple, asked)) == [("a",), ("b",), ("liar",)]  # three at once, each alone
+    torch.testing.assert_close(result, honest)  # per coordinate, the liar is an outlier
+
+
+def test_two_donors_whose_results_disagree_hand_over_nothing(monkeypatch):
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    honest = h.donor_results[0]
+    results_from(monkeypatch, {"a": honest, "liar": -honest, "gone": None})
+    with pytest.raises(StateTransferError, match="disagree"):
+        run_async(h.catch_up.agreed_result(["a", "liar", "gone"], 0))
+    results_from(monkeypatch, {"a": honest, "b": 1.2 * honest})
+    torch.testing.assert_close(run_async(h.catch_up.agreed_result(["a", "b"], 0)), 1.1 * honest)

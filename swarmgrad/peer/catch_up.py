@@ -2,8 +2,9 @@
 
 A peer a round or two behind (its round failed while the others' succeeded, it was paused for a
 moment, or its state download ended with the swarm a round further) replays the rounds it missed:
-it takes each round's result from a peer that applied it (donors keep their last few,
-``StateServer.publish_result``) and applies it to its own state, as if it had averaged with them.
+it takes each round's result from the peers that applied it (donors keep their last few,
+``StateServer.publish_result``; up to three at once, their median, so that no donor alone decides:
+``CatchUp.agreed_result``) and applies it to its own state, as if it had averaged with them.
 That moves a bfloat16 copy of the contribution, not the whole state (parameters, strategy state and,
 for a fresh joiner, optimizer moments), so a peer on a slow link is back in time for the next round
 instead of spiralling through downloads that each end with the swarm a round further on. Further
@@ -13,8 +14,11 @@ the swarm finished meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable, Protocol
+
+import torch
 
 from swarmgrad.averaging import NetworkRuntime
 from swarmgrad.averaging.state_transfer import KEPT_RESULTS, StateTransferError, download_result, download_state
@@ -23,6 +27,11 @@ from swarmgrad.peer.strategies import Policy
 from swarmgrad.timing import Timing
 
 logger = logging.getLogger(__name__)
+
+REPLAY_DONORS = 3  # donors asked at once for a round's result: a median needs three
+# how far apart (relative to the larger norm) two donors' results of one round may lie: moshpit
+# groups average different members, so honest results differ, but by less than their norm
+REPLAY_SPREAD = 1.0
 
 
 class Progress(Protocol):
@@ -77,9 +86,7 @@ class CatchUp:
         while donors and applied < KEPT_RESULTS:
             epoch = self.epoch
             try:
-                result = await download_result(self.runtime.transport, self.runtime.state_protocol,
-                                               self.runtime.reachable_first(donors), epoch, self.policy.layout.total,
-                                               seconds=self.timing.control_timeout)
+                result = await self.agreed_result(self.runtime.reachable_first(donors), epoch)
             except StateTransferError as error:
                 logger.info("could not replay round %d: %s", epoch, error)
                 break
@@ -94,6 +101,31 @@ class CatchUp:
             logger.info("replayed %d round(s) the swarm finished without this peer; now at epoch %d", applied,
                         self.epoch)
         return applied
+
+    async def agreed_result(self, donors: list[str], epoch: int) -> torch.Tensor:
+        """The result of round ``epoch`` as ``REPLAY_DONORS`` of ``donors`` at once hand it over, so
+        no single donor decides what this peer applies: of three or more, their coordinate-wise
+        median; of two, their mean, only if they lie within ``REPLAY_SPREAD`` x the larger norm of
+        each other (honest groups' averages do; a result negated or scaled 10x does not); of one
+        (a swarm of two), its own. StateTransferError when none hands it over or two disagree (the
+        state download, which a majority of donors must agree on, then decides)."""
+        assert self.runtime.transport is not None
+        asked = donors[:REPLAY_DONORS]
+        outcomes = await asyncio.gather(*(download_result(
+            self.runtime.transport, self.runtime.state_protocol, [donor], epoch, self.policy.layout.total,
+            seconds=self.timing.control_timeout) for donor in asked), return_exceptions=True)
+        results = [outcome for outcome in outcomes if isinstance(outcome, torch.Tensor)]
+        if not results:
+            failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+            raise StateTransferError(f"no donor handed over the result of round {epoch} ({failure})")
+        if len(results) >= 3:
+            return torch.stack(results).median(dim=0).values
+        if len(results) == 2:
+            first, second = results
+            if float((first - second).norm()) > REPLAY_SPREAD * max(float(first.norm()), float(second.norm())):
+                raise StateTransferError(f"the two donors' results of round {epoch} disagree")
+            return (first + second) / 2
+        return results[0]
 
     async def download(self, donors: list[str], min_version: int) -> None:
         """Take the swarm's state. A peer that steps its own optimizer and has its state keeps it,
