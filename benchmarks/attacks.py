@@ -67,6 +67,7 @@ JOINER_ATTACKS = {"poisoned-state"}  # rows that need a late honest peer to show
 # honest peers' log lines (-v) that name a peer whose contribution their aggregation bounded
 CLIPPED = re.compile(r"round \S+: (\S+)'s contribution was ")
 WEIGHT_CUT = re.compile(r"round \S+: (\S+) claimed weight \S+; cut to ")
+EXCEPTION = re.compile(r"^[\w.]*(Error|Exception)\b")  # a traceback's last line: its exception
 GRACE_S = 20.0  # a peer's final evaluation and leaving, after SIGTERM
 SAFETY_S = 180.0  # a peer's own --max-seconds: the row's training time plus this
 ACCURACY_POINTS = 2.0  # issue 15's bar: an attack under the defaults ends this close to the clean run
@@ -166,7 +167,7 @@ class Child:
         """Why it exited without a ``done`` event: the last line of its traceback, or its exit code."""
         if self.of("done") or self.process.poll() is None:
             return None
-        errors = [line for line in self.stderr_tail if line and not line.startswith((" ", "\t"))]
+        errors = [line for line in self.stderr_tail if EXCEPTION.match(line)]
         return errors[-1][:200] if errors else f"exit code {self.process.returncode}"
 
     def arrived(self, kind: str) -> float | None:
@@ -354,7 +355,7 @@ def summarize(layout: Layout, row: Row, peers: list[tuple[Child, bool]], joiner:
     left = [done[child]["final"]["accuracy"] for child in honest if child in done and done[child].get("final")]
     reached = []
     for child in honest:
-        times = [event["t"] - started for event in child.of("eval")
+        times = [max(0.0, event["t"] - started) for event in child.of("eval")  # a state it took may be there already
                  if (event.get("accuracy") or 0) >= layout.target]
         reached.append(min(times) if times else math.inf)
     time_to_target = statistics.median(reached) if reached else math.inf
