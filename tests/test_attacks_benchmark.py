@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "attacks.py"
-TOLERANCE = 0.05  # a 10 s run on a loaded machine: a few points either way between runs
+# ~10 rounds in 10 s on a loaded machine: the defended row measured 0 to 7 points under clean over
+# 9 runs, the same attack under mean 59 to 88 points under it
+TOLERANCE = 0.10
 
 
 def numbers(value: Any) -> list[float]:
@@ -35,7 +37,7 @@ def row(report: dict[str, Any], attack: str) -> dict[str, Any]:
 
 
 def defended_check(report: dict[str, Any]) -> None:
-    """The scaled attacker leaves the honest peers within a few points of the clean run, and their
+    """The scaled attacker leaves the honest peers within ``TOLERANCE`` of the clean run, and their
     aggregation bounded it (clipped its contribution, or banned it)."""
     clean, attacked = row(report, "clean"), row(report, "scaled")
     assert attacked["attackers"] == 1 and attacked["honest_peers"] == 3, attacked
