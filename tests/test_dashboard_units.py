@@ -59,6 +59,7 @@ def test_an_evaluation_record_round_trips_signed():
     opened = open_envelope(seal(identity, evaluations_key(RUN), record, time.time() + 60))
     assert opened.owner == identity.peer_id and opened.body == record
     assert evaluation(0.5, math.nan, epoch=0, step=0).loss is None  # a diverged loss is left out, not NaN
+    assert evaluation(0.1, 3e10, epoch=0, step=0).loss is None  # finite but past the bound: a crash before
 
 
 @pytest.mark.parametrize("body, why", [

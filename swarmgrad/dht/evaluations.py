@@ -29,6 +29,9 @@ def evaluations_key(run_id: str) -> str:
     return f"swarmgrad/{check_run_id(run_id)}/evaluations"
 
 
+MAX_LOSS = 1e9  # a record's loss bound: past it, the model diverged and the number means nothing
+
+
 class Evaluation(pydantic.BaseModel):
     """One held-out result of the model a peer held at ``epoch``."""
 
@@ -38,7 +41,7 @@ class Evaluation(pydantic.BaseModel):
     epoch: Annotated[int, pydantic.Field(ge=0, le=2**53)]
     step: Annotated[int, pydantic.Field(ge=0, le=2**53)]
     accuracy: Annotated[float, pydantic.Field(ge=0, le=1, allow_inf_nan=False)]
-    loss: Annotated[float, pydantic.Field(ge=-1e9, le=1e9, allow_inf_nan=False)] | None = None
+    loss: Annotated[float, pydantic.Field(ge=-MAX_LOSS, le=MAX_LOSS, allow_inf_nan=False)] | None = None
     samples: Annotated[int, pydantic.Field(ge=1, le=2**40)] | None = None  # held-out examples evaluated
 
 
@@ -60,8 +63,9 @@ class EvaluationRecord(RecordBody):
 
 def evaluation(accuracy: float, loss: float | None, *, epoch: int, step: int, evaluated_at: float | None = None,
                samples: int | None = None) -> Evaluation:
-    """An Evaluation from a task's metrics; a diverged model's NaN or infinite loss is left out."""
-    if loss is not None and not math.isfinite(loss):
+    """An Evaluation from a task's metrics; a diverged model's loss (NaN, infinite, or past
+    ``MAX_LOSS``: an attacked swarm's reached 1e10) is left out, so the peer still reports it."""
+    if loss is not None and not (math.isfinite(loss) and abs(loss) <= MAX_LOSS):
         loss = None
     return Evaluation(evaluated_at=time.time() if evaluated_at is None else float(evaluated_at), epoch=int(epoch),
                       step=int(step), accuracy=float(accuracy), loss=None if loss is None else float(loss),
