@@ -15,7 +15,6 @@ import torch
 from swarmgrad.averaging import robust
 from swarmgrad.averaging.pushsum import ClipScale, Push, clip_pushes, merge
 from swarmgrad.averaging.robust import (
-    PAIR_NORM_FACTOR,
     TAU_FACTOR,
     TOLERANCE,
     bound_weights,
@@ -242,16 +241,10 @@ def test_small_groups():
     one = robust_aggregate("centered-clip", stack[:1], weights[:1])
     assert torch.equal(one.value, stack[0])
     liar = stack[:2].clone()
-    liar[1] = liar[0] * -1e6  # a sign flipped, scaled: two rows cannot out-vote it, but bound it
-    bounded = torch.stack([liar[0], -PAIR_NORM_FACTOR * liar[0]])
-    for aggregator in ("centered-clip", "trimmed-mean"):
+    liar[1] *= 1e6
+    for aggregator in ("centered-clip", "trimmed-mean"):  # two rows cannot out-vote a liar: the weighted mean
         two = robust_aggregate(aggregator, liar, weights[:2])
-        torch.testing.assert_close(two.value, weighted_mean(bounded, weights[:2]))
-        assert two.clipped == [1] and float(two.value.norm()) <= PAIR_NORM_FACTOR * float(liar[0].norm())
-    close = torch.stack([stack[0], 1.5 * stack[0]])  # within the factor: the plain weighted mean, nobody clipped
-    assert robust_aggregate("centered-clip", close, weights[:2]).clipped == []
-    zero = torch.stack([torch.zeros_like(stack[0]), stack[0]])  # a zero row bounds nothing
-    torch.testing.assert_close(robust_aggregate("centered-clip", zero, weights[:2]).value, weighted_mean(zero, weights[:2]))
+        torch.testing.assert_close(two.value, weighted_mean(liar, weights[:2]))
     three = robust_aggregate("trimmed-mean", stack, torch.ones(3, dtype=torch.float64))
     torch.testing.assert_close(three.value, stack.median(dim=0).values)  # one dropped at each end
 

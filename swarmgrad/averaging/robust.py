@@ -23,13 +23,9 @@ The rules (README "Robust aggregation" says the same):
   ``cap`` comes from the run's settings (peer layer). With factor 2 one peer never holds more
   than half the weight of a group of three or more, the point where centered-clip breaks down.
 - **small groups**: one row is its own result. A group of two cannot out-vote a liar (there is no
-  majority to keep), but it can bound it: the longer row is scaled down to ``PAIR_NORM_FACTOR`` x
-  the shorter one's norm, then the two are averaged by weight (the median rule cuts no weight
-  there, so only ``cap`` bounds a claim). Both owners of a pair compute the same, so the members
-  still end with one result; a row scaled 100x moves it as a row at most 2x the other's would, and
-  a sign flipped x10 by at most the honest step itself (before: 4.5 steps the wrong way, every
-  round; moshpit makes pairs whenever peers fall out of step). Honest pairs are rarely that far
-  apart in norm. Three rows tolerate one liar (the trimmed mean is then the median).
+  majority to keep): ``robust_aggregate`` returns the weighted mean of two rows, and the median
+  rule cuts no weight there, so only ``cap`` bounds what a liar claims. Three rows tolerate one
+  liar (the trimmed mean is then the median).
 """
 
 from __future__ import annotations
@@ -45,7 +41,6 @@ TOLERANCE = 1e-4  # relative to τ: the last step moved the result by less than 
 MAX_ITERATIONS = 50  # a step is ~3 passes over the stack; steps shrink about as the clipped weight share
 TRIM_FRACTION = 0.25  # share of the rows dropped at each end (at least one from three rows on)
 WEIGHT_FACTOR = 2.0
-PAIR_NORM_FACTOR = 2.0  # a pair's longer row counts at most this many times the shorter one's norm
 
 
 @dataclass
@@ -182,10 +177,8 @@ def robust_aggregate(aggregator: str, stack: torch.Tensor, weights: torch.Tensor
     """One chunk's result under ``aggregator`` (weights already bounded); two rows or fewer: their weighted mean."""
     if aggregator not in AGGREGATORS:
         raise ValueError(f"unknown aggregator {aggregator!r}; use one of {', '.join(AGGREGATORS)}")
-    if aggregator == "mean" or len(stack) == 1:
+    if aggregator == "mean" or len(stack) <= 2:
         return Aggregate(weighted_mean(stack, weights), [])
-    if len(stack) == 2:
-        return _bounded_pair(stack, weights)
     if aggregator == "centered-clip":  # from the medoid: the pairwise distances give it and τ in one go
         pairwise = pairwise_distances(stack)
         medoid = _medoid(pairwise, weights)
@@ -197,20 +190,6 @@ def robust_aggregate(aggregator: str, stack: torch.Tensor, weights: torch.Tensor
         clipped = [int(i) for i in torch.nonzero(last > tau).flatten()] if tau > 0 else []
         return Aggregate(value, clipped)
     return Aggregate(trimmed_mean(stack, weights, trim_for(len(stack))), [])
-
-
-def _bounded_pair(stack: torch.Tensor, weights: torch.Tensor) -> Aggregate:
-    """Two rows: the longer one scaled to at most ``PAIR_NORM_FACTOR`` x the shorter's norm, then
-    their weighted mean; the scaled row is the clipped one. A zero row bounds nothing (a peer that
-    sent no change is no reference)."""
-    norms = torch.linalg.vector_norm(stack.double(), dim=1)
-    longer = int(norms.argmax())
-    bound = PAIR_NORM_FACTOR * float(norms.min())
-    if bound == 0 or float(norms[longer]) <= bound or not torch.isfinite(norms).all():
-        return Aggregate(weighted_mean(stack, weights), [])
-    rows = stack.clone()
-    rows[longer] = (stack[longer].double() * (bound / float(norms[longer]))).to(stack.dtype)
-    return Aggregate(weighted_mean(rows, weights), [longer])
 
 
 def clip_toward(current: torch.Tensor, target: torch.Tensor, tau: float) -> torch.Tensor:
