@@ -15,8 +15,10 @@ from typing import Any
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "attacks.py"
 # ~10 rounds in 10 s on a loaded machine: the defended row measured 0 to 7 points under clean over
-# 9 runs, the same attack under mean 59 to 88 points under it
-TOLERANCE = 0.10
+# 9 runs, then 11 in a CI run (a round of two, the attacker and one honest peer, cannot out-vote it:
+# issue 15's note), the same attack under mean 59 to 88 points under it. The margin tells the two
+# apart; issue 15's own bar (2 points, 8 peers) is judged by the full benchmark, not here.
+TOLERANCE = 0.20
 
 
 def numbers(value: Any) -> list[float]:

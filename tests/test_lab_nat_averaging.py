@@ -82,6 +82,7 @@ def _swarm(nats: list[str], group_size: int, numel: int = NUMEL, bootstraps: int
     return reports, relayed
 
 
+@pytest.mark.extended  # CI's quick NAT benchmark (test_lab_benchmarks) averages every NAT type in training
 def test_every_nat_type_averages_with_a_public_peer_that_owns_the_parts():
     # group size 2 makes a 2 x 2 grid whose slices would pair NATed peers with each other; the
     # round falls back to one group led by the one public peer, which owns every part
@@ -105,6 +106,7 @@ def test_two_peers_behind_home_nats_average_over_a_hole_punched_connection():
     assert relayed < NUMEL, f"{relayed} bytes crossed the relay: the tensors went through it"
 
 
+@pytest.mark.extended  # CI's quick NAT benchmark (test_lab_benchmarks) averages every NAT type in training
 def test_a_symmetric_nat_and_a_cgnat_average_over_the_relay():
     """A symmetric NAT defeats hole punching; the relay carries the round. hivemind's p2pd resets a
     relayed connection after 128 KiB each way, so this round is small: 80 KB per peer."""

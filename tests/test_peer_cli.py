@@ -63,7 +63,10 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+# sync runs with `-m extended` (CI's 25 minutes): its policy is unit-tested (test_peer_units) and the
+# round driver it shares with diloco and gossip runs with real peers in the other two
+@pytest.mark.parametrize("strategy", [pytest.param(name, marks=pytest.mark.extended) if name == "sync" else name
+                                      for name in STRATEGIES])
 def test_three_peers_train_digits_together(swarm, strategy):
     run = swarm(f"strategy-{strategy}")
     peers = [run.peer(*STRATEGIES[strategy], "--shard", str(shard), "--num-shards", "3", "--max-seconds", "10",

@@ -136,6 +136,7 @@ def test_a_peer_without_a_ticket_is_told_the_run_is_private_and_one_with_another
     assert members == 1
 
 
+@pytest.mark.extended  # CI runs the same refusal through sg.Peer above, and test_tickets the CLI's grant and errors
 def test_cli_a_private_run_created_with_a_ticket_refuses_joiners_without_one_in_one_line(tmp_path):
     """`swarmgrad peer TASK --create --ticket T` makes the run private; a joiner without a ticket, or
     with a ticket for another peer id, gets one error line before it trains; a malformed ticket too."""

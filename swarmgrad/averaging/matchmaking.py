@@ -177,10 +177,12 @@ class Matchmaker:
 
     async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)
-        peers = [
+        admission = self.transport.admission  # a private run's outsiders and banned peers declare in vain:
+        peers = [  # grouped with one, this peer would open streams to it and hand it its contribution
             owner
             for owner, record in records.items()
-            if not record.body.done
+            if (admission is None or admission.admits(owner))
+            and not record.body.done
             and record.body.schema_digest == self.schema_digest
             and record.body.codec == self.codec
             and record.body.aggregator == self.aggregator
