@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -120,3 +121,33 @@ def p2pd_pids(parent: int | None = None) -> set[int]:
         if name == "p2pd" and int(fields[1]) == parent:
             pids.add(int(entry))
     return pids
+
+
+@contextlib.contextmanager
+def joiner_and_donors(name: str, donors: int):
+    """A background loop with a joiner node and ``donors`` nodes on loopback, and a Libp2pTransport
+    per node (the joiner's first): what the state-transfer tests hand a module fixture."""
+    from contextlib import AsyncExitStack
+    from types import SimpleNamespace
+
+    from swarmgrad.averaging.transport import Libp2pTransport
+    from swarmgrad.dht import NodeConfig, SwarmNode
+    from swarmgrad.runtime import BackgroundLoop
+
+    loop = BackgroundLoop(name)
+    stack = AsyncExitStack()
+
+    async def start():
+        joiner = await stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1")))
+        nodes = await asyncio.gather(*(
+            stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1", initial_peers=joiner.maddrs)))
+            for _ in range(donors)))
+        return joiner, nodes
+
+    try:
+        joiner, nodes = loop.run(start(), timeout=60)
+        yield SimpleNamespace(loop=loop, joiner=joiner, donors=nodes,
+                              transports=[Libp2pTransport(node.p2p) for node in (joiner, *nodes)])
+    finally:
+        loop.run(stack.aclose(), timeout=30)
+        loop.close()

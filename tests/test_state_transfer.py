@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import joiner_and_donors
 
 from swarmgrad.averaging import state_transfer
 from swarmgrad.averaging.state_transfer import (
@@ -23,35 +24,17 @@ from swarmgrad.averaging.state_transfer import (
     download_result,
     download_state,
 )
-from swarmgrad.averaging.transport import Libp2pTransport
-from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies import DiLoCoPolicy
-from swarmgrad.runtime import BackgroundLoop
 
 _protocols = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def swarm():
-    loop = BackgroundLoop("state-transfer-test")
-    stack = AsyncExitStack()
-
-    async def start():
-        joiner = await stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1")))
-        donors = await asyncio.gather(*(
-            stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1", initial_peers=joiner.maddrs)))
-            for _ in range(2)))
-        return joiner, donors
-
-    try:
-        joiner, donors = loop.run(start(), timeout=60)
-        yield SimpleNamespace(loop=loop, joiner=joiner, donors=donors,
-                              transports=[Libp2pTransport(node.p2p) for node in (joiner, *donors)])
-    finally:
-        loop.run(stack.aclose(), timeout=30)
-        loop.close()
+    with joiner_and_donors("state-transfer-test", 2) as started:
+        yield started
 
 
 def run(swarm, coroutine, seconds: float = 30.0):

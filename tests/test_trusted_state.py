@@ -8,14 +8,13 @@ transport has an admission that records what it blames (the scores themselves ar
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 from contextlib import AsyncExitStack, asynccontextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import joiner_and_donors
 
 from swarmgrad.averaging import state_transfer
 from swarmgrad.averaging.state_transfer import (
@@ -33,11 +32,8 @@ from swarmgrad.averaging.state_transfer import (
     sketch,
     tolerance_of,
 )
-from swarmgrad.averaging.transport import Libp2pTransport
 from swarmgrad.averaging.wire import RemoteError
-from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.peer.state import OPTIMIZER_PREFIX
-from swarmgrad.runtime import BackgroundLoop
 
 _protocols = itertools.count()
 
@@ -54,24 +50,9 @@ class Blames:
 
 @pytest.fixture(scope="module")
 def swarm():
-    loop = BackgroundLoop("trusted-state-test")
-    stack = AsyncExitStack()
-
-    async def start():
-        joiner = await stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1")))
-        donors = await asyncio.gather(*(
-            stack.enter_async_context(SwarmNode(NodeConfig(host="127.0.0.1", initial_peers=joiner.maddrs)))
-            for _ in range(3)))
-        return joiner, donors
-
-    try:
-        joiner, donors = loop.run(start(), timeout=60)
-        transports = [Libp2pTransport(node.p2p) for node in (joiner, *donors)]
-        yield SimpleNamespace(loop=loop, joiner=joiner, donors=donors, transports=transports,
-                              ids=[node.peer_id for node in donors])
-    finally:
-        loop.run(stack.aclose(), timeout=30)
-        loop.close()
+    with joiner_and_donors("trusted-state-test", 3) as started:
+        started.ids = [node.peer_id for node in started.donors]
+        yield started
 
 
 @pytest.fixture
