@@ -1,5 +1,6 @@
 """Accountability without a network: the score, its decay, the threshold, a ban's end (fake clock),
-the admission refusing a banned peer in a public run, and a round's suspicions reaching the score."""
+the admission refusing a banned peer in a public run, a round's suspicions reaching the score, and
+whom a leader leaves out of its group when members refuse one another."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import swarmgrad as sg
 from swarmgrad.averaging.accountability import WEIGHTS, Accountability, Misbehaviour
 from swarmgrad.averaging.admission import BANNED, NOT_ADMITTED, Admission
 from swarmgrad.averaging.allreduce import AllReduceReport
+from swarmgrad.averaging.matchmaking import left_out, peer_ids
 from swarmgrad.averaging.state_transfer import StateSnapshot, StateTransferError, _check_finite
+from swarmgrad.averaging.wire import FrameError
 from swarmgrad.commands.status import _view
 from swarmgrad.dht.membership import Member, TrainingStats
 from swarmgrad.errors import ConfigError
@@ -153,3 +156,27 @@ def test_swarmgrad_status_says_which_members_ban_others():
     assert "bans: 12D3Ko" in text and "bans 2" in text and text.count(" bans ") == 1
     console.print(_view([member("B", 0)], "r"))
     assert "bans:" not in console.export_text()
+
+
+def test_a_leader_leaves_out_whom_a_majority_refuses_else_the_members_that_refuse():
+    assert left_out("L", {"a": set(), "b": set(), "x": set()}) == set()
+    # one honest member banned the liar x: x stays (a majority admits it), the banner sits this round out
+    assert left_out("L", {"a": {"x"}, "b": set(), "c": set(), "x": set()}) == {"a"}
+    # most members banned it: x is left out, nobody else
+    assert left_out("L", {"a": {"x"}, "b": {"x"}, "c": {"x"}, "x": {"a", "b"}}) == {"x"}
+    # two of the four others is no majority: x and the two that refuse it sit out (x refuses them too)
+    assert left_out("L", {"a": {"x"}, "b": {"x"}, "c": set(), "x": {"a", "b"}}) == {"a", "b", "x"}
+    # a liar that refuses honest members loses its own seat only, however many it names
+    assert left_out("L", {"a": set(), "b": set(), "x": {"a", "b", "L"}}) == {"x"}
+    # half is no majority: of L, a, x, only a refuses x (L counts as admitting it)
+    assert left_out("L", {"a": {"x"}, "x": set()}) == {"a"}
+    assert left_out("L", {"a": {"x"}, "b": {"x"}, "x": set()}) == {"x"}  # 2 of the 3 others
+    assert left_out("L", {}) == set()
+
+
+def test_an_invitations_peer_lists_are_checked():
+    assert peer_ids({}, "group", 4) == set()  # an older leader's invitation names no group
+    assert peer_ids({"group": ["a", "b", "a"]}, "group", 4) == {"a", "b"}
+    for bad in ("a", [1], ["a"] * 5, [""], ["x" * 129], None):
+        with pytest.raises(FrameError, match="'group'"):
+            peer_ids({"group": bad}, "group", 4)

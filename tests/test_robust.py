@@ -15,6 +15,7 @@ import torch
 from swarmgrad.averaging import robust
 from swarmgrad.averaging.pushsum import ClipScale, Push, clip_pushes, merge
 from swarmgrad.averaging.robust import (
+    REJECT_FACTOR,
     TAU_FACTOR,
     TOLERANCE,
     bound_weights,
@@ -70,6 +71,19 @@ def ref_centered_clip(x: np.ndarray, w: np.ndarray, tau: float, start: np.ndarra
     return v
 
 
+def ref_robust_centered_clip(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """robust_aggregate's centered-clip: from the medoid with τ by the rule, then, while fewer than
+    half the rows lie over REJECT_FACTOR x τ from the result, on from there without them."""
+    start = x[ref_weighted_medoid(x, w)]
+    tau = TAU_FACTOR * ref_median([ref_distance(row, start) for row in x])
+    v = ref_centered_clip(x, w, tau, start)
+    far = [i for i in range(len(x)) if ref_distance(x[i], v) > REJECT_FACTOR * tau]
+    if not far or len(far) >= len(x) / 2:
+        return v, []
+    kept = [i for i in range(len(x)) if i not in far]
+    return ref_centered_clip(x[kept], w[kept], tau, v), far
+
+
 def ref_trimmed_mean(x: np.ndarray, w: np.ndarray, trim: int) -> np.ndarray:
     out = np.empty(x.shape[1])
     for j in range(x.shape[1]):
@@ -109,6 +123,58 @@ def test_centered_clip_matches_the_reference(seed, rows, cols, tau_scale):
     tau = tau_scale * float(np.median(np.linalg.norm(x - start.double().numpy(), axis=1))) + 1e-3
     got = centered_clip(stack, weights, tau, tol=1e-7, max_iters=2000, start=start)
     close(got, ref_centered_clip(x, w, tau, start.double().numpy()), float(stack.abs().max()), rel=2e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rows, cols", [(3, 40), (5, 64), (7, 129), (8, 300), (16, 33)])
+@pytest.mark.parametrize("liars", [0, 1, 2, 4, 8])
+def test_centered_clip_with_rejection_matches_the_reference(seed, rows, cols, liars):
+    """robust_aggregate's whole rule (medoid, τ, clip, reject, clip again) against the reference,
+    with ``liars`` rows (as many as there are) sign-flipped x10: rejected while they are a minority."""
+    stack, weights = random_case(seed, rows, cols)
+    stack[: min(liars, rows)] *= -10
+    expected, far = ref_robust_centered_clip(stack.double().numpy(), weights.numpy())
+    outcome = robust_aggregate("centered-clip", stack, weights)
+    close(outcome.value, expected, float(stack.abs().max()), rel=2e-5)
+    assert outcome.rejected == far and not set(far) & set(outcome.clipped)
+    assert len(far) < rows / 2
+    if 0 < liars < rows / 2:  # a minority of liars that far is left out, and only they are
+        assert far == list(range(liars))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_sign_flipped_rows_of_eight_are_rejected_where_clipping_alone_lets_them_pull(seed, monkeypatch):
+    """Honest rows u + noise with the noise larger than the update u (DiLoCo pseudo-gradients of
+    peers on different shards), two rows -10 x their own: the result stays by u (bias along -u under
+    a tenth of ||u||) where clipping alone loses most of u (its τ comes from the noise)."""
+    generator = torch.Generator().manual_seed(seed)
+    update = torch.randn(20_000, generator=generator)
+    stack = update + 3 * torch.randn(8, 20_000, generator=generator)
+    stack[:2] *= -10
+    weights = torch.ones(8, dtype=torch.float64)
+    honest_mean = stack[2:].mean(dim=0)
+
+    def along_update(value: torch.Tensor) -> float:
+        return float((value - honest_mean) @ update / update.norm() ** 2)  # in units of ||u||
+
+    outcome = robust_aggregate("centered-clip", stack, weights)
+    assert outcome.rejected == [0, 1] and outcome.clipped == []
+    assert abs(along_update(outcome.value)) < 0.1
+    monkeypatch.setattr(robust, "REJECT_FACTOR", math.inf)  # clipping alone: each liar pulls τ / 8
+    clipped = robust_aggregate("centered-clip", stack, weights)
+    assert clipped.rejected == [] and clipped.clipped == [0, 1] and along_update(clipped.value) < -0.5
+
+
+def test_a_row_within_the_rejection_radius_is_clipped_not_rejected():
+    # the medoid is the origin, τ = 1.5 x the median distance from it (1): 1.5
+    stack = torch.tensor([[0.0, 0.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0], [0.0, 1.0], [4.0, 0.0]])
+    ones = torch.ones(6, dtype=torch.float64)
+    outcome = robust_aggregate("centered-clip", stack, ones)
+    assert outcome.clipped == [5] and outcome.rejected == [] and 1 < outcome.reach[5] < REJECT_FACTOR
+    stack[5] = torch.tensor([100.0, 0.0])
+    outcome = robust_aggregate("centered-clip", stack, ones)
+    assert outcome.rejected == [5] and outcome.clipped == [] and outcome.reach[5] > 40
+    torch.testing.assert_close(outcome.value, torch.zeros(2))  # without it: the honest rows' own result
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -192,7 +258,8 @@ def test_one_outlier_scaled_by_a_million_moves_centered_clip_by_at_most_tau(seed
     attacked[0] *= 1e6
     outcome = robust_aggregate("centered-clip", attacked, weights)
     tau = choose_tau(attacked, attacked[weighted_medoid(attacked, weights)])
-    assert outcome.clipped[:1] == [0]  # the outlier's pull was cut, and it is named
+    assert outcome.rejected == [0] and 0 not in outcome.clipped  # the outlier was left out, and it is named
+    assert outcome.reach[0] > 1e5
     assert float((outcome.value - honest_result).norm()) <= 1.05 * tau
     assert float((weighted_mean(attacked, weights) - honest_result).norm()) > 1e3 * tau  # the mean is gone
     trimmed = trimmed_mean(attacked, weights, trim_for(rows))
@@ -262,12 +329,10 @@ def test_values_at_the_edge_of_float32_are_clipped_as_in_float64():
     honest rows: the result is the float64 reference's, near the honest rows."""
     stack = torch.tensor([[3e38, -3e38], [-3e38, 3e38], [1.0, 1.0], [2.0, 2.0], [1.5, 1.0]])
     weights = torch.ones(5, dtype=torch.float64)
-    x = stack.double().numpy()
-    start = x[ref_weighted_medoid(x, weights.numpy())]
-    tau = TAU_FACTOR * ref_median([ref_distance(row, start) for row in x])
+    expected, far = ref_robust_centered_clip(stack.double().numpy(), weights.numpy())
     outcome = robust_aggregate("centered-clip", stack, weights)
-    close(outcome.value, ref_centered_clip(x, weights.numpy(), tau, start), 1.0, rel=1e-4)
-    assert outcome.clipped == [0, 1] and float(outcome.value.abs().max()) < 3
+    close(outcome.value, expected, 1.0, rel=1e-4)
+    assert outcome.rejected == far == [0, 1] and float(outcome.value.abs().max()) < 3
     assert bool(torch.isfinite(robust_aggregate("trimmed-mean", stack, weights).value).all())
 
 

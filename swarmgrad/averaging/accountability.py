@@ -6,6 +6,8 @@ Whatever this peer catches another peer doing wrong adds that kind's weight to t
     invalid frame          1       a served stream's handler raised FrameError (transport.py, direct.py),
                                    a donor's state description or part broke the protocol
     clipped                0.5     a round's robust aggregation clipped its contribution (round suspicions)
+    rejected               0.5     it left the contribution out, over 3 τ from the result (robust.py): no more than
+                                   clipping it would have changed the result by (its share x τ)
     weight cut             2       it claimed a weight above the bound (round suspicions)
     bad state              3       a donor's state held NaN or Inf (in its sketch or the parts it served),
                                    or parts it served failed the check against the donors' sketches
@@ -18,7 +20,7 @@ a member's contribution and found nothing wrong with it halves that member's sco
 with the report's ``observed``: the peers whose contributions to this peer's part it aggregated): honest peers are clipped now and then (measured: 3 honest ``digits`` peers
 on the same data, one clipped in 11 of ~25 rounds within 12 s, never many rounds in a row), a liar
 in round after round, so what bans is misbehaving in about 20 rounds in a row (clipping alone, at
-0.5 a round) or 5 (weight cuts), however often rounds come. And every score halves every
+0.5 a round, or rejection) or 5 (weight cuts), however often rounds come. And every score halves every
 ``half_life`` seconds (60 s by default), for what no round forgives (invalid frames, bad state,
 a peer no longer in rounds). A burst of 10 points bans at once. One number per peer, no history.
 
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 WEIGHTS: dict[str, float] = {
     "invalid frame": 1.0,
     "clipped": 0.5,
+    "rejected": 0.5,
     "weight cut": 2.0,
     "bad state": 3.0,
     "implausible progress": 1.0,

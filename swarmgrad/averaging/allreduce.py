@@ -183,6 +183,7 @@ class GroupAllReduce:
                 owners = [p for i, p in enumerate(self.plan.members) if p != self.me and len(self.parts[i])]
                 exchanges = [self._spawn(self._exchange_with_owner(owner)) for owner in owners]
                 finished = asyncio.gather(*exchanges, self._all_served)
+                finished.add_done_callback(_retrieved)  # a failed round cancels it: nobody awaits it then
                 await asyncio.wait([finished, self._failure], return_when=asyncio.FIRST_COMPLETED)
                 if self._failure.done():
                     self._failure.result()  # raises the first failure
@@ -381,9 +382,10 @@ class GroupAllReduce:
         self._averages.append(({"t": "avg", "c": chunk.index, **header}, payload))
 
     def _robust_result(self, outcome: Aggregate) -> torch.Tensor:
-        """A chunk's robust result; the members whose pull it clipped are suspected."""
-        for row in outcome.clipped:
-            self._suspect(self.plan.members[row], "clipped")
+        """A chunk's robust result; the members whose pull it clipped or rejected are suspected."""
+        for reason, rows in (("rejected", outcome.rejected), ("clipped", outcome.clipped)):
+            for row in rows:
+                self._suspect(self.plan.members[row], reason, f" ({outcome.reach[row]:.1f} τ from the result)")
         return outcome.value
 
     def _bounded_weights(self) -> torch.Tensor:
@@ -420,13 +422,13 @@ class GroupAllReduce:
         logger.info("round %s: %s claimed weight %g; cut to %g", self.plan.round_id, peer, claim, bounded)
         self._suspect(peer, "weight cut")
 
-    def _suspect(self, peer: str, reason: str) -> None:
+    def _suspect(self, peer: str, reason: str, detail: str = "") -> None:
         if peer == self.me:
             return
         reasons = self.suspicions.setdefault(peer, [])
         if reason not in reasons:
             if reason != "weight cut":
-                logger.info("round %s: %s's contribution was %s", self.plan.round_id, peer, reason)
+                logger.info("round %s: %s's contribution was %s%s", self.plan.round_id, peer, reason, detail)
             reasons.append(reason)
 
     async def _send_averages(self, channel: Channel) -> None:
@@ -440,6 +442,11 @@ class GroupAllReduce:
         self._served += 1
         if self._served == len(self.others) and not self._all_served.done():
             self._all_served.set_result(None)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _expect(header: dict, kind: str) -> dict:

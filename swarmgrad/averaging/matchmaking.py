@@ -13,6 +13,14 @@
 4. The leader sends ``begin`` with the final plan (members, shares, codec, schema) to those who
    accepted, or ``cancel`` if fewer than ``min_group_size`` did. Everyone then runs the all-reduce
    on exactly the same plan.
+
+Bans are local (accountability.py), so a group may hold a peer that one member has banned and will
+not stream with: the whole round would fail for everyone, round after round, until every member
+had banned it. So the invitation names the leader's group, and an accepting member lists the
+members it refuses. The leader leaves out a member refused by a strict majority of the others,
+then every member that still refuses one who stays (``left_out``). A liar that refuses an honest
+peer thus loses only its own seat, and an honest peer that banned a liar before the others sits
+rounds out until half of them have.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ logger = logging.getLogger(__name__)
 # at doubling intervals up to window / 8, so a peer reads about a dozen times per round whatever
 # the swarm's size (a fixed 10 ms poll was 200 DHT reads per peer in a 2 s window).
 FIRST_POLL, POLLS_PER_WINDOW = 0.01, 8
+MAX_GROUP = 1024  # the most members an invitation may name (moshpit's group_size bound)
+MAX_PEER_ID = 128  # characters: libp2p's base58 peer ids are 52
 
 
 
@@ -55,6 +65,26 @@ class MatchRecord(RecordBody):
     codec: Annotated[str, pydantic.Field(max_length=32)]
     done: bool = False
     aggregator: Annotated[str, pydantic.Field(max_length=32)] = "mean"  # absent: a peer that only averages
+
+
+@dataclass
+class Invitee:
+    """A peer that accepted a leader's invitation: its channel, bandwidth share, and the members of
+    the leader's group it refuses (its local bans)."""
+
+    channel: Channel
+    share: float
+    refuses: set[str]
+
+
+def peer_ids(header: dict, name: str, most: int) -> set[str]:
+    """A frame's optional list of at most ``most`` peer ids (absent: none), as a set."""
+    if name not in header:
+        return set()
+    values = field(header, name, list)
+    if len(values) > most or not all(isinstance(value, str) and 0 < len(value) <= MAX_PEER_ID for value in values):
+        raise FrameError(f"frame field {name!r} must list at most {most} peer ids")
+    return set(values)
 
 
 @dataclass
@@ -82,6 +112,17 @@ def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[st
         groups.append(ordered[start : start + size])
         start += size
     return groups
+
+
+def left_out(leader: str, refusals: dict[str, set[str]]) -> set[str]:
+    """The members a leader leaves out of its group (the leader and the members that accepted;
+    ``refusals``: member -> the members it refuses): each refused by a strict majority of the
+    others, then each that refuses a member who stays. The leader itself always stays."""
+    members = {leader, *refusals}
+    dropped = {peer for peer in members - {leader}
+               if 2 * sum(peer in refused for refused in refusals.values()) > len(members) - 1}
+    staying = members - dropped
+    return dropped | {peer for peer, refused in refusals.items() if peer in staying and refused & staying}
 
 
 def leader_of(group: list[str], unreachable: frozenset[str], clients: frozenset[str] = frozenset()) -> str:
@@ -199,37 +240,48 @@ class Matchmaker:
 
     async def _lead(self, key: str, group: list[str], min_group_size: int, share: float) -> GroupPlan | None:
         me = self.node.peer_id
-        invitations = {peer: asyncio.ensure_future(self._invite(peer, key)) for peer in group if peer != me}
+        admission = self.transport.admission  # the expected members of a grid may hold a peer banned here
+        group = [peer for peer in group if peer == me or admission is None or admission.admits(peer)]
+        invitations = {peer: asyncio.ensure_future(self._invite(peer, key, group)) for peer in group if peer != me}
         if invitations:
             await asyncio.wait(invitations.values())
-        accepted: dict[str, tuple[Channel, float]] = {}
+        accepted: dict[str, Invitee] = {}
         for peer, task in invitations.items():
             if not task.cancelled() and task.exception() is None and task.result() is not None:
                 accepted[peer] = task.result()
+        dropped = left_out(me, {peer: invitee.refuses for peer, invitee in accepted.items()})
+        staying = {me, *accepted} - dropped
+        for peer in sorted(dropped):
+            refused = accepted[peer].refuses & staying
+            why = f"it refuses {', '.join(sorted(refused))}" if refused else "most members refuse it"
+            logger.info("%s: left %s out of the group (%s)", key, peer, why)
+        await asyncio.gather(*(self._finish_invitation(accepted.pop(peer).channel, {"t": "cancel"})
+                               for peer in sorted(dropped)))
         members = [me, *sorted(accepted)]
         plan = None
         if len(members) >= min_group_size:
-            shares = [share] + [accepted[peer][1] for peer in members[1:]]
+            shares = [share] + [accepted[peer].share for peer in members[1:]]
             if not any(shares):  # all behind NATs: the leader owns every part, the others dial it
                 shares[0] = 1.0
             round_id = f"{key}#{me[-8:]}.{secrets.token_hex(4)}"
             plan = GroupPlan(round_id, tuple(members), tuple(shares), self.codec, self.schema_digest, self.aggregator)
         message = {"t": "begin", "plan": plan.to_wire()} if plan else {"t": "cancel"}
-        await asyncio.gather(*(self._finish_invitation(channel, message) for channel, _ in accepted.values()))
+        await asyncio.gather(*(self._finish_invitation(invitee.channel, message) for invitee in accepted.values()))
         return plan
 
-    async def _invite(self, peer: str, key: str) -> tuple[Channel, float] | None:
-        """Invite one peer; its open channel and share if it accepted, None otherwise."""
+    async def _invite(self, peer: str, key: str, group: list[str]) -> Invitee | None:
+        """Invite one peer to ``group``; its open channel, share and refusals if it accepted, None otherwise."""
         channel = None
         try:
             async with timeout(self.reply_timeout):
                 channel = await self.transport.open(peer, self.protocol)
-                await channel.send({"t": "invite", "key": key})
+                await channel.send({"t": "invite", "key": key, "group": group})
                 reply = await channel.recv(max_payload=0)
             if reply.kind == "accept":
                 share = field(reply.header, "share", float)
-                if math.isfinite(share) and 0 <= share <= 1e12:
-                    return channel, share
+                refuses = peer_ids(reply.header, "refuses", len(group))
+                if math.isfinite(share) and 0 <= share <= 1e12 and refuses <= set(group) - {peer}:
+                    return Invitee(channel, share, refuses)
             logger.debug("%s declined the invitation for %s: %s", peer, key, reply.header.get("reason"))
         except Exception as error:  # unreachable, slow or misbehaving: simply not in the group
             logger.debug("invitation to %s for %s failed: %s: %s", peer, key, type(error).__name__, error)
@@ -251,13 +303,16 @@ class Matchmaker:
         async with timeout(self.reply_timeout):
             invite = expect_kind(await channel.recv(max_payload=0), "invite")
         key = field(invite.header, "key", str)
+        group = peer_ids(invite.header, "group", MAX_GROUP)
         looking = self._looking.get(key)
         if looking is None or looking.committed:
             reason = "not looking for a group under this key" if looking is None else "already in a group"
             await channel.send({"t": "decline", "reason": reason})
             return
         looking.committed = True
-        await channel.send({"t": "accept", "share": looking.share})
+        admission = self.transport.admission
+        refuses = sorted(peer for peer in group if admission is not None and not admission.admits(peer))
+        await channel.send({"t": "accept", "share": looking.share, "refuses": refuses})
         try:
             # the leader answers once every invitee has replied (each within reply_timeout)
             async with timeout(2 * self.reply_timeout):
