@@ -1,7 +1,7 @@
 """Attack benchmark: honest peers' accuracy with Byzantine peers in the swarm, without and with the defences.
 
     .venv/bin/python benchmarks/attacks.py [--attacks scaled,weight,...] [--peers 8] [--attackers 2]
-        [--seconds S] [--task digits] [--target A] [--quick] [--json]
+        [--seconds S] [--task digits] [--target A] [--repeats N] [--quick] [--json]
 
 Every row is one fresh run on loopback: a bootstrap node and ``--peers`` real ``swarmgrad peer``
 processes (DiLoCo, moshpit, int8), ``--attackers`` of them the real peer with one behaviour changed
@@ -23,6 +23,9 @@ histogram, median over peers). Then, from the two clean rows, the
 defaults' overhead: their time to target over mean's and their round time over mean's, and
 issue 15's bars judged on those numbers (each attack under the defaults within 2 points of the
 clean run; the defaults' time to target within 10% of mean's); they do not set the exit status.
+A clean run's time to target varies by a second or more from run to run (rows take ~4 s to
+reach it), so ``--repeats N`` runs the clean rows N times, the aggregators taking turns, and
+judges on their medians (``--attacks clean --repeats 5``: the overhead bar alone).
 
 ``--quick`` (for CI): 4 peers, 1 attacker, 10 s rows side by side: clean and the scaled attack,
 under the defaults (``--aggregators mean``: the scaled attack without them).
@@ -404,9 +407,24 @@ def summarize(layout: Layout, row: Row, peers: list[tuple[Child, bool]], joiner:
     return result
 
 
+def clean_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per aggregator, the clean rows' medians (one row, or ``--repeats`` of them) of what the bars
+    judge on: accuracy, time to target (rows that never reached it left out) and round time."""
+    found: dict[str, dict[str, Any]] = {}
+    for aggregator in AGGREGATORS:
+        clean = [row for row in rows if row["attack"] == "clean" and row["aggregator"] == aggregator
+                 and "error" not in row]
+        if clean:
+            found[aggregator] = {key: _median([row[key] for row in clean if row[key] is not None])
+                                 for key in ("accuracy_median", "time_to_target", "round_seconds")}
+            found[aggregator]["runs"] = len(clean)
+    return found
+
+
 def overhead(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The defaults against mean without attackers: time to target and round time, as ratios."""
-    clean = {row["aggregator"]: row for row in rows if row["attack"] == "clean" and "error" not in row}
+    """The defaults against mean without attackers (medians over the clean rows): time to target and
+    round time, as ratios."""
+    clean = clean_medians(rows)
     if set(clean) != set(AGGREGATORS):
         return None
     mean, defaults = clean["mean"], clean[DEFAULTS]
@@ -417,20 +435,19 @@ def overhead(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
     return {"time_to_target_mean": mean["time_to_target"], "time_to_target_defaults": defaults["time_to_target"],
             "time_ratio": ratio("time_to_target"), "round_seconds_mean": mean["round_seconds"],
-            "round_seconds_defaults": defaults["round_seconds"], "round_ratio": ratio("round_seconds")}
+            "round_seconds_defaults": defaults["round_seconds"], "round_ratio": ratio("round_seconds"),
+            "clean_runs": mean["runs"]}
 
 
 def checks(rows: list[dict[str, Any]], over: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Issue 15's bars, judged on what the rows measured: each attack under the defaults within
     ``ACCURACY_POINTS`` of the clean run's median, and the defaults' time to target within
     ``TIME_SLACK`` of mean's without attackers."""
-    clean = next((row for row in rows if row["attack"] == "clean" and row["aggregator"] == DEFAULTS
-                  and "error" not in row), None)
+    reference = clean_medians(rows).get(DEFAULTS, {}).get("accuracy_median")
     found = []
     for row in rows:
         if row["attack"] == "clean" or row["aggregator"] != DEFAULTS:
             continue
-        reference = None if clean is None else clean["accuracy_median"]
         value = row.get("accuracy_median")
         ok = None if reference is None or value is None else \
             value >= reference - ACCURACY_POINTS / 100 and not row["crashed"]
@@ -447,7 +464,7 @@ def checks(rows: list[dict[str, Any]], over: dict[str, Any] | None) -> list[dict
 
 
 def table(rows: list[dict[str, Any]], layout: Layout) -> Table:
-    clean = {row["aggregator"]: row.get("accuracy_median") for row in rows if row["attack"] == "clean"}
+    clean = {aggregator: medians["accuracy_median"] for aggregator, medians in clean_medians(rows).items()}
     title = (f"attacks: {layout.peers} peers ({layout.attackers} attackers), {layout.task}, {layout.seconds:g} s per "
              f"peer, target {layout.target:.0%}")
     out = Table(title=title, title_justify="left")
@@ -484,9 +501,10 @@ def parse_attacks(text: str) -> list[str | None]:
     return [None if name == "clean" else name for name in names]
 
 
-def plan(attacks: list[str | None], aggregators: list[str], clean: list[str]) -> list[Row]:
-    """The clean rows (one per aggregator in ``clean``) first, then each attack with each aggregator."""
-    rows = [Row(None, aggregator) for aggregator in clean]
+def plan(attacks: list[str | None], aggregators: list[str], clean: list[str], repeats: int = 1) -> list[Row]:
+    """The clean rows (one per aggregator in ``clean``, ``repeats`` rounds of them) first, then each
+    attack with each aggregator."""
+    rows = [Row(None, aggregator) for _ in range(repeats) for aggregator in clean]
     rows += [Row(attack, aggregator) for attack in attacks if attack is not None for aggregator in aggregators]
     return rows
 
@@ -506,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=None, help="accuracy timed (default 0.93)")
     parser.add_argument("--inner-steps", type=int, default=None,
                         help="DiLoCo local steps per round (default 20; --quick 10)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the clean rows this many times and judge on their medians (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help="CI: 4 peers, 1 attacker, clean and scaled under the defaults, short rows side by side")
     parser.add_argument("--json", action="store_true", help="print the JSON report on stdout (the table to stderr)")
@@ -529,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= seconds <= 3600:
             raise ValueError(f"--seconds must be within 1..3600, got {seconds:g}")
         target = args.target if args.target is not None else 0.93
+        if not 1 <= args.repeats <= 20:
+            raise ValueError(f"--repeats must be within 1..20, got {args.repeats}")
         if not 0 < target < 1:
             raise ValueError(f"--target must be within (0, 1), got {target:g}")
     except ValueError as error:
@@ -539,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     # --quick: the attack rows are compared with the clean run under the defaults (--aggregators mean
     # then shows the same attack without the defences)
     clean = [] if args.no_clean else [DEFAULTS] if quick else aggregators
-    rows = plan(attacks, aggregators, clean)
+    rows = plan(attacks, aggregators, clean, args.repeats)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logs = Path(args.logs) if args.logs else None
@@ -563,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table(results, layout))
     if report["overhead"] is not None:
         o = report["overhead"]
-        console.print(f"defaults vs mean, no attackers: time to {target:.0%} {fmt(o['time_to_target_defaults'], 1)} s "
+        runs = f" (medians of {o['clean_runs']} runs each)" if o["clean_runs"] > 1 else ""
+        console.print(f"defaults vs mean, no attackers{runs}: time to {target:.0%} {fmt(o['time_to_target_defaults'], 1)} s "
                       f"vs {fmt(o['time_to_target_mean'], 1)} s (ratio {fmt(o['time_ratio'])}); round "
                       f"{fmt(o['round_seconds_defaults'], 3)} s vs {fmt(o['round_seconds_mean'], 3)} s "
                       f"(ratio {fmt(o['round_ratio'])})")

@@ -64,3 +64,36 @@ def test_quick_attack_benchmark_reports_the_defence():
         assert len(entry["accuracies"]) == entry["honest_peers"] and not entry["crashed"], entry
     assert clean["accuracy_median"] >= 0.8, clean
     defended_check(report)
+
+
+def test_repeated_clean_rows_are_judged_on_their_medians():
+    """``--repeats``: the clean rows run that many times, the aggregators taking turns, and the bars
+    use their medians (one slow clean run no longer decides the overhead). The rows here are made up:
+    what is tested is the arithmetic over them, not a run."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    import attacks
+
+    rows = attacks.plan(["scaled"], ["mean", attacks.DEFAULTS], ["mean", attacks.DEFAULTS], repeats=3)
+    assert [(r.attack, r.aggregator) for r in rows] == [(None, "mean"), (None, "defaults")] * 3 + [
+        ("scaled", "mean"), ("scaled", "defaults")]
+
+    def clean(aggregator: str, accuracy: float, seconds: float | None, round_s: float) -> dict[str, Any]:
+        return {"attack": "clean", "aggregator": aggregator, "accuracy_median": accuracy,
+                "time_to_target": seconds, "round_seconds": round_s}
+
+    results = [clean("mean", 0.97, 3.0, 1.0), clean("defaults", 0.96, 9.0, 1.2),
+               clean("mean", 0.96, 4.0, 1.1), clean("defaults", 0.97, 3.5, 1.1),
+               clean("mean", 0.95, 5.0, 0.9), clean("defaults", 0.98, 4.2, 1.0),
+               {"attack": "scaled", "aggregator": "defaults", "accuracy_median": 0.955, "crashed": {}}]
+    over = attacks.overhead(results)
+    assert over["time_to_target_defaults"] == 4.2 and over["time_to_target_mean"] == 4.0  # not 9.0 vs 3.0
+    assert math.isclose(over["time_ratio"], 1.05) and over["clean_runs"] == 3
+    assert math.isclose(over["round_ratio"], 1.1)
+    found = {check["check"]: check for check in attacks.checks(results, over)}
+    assert found["scaled under the defaults: within 2 points of clean"]["ok"]  # 95.5 vs the median 97
+    assert found["no attackers: the defaults reach the target within 10% of mean's time"]["ok"]
+    results[-1]["accuracy_median"] = 0.945
+    assert not attacks.checks(results, over)[0]["ok"]
+    results.append(clean("defaults", 0.90, None, 1.0))  # a run that never reached the target counts for accuracy
+    assert attacks.clean_medians(results)["defaults"] == {"accuracy_median": 0.965, "time_to_target": 4.2,
+                                                          "round_seconds": 1.05, "runs": 4}

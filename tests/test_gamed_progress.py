@@ -42,6 +42,9 @@ def swarm(me: int, *others: tuple[str, int], averaging: tuple[str, ...] = ()) ->
     ((5, 5, 5, 0), 5),             # nor can one record drag it back
     ((10,) * 4 + (5,) * 4, 10),    # an even split: the same number for every peer, so only one side moves
     ((7,) * 6 + (LIE, LIE), 7),    # 2 of 8 lying
+    # 2 of 8 lying beside honest peers a round or two apart: the liars are left out, then the honest
+    # median is taken (with them in, it was the second honest peer's 11, and four honest peers were behind)
+    ((12, 11, 10, 10, 9, 9, LIE, LIE), 10),
 ])
 def test_the_swarms_epoch_is_the_one_half_of_the_peers_reached(epochs, expected):
     assert swarm(epochs[0], *((f"p{i}", e) for i, e in enumerate(epochs[1:]))).epoch == expected
@@ -112,6 +115,13 @@ def test_a_liar_cannot_make_a_step_due(lie):
     tracker.others = tuple(progress(p.peer_id, 0, samples=64.0, steps=6.0) for p in honest) + (progress("liar", 0),)
     set_grads(policy.params, 1)
     assert policy.after_backward(batch_size=8)
+
+
+def test_an_honest_leader_two_rounds_ahead_is_no_liar_when_liars_are_left_out():
+    view = swarm(10, ("a", 10), ("b", 9), ("c", 12), ("d", 11), ("liar1", LIE), ("liar2", LIE), ("e", 9))
+    assert view.epoch == 10 and view.ahead(10) == []
+    assert sorted(peer.peer_id for peer in view.implausible()) == ["liar1", "liar2"]  # not c, at 12
+    assert sorted(view.ahead(9)) == ["a", "d"]  # at 10 or 11: never the liars, nor c
 
 
 def test_claims_of_zero_keep_a_peer_from_its_round_only_until_it_trained_twice_the_steps():

@@ -18,6 +18,10 @@ No single record can force, stall or skip a swarm step, or make peers download (
   it catches up, taking the state only from peers at it (at most ``DONOR_LEAD`` past it), and a peer
   ahead of it on its own (nobody at its epoch, nobody about to come: a head start, or rounds that
   failed) rejoins it the same way, since in DiLoCo only a state download makes two models one.
+  Claims past that epoch by more than ``DONOR_LEAD`` are implausible and left out, and the epoch
+  is taken again over the rest: two records of eight claiming 10^6 would otherwise make it the
+  second honest peer's, and four of six honest peers, a round behind only by their records' lag,
+  downloaded instead of averaging (attack benchmark: 10 rounds in 40 s, 92.5% against 96.9%).
   A record claiming epoch 10^6 beside three honest peers moves nothing (before: the three froze at
   epoch 55 for the 40 s it lived, retrying downloads from its author); its author is blamed for
   ``implausible progress`` once per claim. In a swarm of two the other peer is half the swarm:
@@ -35,7 +39,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from swarmgrad.dht.membership import Membership, Progress, TrainingStats
 
@@ -49,6 +53,12 @@ CLAIM_CAP = 2.0
 # a peer's step is due once it trained this many times the steps a round wants, whatever the others
 # claim: a swarm of slow peers (or liars claiming zero) cannot hold it past the run's weight cap
 OWN_STEPS_DUE = 2.0
+
+
+def _half_reached(peers: Iterable[PeerProgress]) -> int:
+    """The furthest epoch at least half of ``peers`` reached (0 for none)."""
+    epochs = sorted((peer.epoch for peer in peers), reverse=True)
+    return epochs[math.ceil(len(epochs) / 2) - 1] if epochs else 0
 
 
 def _capped(claims: list[float]) -> list[float]:
@@ -79,9 +89,10 @@ class SwarmProgress:
 
     @property
     def epoch(self) -> int:
-        """The swarm's epoch: the furthest epoch at least half of the peers (this one included) reached."""
-        epochs = sorted((peer.epoch for peer in self.peers), reverse=True)
-        return epochs[math.ceil(len(epochs) / 2) - 1] if epochs else 0
+        """The swarm's epoch: the furthest epoch at least half of the peers (this one included) reached,
+        once the implausible claims (past the first such count by over ``DONOR_LEAD``) are left out."""
+        first = _half_reached(self.peers)
+        return _half_reached([peer for peer in self.peers if peer.epoch <= first + DONOR_LEAD])
 
     def at(self, epoch: int) -> list[PeerProgress]:
         return [peer for peer in self.peers if peer.epoch == epoch]
@@ -105,8 +116,9 @@ class SwarmProgress:
         return self._donors(target)
 
     def implausible(self) -> list[PeerProgress]:
-        """Peers further past the swarm's epoch than a round: what no honest peer claims for long."""
-        target = self.epoch
+        """Peers further than a round past the epoch half of all peers reached: what no honest peer
+        claims for long (measured before they are left out, so an honest leader never is)."""
+        target = _half_reached(self.peers)
         return [peer for peer in self.peers[1:] if peer.epoch > target + DONOR_LEAD]
 
     def samples_in(self, epoch: int) -> float:
