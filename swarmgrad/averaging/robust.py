@@ -15,10 +15,12 @@ The rules (README "Robust aggregation" says the same):
   result by at most its weight share x τ, whatever it sent; when no row is farther than τ from the
   weighted mean, the result is the weighted mean. Rows then farther than ``REJECT_FACTOR`` x τ
   from the result are *rejected* (while fewer than half the rows are) and the iteration goes on
-  from there without them: such a row is no honest one (honest rows set τ, and sit within about
-  τ / 1.5), and even clipped, a few of them pulling τ every round add up (two sign-flipped rows
-  of eight cost the swarm 11-14 accuracy points, clipped: attack benchmark). A liar that stays within
-  the radius still moves the result by at most its share x τ. When half the rows coincide (members of an
+  from there without them. Honest rows set τ and mostly sit within about τ / 1.5, while a few far
+  rows pulling τ every round add up: two sign-flipped rows of eight, only clipped, cost the swarm
+  11-14 accuracy points (attack benchmark). Late in training, when most rows nearly coincide (shards
+  learnt by heart), honest rows can lie far out too; rejecting one then moves the result by at most
+  its share x τ more than clipping it would. A liar that stays within the radius still moves the
+  result by at most its share x τ. When half the rows coincide (members of an
   earlier group that meet again hold one value) τ is 0 and that value is the result: the data
   cannot tell an honest odd row from a liar there, so repeated averaging of fixed values (a
   consensus) wants ``mean``; fresh contributions every round (DiLoCo, sync) never coincide.
@@ -42,7 +44,7 @@ import torch
 from swarmgrad.averaging.settings import AGGREGATORS
 
 TAU_FACTOR = 1.5  # honest rows of a high-dimensional chunk sit at about the same distance: none is clipped
-REJECT_FACTOR = 3.0  # a row this many τ from the result is left out (honest rows: within ~τ / 1.5)
+REJECT_FACTOR = 3.0  # a row this many τ from the result is left out (honest rows: mostly within ~τ / 1.5)
 TOLERANCE = 1e-4  # relative to τ: the last step moved the result by less than this fraction of τ
 MAX_ITERATIONS = 50  # a step is ~3 passes over the stack; steps shrink about as the clipped weight share
 TRIM_FRACTION = 0.25  # share of the rows dropped at each end (at least one from three rows on)
