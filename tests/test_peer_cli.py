@@ -268,6 +268,10 @@ def test_first_peer_of_a_run_needs_no_initial_peers(swarm):
                      f"{','.join(ready['maddrs'])}"], first.describe()
 
 
+# -m extended (CI's 25 minutes): the manifest's settings reaching a joiner are checked by
+# test_public_run_manifest_gives_joiners_the_settings, the first peer's listening and join hint by
+# test_first_peer_of_a_run_needs_no_initial_peers; this one joins through that hint alone
+@pytest.mark.extended
 def test_second_peer_joins_the_first_through_its_manifest(swarm):
     """The joiner gives only the run id and the first peer's address; the manifest gives the rest."""
     run = swarm("join-first")
