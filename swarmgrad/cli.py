@@ -135,14 +135,15 @@ def status(
     timeout: float = typer.Option(10.0, "--timeout", min=0.5, help="Seconds to keep trying the initial peers."),
 ) -> None:
     """Show the live members of a run: id, address, role, step, samples/s, last seen."""
-    from swarmgrad.commands.status import run_status
-    from swarmgrad.dht.node import NodeConfig
+    from swarmgrad.dht.config import NodeConfig
 
     peers = _split_addresses(initial_peers)
     if not peers:
         typer.echo("error: status needs --initial-peers (or SWARMGRAD_INITIAL_PEERS) to find the run", err=True)
         raise typer.Exit(EXIT_CONFIG_ERROR)
     config = _validated(lambda: NodeConfig(initial_peers=peers, client_mode=True, bootstrap_timeout=timeout))
+    from swarmgrad.commands.status import run_status  # after the checks: it loads hivemind and torch
+
     _run(run_status(config, run_id, json_output=json_output, watch=watch, interval=interval))
 
 

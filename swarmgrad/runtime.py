@@ -111,10 +111,14 @@ def configure_logging(level: int = 30) -> None:
     """Plain one-line logs on stderr at ``level``; hivemind's (and p2pd's) own logs no louder than WARNING
     unless debugging, so a terminal shows what matters."""
     import logging
-    import sys
 
-    from hivemind.utils.logging import use_hivemind_log_handler
+    from swarmgrad.after_import import after_import
 
-    use_hivemind_log_handler("nowhere")  # hivemind's records go through the root logger like ours
+    def route_hivemind() -> None:
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        use_hivemind_log_handler("nowhere")  # hivemind's records go through the root logger like ours
+        logging.getLogger("hivemind").setLevel(level if level <= logging.DEBUG else max(level, logging.WARNING))
+
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    logging.getLogger("hivemind").setLevel(level if level <= logging.DEBUG else max(level, logging.WARNING))
+    after_import("hivemind.utils.logging", route_hivemind)  # not before: importing hivemind loads torch
