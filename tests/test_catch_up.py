@@ -17,6 +17,7 @@ from conftest import run_async
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 import swarmgrad as sg
+from swarmgrad.averaging.accountability import Misbehaviour
 from swarmgrad.averaging.state_transfer import KEPT_RESULTS, StateTransferError
 from swarmgrad.peer import catch_up as catch_up_module
 from swarmgrad.peer.catch_up import CatchUp
@@ -48,8 +49,12 @@ class Harness:
         self.policy.after_backward(batch_size=4)
         self.state = TrainingState(model, optimizer, self.policy)
         self.server = KeptResults()
+        self.misbehaviour = Misbehaviour()
         runtime = SimpleNamespace(transport=object(), state_server=self.server, state_protocol="state",
-                                  reachable_first=lambda donors: list(donors))
+                                  reachable_first=lambda donors: list(donors),
+                                  admission=SimpleNamespace(misbehaviour=self.misbehaviour,
+                                                            blame=lambda peer, kind, detail: self.misbehaviour.note(
+                                                                peer, kind, detail)))
         self.published: list[int] = []
         self.catch_up = CatchUp(runtime, self.policy, self.state, self.tracker, Timing(),
                                 lambda: self.published.append(self.tracker.local.epoch))
@@ -222,6 +227,23 @@ def test_a_replayed_result_is_the_median_of_three_donors_so_a_poisoned_one_moves
     result = run_async(h.catch_up.agreed_result(["a", "liar", "b", "d"], 0))
     assert sorted(map(tuple, asked)) == [("a",), ("b",), ("liar",)]  # three at once, each alone
     torch.testing.assert_close(result, honest)  # per coordinate, the liar is an outlier
+    assert h.misbehaviour.score("liar") > 0 and h.misbehaviour.score("a") == h.misbehaviour.score("b") == 0
+
+
+def test_donors_seen_misbehaving_are_not_asked_for_a_result_while_three_others_can_be(monkeypatch):
+    """Two liars among five donors could be two of the three asked, and so the median: peers this
+    one saw clipped are asked last (scaled x100 attack: one honest peer replayed such a round, 27%)."""
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    honest = h.donor_results[0]
+    h.tracker.others = tuple(PeerProgress(name, 1, 0.0, 0.0, 0.0, False) for name in ("liar1", "a", "liar2", "b", "c"))
+    asked = results_from(monkeypatch, {"liar1": 100 * honest, "liar2": 100 * honest, "a": honest, "b": honest,
+                                       "c": honest})
+    for liar in ("liar1", "liar2"):
+        h.misbehaviour.note(liar, "clipped")
+    start = h.start()
+    assert run_async(h.catch_up.replay(h.tracker.ahead_of(0))) == 1
+    assert sorted(map(tuple, asked)) == [("a",), ("b",), ("c",)]
+    torch.testing.assert_close(h.policy.start, start - honest)
 
 
 def test_two_donors_whose_results_disagree_hand_over_nothing(monkeypatch):

@@ -116,6 +116,11 @@ class Misbehaviour:
                 score = self.score(peer_id) / 2
                 self._scores[peer_id] = (score, self.clock())
 
+    def least_suspect_first(self, peers: list[str]) -> list[str]:
+        """``peers`` by score, lowest first (ties keep their order): where a few of many are asked
+        (donors of a round's result), one seen clipped or cut is asked only if too few others are."""
+        return sorted(peers, key=self.score)
+
     def banned(self, peer_id: str) -> bool:
         """Whether ``peer_id`` is banned now (a dict lookup for everyone else: every stream asks)."""
         until = self._bans.get(peer_id)

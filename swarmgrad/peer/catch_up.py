@@ -4,7 +4,8 @@ A peer a round or two behind (its round failed while the others' succeeded, it w
 moment, or its state download ended with the swarm a round further) replays the rounds it missed:
 it takes each round's result from the peers that applied it (donors keep their last few,
 ``StateServer.publish_result``; up to three at once, their median, so that no donor alone decides:
-``CatchUp.agreed_result``) and applies it to its own state, as if it had averaged with them.
+``CatchUp.agreed_result``; the three with the lowest misbehaviour scores here, so that peers seen
+clipped or cut are not asked while others can be) and applies it to its own state, as if it had averaged with them.
 That moves a bfloat16 copy of the contribution, not the whole state (parameters, strategy state and,
 for a fresh joiner, optimizer moments), so a peer on a slow link is back in time for the next round
 instead of spiralling through downloads that each end with the swarm a round further on. Further
@@ -86,7 +87,8 @@ class CatchUp:
         while donors and applied < KEPT_RESULTS:
             epoch = self.epoch
             try:
-                result = await self.agreed_result(self.runtime.reachable_first(donors), epoch)
+                asked = self.runtime.admission.misbehaviour.least_suspect_first(self.runtime.reachable_first(donors))
+                result = await self.agreed_result(asked, epoch)
             except StateTransferError as error:
                 logger.info("could not replay round %d: %s", epoch, error)
                 break
@@ -114,12 +116,18 @@ class CatchUp:
         outcomes = await asyncio.gather(*(download_result(
             self.runtime.transport, self.runtime.state_protocol, [donor], epoch, self.policy.layout.total,
             seconds=self.timing.control_timeout) for donor in asked), return_exceptions=True)
-        results = [outcome for outcome in outcomes if isinstance(outcome, torch.Tensor)]
+        served = [(donor, outcome) for donor, outcome in zip(asked, outcomes) if isinstance(outcome, torch.Tensor)]
+        results = [result for _, result in served]
         if not results:
             failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
             raise StateTransferError(f"no donor handed over the result of round {epoch} ({failure})")
         if len(results) >= 3:
-            return torch.stack(results).median(dim=0).values
+            median = torch.stack(results).median(dim=0).values
+            spread = REPLAY_SPREAD * float(median.norm())
+            for donor, result in served:  # out-voted; blamed so that it is asked last next time
+                if float((result - median).norm()) > spread:
+                    self.runtime.admission.blame(donor, "digest disagreement", f"round {epoch}'s result")
+            return median
         if len(results) == 2:
             first, second = results
             if float((first - second).norm()) > REPLAY_SPREAD * max(float(first.norm()), float(second.norm())):
