@@ -23,7 +23,7 @@ from swarmgrad.dht.membership import Member, TrainingStats
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.driver import RoundOutcome
 
-RULE = Accountability(ban_threshold=5, ban_seconds=30, half_life=10)
+RULE = Accountability(ban_threshold=5, ban_seconds=30, half_life=10, far_rows=0.5)
 
 
 class Clock:
@@ -39,7 +39,7 @@ def test_scores_add_the_kinds_weights_and_halve_every_half_life():
     scores = Misbehaviour(RULE, clock=clock)
     scores.note("p", "clipped")
     scores.note("p", "weight cut")
-    assert scores.score("p") == pytest.approx(WEIGHTS["clipped"] + WEIGHTS["weight cut"])
+    assert scores.score("p") == pytest.approx(RULE.far_rows + WEIGHTS["weight cut"])
     clock.now += 10  # one half-life
     assert scores.score("p") == pytest.approx(1.25)
     clock.now += 20
@@ -79,8 +79,18 @@ def test_a_burst_bans_at_once_and_the_peer_itself_is_never_scored():
     assert set(scores.bans()) == {"a"} and scores.score("me") == 0.0 and scores.score("b") == 0.5
 
 
+def test_by_default_clipped_and_rejected_rows_never_ban_however_often():
+    """Honest rows late in training are rejected round after round (accountability.py (*))."""
+    scores = Misbehaviour(clock=Clock())
+    for _ in range(1000):
+        scores.note_round({"far": ["rejected", "clipped"]}, ["far"])
+    assert scores.score("far") == 0.0 and scores.bans() == {}
+    scores.note_round({"far": ["weight cut"]}, ["far"])  # what no honest peer does still counts
+    assert scores.score("far") == WEIGHTS["weight cut"]
+
+
 def test_clean_rounds_forgive_so_only_round_after_round_of_clipping_bans():
-    scores = Misbehaviour(clock=Clock())  # the defaults: threshold 10
+    scores = Misbehaviour(Accountability(far_rows=0.5), clock=Clock())  # threshold 10
     group = ["liar", "honest", "other"]
     for round_index in range(1000):  # the honest peer is clipped in every other round, the liar in every one
         suspicions = {"liar": ["clipped"]} if round_index < 19 else {}
@@ -128,7 +138,7 @@ def test_a_rounds_suspicions_count_toward_a_ban_and_show_in_the_status():
                    accountability=Accountability(ban_threshold=4))
     report = AllReduceReport(ok=True, round_id="r", group=["liar"], contributors=["liar"], suspicions={"liar": ["weight cut", "clipped"]})
     peer._record(RoundOutcome(ok=True, report=report))
-    assert peer.runtime.admission.misbehaviour.score("liar") == pytest.approx(2.5, rel=1e-3)
+    assert peer.runtime.admission.misbehaviour.score("liar") == pytest.approx(2.0, rel=1e-3)  # clipped: 0
     peer._record(RoundOutcome(ok=False, report=report))
     assert set(peer.status().banned) == {"liar"} and peer._stats().bans == 1
 

@@ -91,8 +91,9 @@ def test_a_peer_that_keeps_sending_invalid_frames_is_banned_then_admitted_again(
 def test_a_peer_whose_contributions_are_clipped_round_after_round_is_banned_and_honest_ones_are_not():
     """Real moshpit rounds (3 honest Averagers and one that scales what it sends by 1000, fresh values
     every round, as training sends): each round's report goes to the score as ``Peer._record`` hands
-    it over. An owner that saw the liar left out in 4 rounds bans it (0.5 a round, threshold 2; owners
-    change from round to round); nobody bans an honest peer. Then rounds go on: a leader leaves out
+    it over. With far rows counted (``far_rows`` 0.5; 0 by default, accountability.py) an owner that
+    saw the liar left out in 4 rounds bans it (threshold 2; owners change from round to round);
+    nobody bans an honest peer. Then rounds go on: a leader leaves out
     whoever a majority refuses, or a member that refuses one the others keep, so no round fails
     because one member refuses to stream with another (before, each such round failed for all:
     "expected a 'avg' frame, got 'end'")."""
@@ -100,7 +101,7 @@ def test_a_peer_whose_contributions_are_clipped_round_after_round_is_banned_and_
 
     from swarmgrad.averaging import Averager
 
-    rule = Accountability(ban_threshold=2, ban_seconds=600, half_life=600)
+    rule = Accountability(ban_threshold=2, ban_seconds=600, half_life=600, far_rows=0.5)
 
     async def scenario():
         async with AsyncExitStack() as stack:
