@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_async
+from conftest import eventually, run_async
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 import swarmgrad as sg
@@ -190,6 +190,13 @@ def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its
                 epoch_b = b.epoch
                 await train_until(a, model_a, lambda: a.epoch >= epoch_b + 1, 60, "a a round ahead", 4)
                 assert a.epoch - epoch_b <= KEPT_RESULTS
+
+                async def b_sees_a_ahead() -> bool:
+                    return bool(b.tracker.ahead_of(epoch_b))
+
+                # a's epoch reaches b through a's record, on b's next reread (seconds under load: with
+                # no wait, b's first step after resuming saw nobody ahead, 2 of 4 runs in CI's load)
+                await eventually(b_sees_a_ahead, 30)
                 await b.aresume()
                 downloads = b.status().state_downloads
                 x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
