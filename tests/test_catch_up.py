@@ -239,14 +239,14 @@ def test_a_replayed_result_is_the_median_of_three_donors_so_a_poisoned_one_moves
 
 def test_donors_seen_misbehaving_are_not_asked_for_a_result_while_three_others_can_be(monkeypatch):
     """Two liars among five donors could be two of the three asked, and so the median: peers this
-    one saw clipped are asked last (scaled x100 attack: one honest peer replayed such a round, 27%)."""
+    one scored are asked last (scaled x100 attack: one honest peer replayed such a round, 27%)."""
     h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
     honest = h.donor_results[0]
     h.tracker.others = tuple(PeerProgress(name, 1, 0.0, 0.0, 0.0, False) for name in ("liar1", "a", "liar2", "b", "c"))
     asked = results_from(monkeypatch, {"liar1": 100 * honest, "liar2": 100 * honest, "a": honest, "b": honest,
                                        "c": honest})
-    for liar in ("liar1", "liar2"):
-        h.misbehaviour.note(liar, "clipped")
+    for liar in ("liar1", "liar2"):  # out-voted once before (what agreed_result blames)
+        h.misbehaviour.note(liar, "digest disagreement")
     start = h.start()
     assert run_async(h.catch_up.replay(h.tracker.ahead_of(0))) == 1
     assert sorted(map(tuple, asked)) == [("a",), ("b",), ("c",)]
