@@ -18,6 +18,19 @@ from swarmgrad.runtime import configure_logging, run
 
 configure_logging(20)
 
+# CI runs the suite on two xdist workers (pyproject addopts): the suite keeps about one core busy on
+# average (user + system time 1268 s over 1294 s of wall time), so two workers share the machine's
+# two cores. These modules run whole swarms or labs; they all go to one worker, one at a time, so two
+# of them never load the machine at once, and lab tests never see another lab's namespaces appear.
+HEAVY_MODULES = {"test_attacks_benchmark", "test_bandwidth_sweep", "test_cli", "test_docs", "test_scale_benchmark"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        if module.startswith("test_lab") or module in HEAVY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
 
 def lab_unavailable() -> str | None:
     """Why the swarm lab's emulated network cannot run here (not root, tools or namespaces missing), or None."""
