@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scenario", default=str(SCENARIO), help="lab scenario TOML (peers, delay, loss, task)")
     parser.add_argument("--duration", type=float, default=None, help="each run's training budget, seconds")
     parser.add_argument("--best-compression", default=BEST_COMPRESSION, help="swarmgrad-best's codec spec")
-    parser.add_argument("--quick", action="store_true", help="one bandwidth, digits, 3 peers, 20 s: a check for CI")
+    parser.add_argument("--quick", action="store_true", help="one bandwidth, fashion-mnist, 3 peers, 20 s: a check for CI")
     parser.add_argument("--out", default=".", help="directory for bandwidth-sweep.png and .json")
     parser.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     args = parser.parse_args(argv)
