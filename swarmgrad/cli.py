@@ -22,6 +22,7 @@ from swarmgrad.dashboard.settings import DashboardSettings
 from swarmgrad.demo.settings import DemoSettings
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import DiLoCo, GossipSGD, RunConfig, SyncSGD
+from swarmgrad.timing import Timing
 from swarmgrad.version import __version__
 
 app = typer.Typer(
@@ -191,6 +192,7 @@ def peer(
     aggregator: Optional[str] = typer.Option(None, "--aggregator", help=f"How contributions are combined: mean, centered-clip (bounds what one liar can do; gossip: clipped pushes) or trimmed-mean (default {_RUN_DEFAULTS.aggregator}).", rich_help_panel="Run"),
     inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help=f"diloco: local steps between averaging (default {DiLoCo().inner_steps}).", rich_help_panel="Run"),
     outer_lr: Optional[float] = typer.Option(None, "--outer-lr", help=f"diloco: outer learning rate (default {DiLoCo().outer_lr}).", rich_help_panel="Run"),
+    overlap: Optional[str] = typer.Option(None, "--overlap", help=f"diloco: auto, on or off: a round travels while the next local steps run, its outer step applied when it is back; auto does so where rounds and local steps take times within 1/{Timing().overlap_share:g} of each other (default {DiLoCo().overlap}).", rich_help_panel="Run"),
     target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", help=f"sync: swarm-wide samples per step (default {SyncSGD().target_batch_size}).", rich_help_panel="Run"),
     gossip_every: Optional[int] = typer.Option(None, "--gossip-every", help=f"gossip: local steps between parameter averaging (default {GossipSGD().every}).", rich_help_panel="Run"),
     group_size: Optional[int] = typer.Option(None, "--group-size", help=f"moshpit: peers per group (default {Moshpit().group_size}).", rich_help_panel="Run"),
@@ -208,6 +210,7 @@ def peer(
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many local steps.", rich_help_panel="Local"),
     target_accuracy: Optional[float] = typer.Option(None, "--target-accuracy", help="Stop once a held-out evaluation reaches it.", rich_help_panel="Local"),
     eval_every: Optional[float] = typer.Option(None, "--eval-every", help=f"Seconds between held-out evaluations; 0: only at the end (default {_local_default('eval_every')}).", rich_help_panel="Local"),
+    eval_batches: Optional[int] = typer.Option(None, "--eval-batches", help="Evaluate on the first N batches of the held-out set only: quicker, less CPU taken from training (default: all of it).", rich_help_panel="Local"),
     no_final_eval: bool = typer.Option(False, "--no-final-eval", help="Skip the held-out evaluation at the end.", rich_help_panel="Local", show_default=False),
     checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Resume from and save checkpoints to this directory.", rich_help_panel="Local"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's).", rich_help_panel="Local"),
@@ -264,6 +267,7 @@ def peer(
     local = LocalOptions(ticket=ticket, shard=options.shard, num_shards=options.num_shards, data_dir=options.data_dir,
                          max_seconds=options.max_seconds, max_steps=options.max_steps,
                          target_accuracy=options.target_accuracy, eval_every=options.eval_every,
+                         eval_batches=options.eval_batches,
                          final_eval=not options.no_final_eval, checkpoint_dir=options.checkpoint_dir,
                          threads=options.threads, trusted_network=options.trusted_network,
                          wait_peers=options.wait_peers, wait_seconds=options.wait, slowdown=options.slowdown,

@@ -32,6 +32,14 @@ class Timing(SettingsModel):
     min_round_deadline: Seconds = 5.0
     max_round_deadline: Seconds = 600.0
     round_slack: Annotated[float, pydantic.Field(ge=1, le=100)] = 4.0  # deadline = slack x measured round time
+    # DiLoCo's overlap in auto (peer/overlap.py): a round travels behind the next inner phase while
+    # the shorter of the measured round and inner phase is at least this share of the longer, and
+    # rounds take at least overlap_min_round seconds. At 0.3 an overlapped epoch is at most 0.77 as
+    # long as one in turn, and with the eager outer step an epoch loses little: at 5 Mbit/s
+    # (benchmarks/bandwidth_sweep.py) q4 overlapped was at 0.854 after 3 epochs where compute-only
+    # was at 0.873, and reached 85% in 0.91x its time
+    overlap_share: Annotated[float, pydantic.Field(gt=0, le=1)] = 0.3
+    overlap_min_round: Seconds = 1.0  # shorter rounds are not worth a stale outer step
     join_timeout: Seconds = 60.0  # downloading the swarm's state
     catch_up_retry: Seconds = 5.0  # after a failed state download, train locally this long before retrying
     close_part: Seconds = 10.0  # each part of leaving (averagers, presence, state server, node)

@@ -44,8 +44,8 @@ class FakeTracker:
         self.local.averaging = averaging
         self.averaging_set.append(averaging)
 
-    def next_epoch(self, epoch: int) -> None:
-        self.local.epoch, self.local.samples, self.local.steps, self.local.averaging = epoch, 0, 0, False
+    def next_epoch(self, epoch: int, steps: int = 0, samples: int = 0) -> None:
+        self.local.epoch, self.local.samples, self.local.steps, self.local.averaging = epoch, samples, steps, False
 
 
 class FakeBackend:

@@ -323,3 +323,9 @@ def test_load_options_without_the_cli(tmp_path):
     assert (loaded.options.inner_steps, loaded.options.lr, loaded.options.seed) == (5, 0.1, 4)
     assert loaded.where("inner_steps") == f"{config}: key 'inner-steps'"
     assert loaded.where("seed") == "environment variable SWARMGRAD_SEED" and loaded.where("lr") == "--lr"
+
+
+def test_eval_batches_is_a_positive_count():
+    assert printed("peer", "digits", "-r", "r", "--eval-batches", "3")["eval-batches"] == 3
+    assert printed("peer", "digits", "-r", "r")["eval-batches"] is None  # the whole held-out set
+    assert "--eval-batches" in one_error(cli("peer", "digits", "-r", "r", "--eval-batches", "0"))

@@ -482,3 +482,12 @@ def test_sigint_mid_run_leaves_nothing_behind(tmp_path):
             child.wait()
         if prefix is not None:
             network.cleanup(prefix)
+
+
+def test_the_evaluator_evaluates_on_the_scenarios_share_of_the_test_set(tmp_path):
+    lab = _lab(tmp_path, MINIMAL.replace("duration = 60", "duration = 60\neval_batches = 2"))
+    first, other = (lab.peer_command(lab.peers[i], max_seconds=60, wait_peers=3) for i in (0, 2))
+    assert first[first.index("--eval-batches") + 1] == "2" and "--eval-batches" not in other
+    (tmp_path / "whole").mkdir()
+    whole = _lab(tmp_path / "whole", MINIMAL)
+    assert "--eval-batches" not in whole.peer_command(whole.peers[0], max_seconds=60, wait_peers=3)

@@ -132,3 +132,37 @@ def test_a_python_peer_and_a_cli_peer_with_default_settings_average_together():
         assert done["status"]["settings"] == mine.settings
     finally:
         run.close()
+
+
+def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
+    """With overlap on, each round travels while the next inner phase runs. Each peer's published
+    state (what joiners download) holds the swarm's model, the start its outer steps reached, while
+    its live parameters carry the local progress made since on top."""
+    holders: list[sg.Peer] = []
+
+    async def scenario() -> list[sg.PeerStatus]:
+        models = [model_and_optimizer() for _ in range(2)]
+        strategy = sg.DiLoCo(inner_steps=INNER, overlap="on")
+        timing = sg.Timing(presence_refresh=0.5)
+        async with sg.Peer(*models[0], run_id="py-overlap", strategy=strategy, compression="none",
+                           timing=timing) as first:
+            async with sg.Peer(*models[1], run_id="py-overlap", strategy=strategy, compression="none", timing=timing,
+                               initial_peers=first.maddrs) as second:
+                holders.extend([first, second])
+                await asyncio.gather(first.await_peers(2, 20), second.await_peers(2, 20))
+                statuses = await asyncio.gather(*(train(peer, model, seed, steps=6 * INNER)
+                                                  for seed, (peer, (model, _)) in enumerate(zip(holders, models))))
+                for peer in holders:
+                    await peer.driver.abandon()  # a round still in flight: withdrawn, start as last landed
+                    snapshot = peer.runtime.state_server.latest
+                    assert snapshot is not None and snapshot.version == peer.epoch
+                    served = [snapshot.tensors()[f"model/{key}"] for key in peer.model.state_dict()]
+                    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in served]), peer.policy.start)
+                    live = torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()])
+                    assert not torch.equal(live, peer.policy.start)  # the progress since the last landing
+                return statuses
+
+    statuses = run_async(scenario())
+    for status in statuses:
+        assert status.rounds_overlapped >= 2 and status.rounds_ok >= 2, status
+        assert status.epoch >= 3, status

@@ -104,6 +104,7 @@ class PeerOptions(CommandOptions):
     aggregator: Optional[str] = None
     inner_steps: Optional[int] = None
     outer_lr: Optional[float] = None
+    overlap: Optional[str] = None
     target_batch_size: Optional[int] = None
     gossip_every: Optional[int] = None
     group_size: Optional[int] = None
@@ -122,6 +123,7 @@ class PeerOptions(CommandOptions):
     max_steps: Optional[Positive] = None
     target_accuracy: Optional[Annotated[float, pydantic.Field(ge=0, le=1)]] = None
     eval_every: Seconds = 10.0  # 0: only at the end
+    eval_batches: Optional[Positive] = None  # None: the whole held-out set
     no_final_eval: bool = False
     checkpoint_dir: Optional[Path] = None
     threads: Optional[Positive] = None

@@ -28,6 +28,7 @@ RUN_OPTIONS: dict[str, str] = {
     "aggregator": "aggregator",
     "inner_steps": "strategy.inner_steps",
     "outer_lr": "strategy.outer_lr",
+    "overlap": "strategy.overlap",
     "target_batch_size": "strategy.target_batch_size",
     "gossip_every": "strategy.every",
     "group_size": "averaging.group_size",

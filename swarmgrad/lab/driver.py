@@ -169,6 +169,8 @@ class Lab:
         if peer.index != 0:
             return ["--eval-every", "0", "--no-final-eval"]
         flags = ["--eval-every", f"{self.scenario.eval_every:g}"]
+        if self.scenario.eval_batches is not None:
+            flags += ["--eval-batches", str(self.scenario.eval_batches)]
         if self.scenario.target_accuracy is not None:
             flags += ["--target-accuracy", f"{self.scenario.target_accuracy:g}"]
         return flags

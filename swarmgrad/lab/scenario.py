@@ -136,12 +136,14 @@ class Scenario(_Strict):
     duration: float = pydantic.Field(180.0, gt=0, le=24 * 3600)
     target_accuracy: float | None = pydantic.Field(None, gt=0, le=1)
     eval_every: float = pydantic.Field(3.0, gt=0)
+    eval_batches: int | None = pydantic.Field(None, ge=1)  # None: peer 0 evaluates on the whole test set
     # run options, passed through to `swarmgrad peer` flags and checked against RunConfig (None: its default)
     strategy: str | None = None
     averaging: str | None = None
     compression: str | None = None
     inner_steps: int | None = None
     outer_lr: float | None = None
+    overlap: str | None = None
     target_batch_size: int | None = None
     gossip_every: int | None = None
     group_size: int | None = None

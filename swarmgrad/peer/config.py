@@ -31,16 +31,21 @@ from swarmgrad.averaging.settings import (
 from swarmgrad.errors import ConfigError
 from swarmgrad.settings import SettingsModel, describe_validation_error  # noqa: F401  (re-exported)
 
+Overlap = Literal["auto", "on", "off"]
+
 
 class DiLoCo(SettingsModel):
     """DiLoCo (arXiv 2311.08105): ``inner_steps`` local steps per peer between swarm steps (on
     average over the peers of an epoch), then the pseudo-gradients are averaged and an outer
-    Nesterov step is taken from the common start."""
+    Nesterov step is taken from the common start. ``overlap``: whether a round may travel while
+    the next inner phase runs, its outer step landing when it is back (peer/overlap.py): ``auto``
+    (where the measured rounds take a large share of the inner phase), ``on`` or ``off``."""
 
     name: Literal["diloco"] = "diloco"
     inner_steps: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = 50
     outer_lr: Annotated[float, pydantic.Field(gt=0, le=10)] = 0.7
     outer_momentum: Annotated[float, pydantic.Field(ge=0, lt=1)] = 0.9
+    overlap: Overlap = "auto"
 
 
 class SyncSGD(SettingsModel):

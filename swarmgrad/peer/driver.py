@@ -2,6 +2,10 @@
 common to every strategy (attempts, catching up with a swarm that moved on, how many peers to
 expect, stepping alone) so the policies only say what they contribute and how they apply it.
 
+A DiLoCo round may also travel behind the next inner phase (overlap.py decides when): it is
+launched, the training loop goes on, and ``land()`` takes its outer step once it is back (or once
+the next inner phase is done, waiting for it then).
+
 The driver talks to an ``AveragingBackend`` (a moshpit ``Averager`` or a ``GossipAverager``
 behind a small adapter, or a fake in unit tests) and to the peer's progress tracker; it does no
 networking of its own.
@@ -18,6 +22,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import torch
 
 from swarmgrad.averaging import Averager, GossipAverager
+from swarmgrad.peer.overlap import Flight, OverlapMode, PhaseClock
 from swarmgrad.peer.progress import SwarmProgress
 from swarmgrad.peer.strategies import Policy
 from swarmgrad.timing import Timing
@@ -78,7 +83,7 @@ class Tracker(Protocol):
 
     def set_averaging(self, averaging: bool) -> None: ...
 
-    def next_epoch(self, epoch: int) -> None: ...
+    def next_epoch(self, epoch: int, steps: int = 0, samples: int = 0) -> None: ...
 
 
 CatchUp = Callable[[list[str], int, bool], Awaitable[None]]  # donors, minimum version, rejoin; raises on failure
@@ -92,19 +97,35 @@ class RoundDriver:
     ``record(outcome)`` counts each round. ``keep_result(epoch, tensor)`` is handed what each epoch
     applied (the swarm's average, or the peer's own values when it stepped alone), before it is
     applied: a peer that missed the round replays it from there. ``run_id`` only names the run in warnings.
+    ``overlap``: whether the policy's rounds may travel behind the next inner phase (overlap.py).
     """
 
     def __init__(self, policy: Policy, backend: AveragingBackend, tracker: Tracker, timing: Timing,
                  catch_up: CatchUp, record: Callable[[RoundOutcome], None] = lambda outcome: None,
-                 run_id: str = "", keep_result: Callable[[int, torch.Tensor], None] = lambda epoch, result: None):
+                 run_id: str = "", keep_result: Callable[[int, torch.Tensor], None] = lambda epoch, result: None,
+                 overlap: OverlapMode = "off"):
         self.policy, self.backend, self.tracker, self.timing = policy, backend, tracker, timing
         self.catch_up, self.record, self.run_id, self.keep_result = catch_up, record, run_id, keep_result
         self.solo_steps = 0  # epochs this peer finished alone
+        self.overlapped = 0  # rounds that travelled behind an inner phase
         self.warning: str | None = None  # why this peer trains alone, when it can tell
+        self.clock = PhaseClock(overlap if policy.overlap_steps is not None else "off", timing)
+        self.flight: Flight | None = None  # the round travelling while training goes on
+        self._overlapping = False
         self._retry_at = 0.0
 
     async def swarm_step(self) -> bool:
-        """One swarm step; True when this peer's epoch advanced (by averaging, alone, or by catching up)."""
+        """One swarm step; True when this peer's epoch advanced (by averaging, alone, or by catching
+        up). False also when the round was launched to travel behind the next inner phase."""
+        if self.flight is not None:
+            raise RuntimeError("a round is in flight: land() it first")
+        self.clock.blocked()
+        try:
+            return await self._swarm_step()
+        finally:
+            self.clock.resumed()
+
+    async def _swarm_step(self) -> bool:
         epoch = self.tracker.local.epoch
         if time.monotonic() < self._retry_at:
             return False  # the last download failed: train on locally for a moment before trying again
@@ -121,38 +142,143 @@ class RoundDriver:
         if ahead:  # the swarm moved on without us: take its state instead of averaging stale values
             return await self._try_catch_up(ahead, epoch + 1)
         alone = not self.tracker.others_at(epoch) and not self.tracker.others_at(epoch - 1)
-        attempts = 0 if alone else MAX_ROUND_ATTEMPTS
         if not alone:
             self.tracker.set_averaging(True)
-        for attempt in range(attempts):
-            self.policy.prepare()
-            outcome = await self.backend.average(epoch, attempt, self.policy.weight(), self.expected_peers(epoch))
-            self.record(outcome)
-            if outcome.ok and outcome.average is not None:
-                self.keep_result(epoch, outcome.average)
-                self.policy.apply(outcome.average)
-                self.tracker.next_epoch(epoch + 1)
-                return True
-            ahead = await self._wait_for_ahead(epoch)
-            if ahead:
-                return await self._try_catch_up(ahead, epoch + 1)
-            if not self.tracker.others_at(epoch):
-                break  # nobody else is training: finish the epoch alone
-        # no round formed here. Ahead of the swarm on our own (a head start, rounds that failed),
-        # stepping alone would only widen the gap: take the swarm's state instead. Only now, not
-        # before the round, since a view of others' records a beat old often lags by an epoch.
-        behind = self.tracker.rejoin_from(epoch)
-        if behind:
-            target = self.tracker.fresh().epoch
-            logger.info("epoch %d: ahead of the swarm (epoch %d) on its own; taking its state", epoch, target)
-            return await self._try_catch_up(behind, target, rejoin=True)
-        logger.info("epoch %d: no group after %d attempt(s); stepping on local values", epoch, attempts)
+        self.clock.round_began()
+        if not alone and self._overlap():
+            self._launch(epoch)
+            return False
+        began = time.monotonic()
+        outcome, ahead = await self._attempts(epoch, 0 if alone else MAX_ROUND_ATTEMPTS, self.policy.weight(),
+                                              self.policy.prepare)
+        if outcome is not None:
+            self.clock.round_took(time.monotonic() - began)
+            self.keep_result(epoch, outcome.average)
+            self.policy.apply(outcome.average)
+            self.tracker.next_epoch(epoch + 1)
+            return True
+        if ahead:
+            return await self._try_catch_up(ahead, epoch + 1)
+        rejoined = await self._rejoin(epoch)
+        if rejoined is not None:
+            return rejoined
+        logger.info("epoch %d: no group; stepping on local values", epoch)
         self.policy.prepare()
         self.keep_result(epoch, self.policy.contribution)  # before solo(): sync's apply clears the contribution
         self.policy.solo()
         self.solo_steps += 1
         self.tracker.next_epoch(epoch + 1)
         return True
+
+    async def _attempts(self, epoch: int, attempts: int, weight: float,
+                        prepare: Callable[[], None]) -> tuple[RoundOutcome | None, list[str]]:
+        """Up to ``attempts`` rounds for ``epoch`` (``prepare`` fills the contribution before each):
+        the outcome of the one that succeeded, or None and the peers that finished the epoch meanwhile."""
+        for attempt in range(attempts):
+            prepare()
+            outcome = await self.backend.average(epoch, attempt, weight, self.expected_peers(epoch))
+            self.record(outcome)
+            if outcome.ok and outcome.average is not None:
+                return outcome, []
+            ahead = await self._wait_for_ahead(epoch)
+            if ahead:
+                return None, ahead
+            if not self.tracker.others_at(epoch):
+                break  # nobody else is training: finish the epoch alone
+        return None, []
+
+    async def _rejoin(self, epoch: int) -> bool | None:
+        """No round formed. Ahead of the swarm on our own (a head start, rounds that failed), stepping
+        alone would only widen the gap: take the swarm's state instead (None: not ahead). Only now, not
+        before the round, since a view of others' records a beat old often lags by an epoch."""
+        behind = self.tracker.rejoin_from(epoch)
+        if not behind:
+            return None
+        target = self.tracker.fresh().epoch
+        logger.info("epoch %d: ahead of the swarm (epoch %d) on its own; taking its state", epoch, target)
+        return await self._try_catch_up(behind, target, rejoin=True)
+
+    # ---- overlap: a round that travels behind the next inner phase ------------------------------
+
+    def landing_due(self) -> bool:
+        """The round in flight is to be landed now: it is back, or the next inner phase is done."""
+        flight, steps = self.flight, self.policy.overlap_steps
+        if flight is None or steps is None:
+            return False
+        return flight.landed or self.tracker.local.steps - flight.steps_at_launch >= steps
+
+    def _overlap(self) -> bool:
+        """The rule's decision for this round, logged when it changes."""
+        overlap = self.clock.overlap()
+        if overlap != self._overlapping and self.clock.mode == "auto":
+            logger.info("rounds %s: a round takes %.1f s, the inner phase %.1f s", "now travel behind the next inner "
+                        "phase" if overlap else "run in turn again", self.clock.round or 0.0, self.clock.inner or 0.0)
+        self._overlapping = overlap
+        return overlap
+
+    def _launch(self, epoch: int) -> None:
+        local = self.tracker.local
+        weight = self.policy.weight()
+        sent = self.policy.launch()
+        flight = Flight(epoch, sent, local.steps, local.samples, time.monotonic())
+        flight.task = asyncio.ensure_future(
+            self._attempts(epoch, MAX_ROUND_ATTEMPTS, weight, lambda: self.policy.contribution.copy_(sent)))
+        flight.task.add_done_callback(lambda _: setattr(flight, "landed_at", time.monotonic()))
+        self.flight = flight
+        self.overlapped += 1
+
+    async def land(self) -> tuple[bool, Callable[[], None] | None]:
+        """Wait for the round in flight and take its outer step (a flight cancelled by pausing is
+        withdrawn). Returns whether the epoch advanced, and the call that puts the local progress
+        made meanwhile back on top of the new start (None when the swarm's state replaced it); the
+        peer publishes its state in between. Call it from the training side (the parameters change)."""
+        flight = self.flight
+        if flight is None or flight.task is None:
+            raise RuntimeError("no round in flight")
+        self.clock.blocked()
+        try:  # shielded: a pause cancels this wait, and the flight itself separately (cancel_flight)
+            outcome, ahead = await asyncio.shield(flight.task)
+        except asyncio.CancelledError:
+            if not flight.task.cancelled():
+                raise  # only this wait was cancelled: the flight stays, for the next land()
+            self.flight = None
+            self.policy.withdraw()
+            return False, None
+        finally:
+            self.clock.resumed()
+        self.flight = None
+        local = self.tracker.local
+        carried = {"steps": local.steps - flight.steps_at_launch, "samples": local.samples - flight.samples_at_launch}
+        if outcome is not None:
+            self.clock.round_took((flight.landed_at or time.monotonic()) - flight.launched_at)
+            self.keep_result(flight.epoch, outcome.average)
+            keep_local_progress = self.policy.land(outcome.average)
+        elif ahead:
+            self.policy.withdraw()  # the swarm's state (or its rounds replayed) replaces this peer's
+            return await self._try_catch_up(ahead, flight.epoch + 1), None
+        elif self.tracker.rejoin_from(flight.epoch):
+            self.policy.withdraw()
+            return bool(await self._rejoin(flight.epoch)), None
+        else:
+            logger.info("epoch %d: no group; stepping on local values", flight.epoch)
+            self.keep_result(flight.epoch, flight.sent)
+            keep_local_progress = self.policy.land(flight.sent)
+            self.solo_steps += 1
+        self.tracker.next_epoch(flight.epoch + 1, **carried)
+        return True, keep_local_progress
+
+    def cancel_flight(self) -> None:
+        """Pausing: the round in flight stops travelling. Safe while the training side runs: nothing
+        is applied or undone until the next ``land()``, which withdraws it."""
+        if self.flight is not None and self.flight.task is not None:
+            self.flight.task.cancel()
+
+    async def abandon(self) -> None:
+        """Drop the round in flight (leaving): nothing of it is applied, the parameters keep the local
+        progress and the epoch stays as it was. Only while the training side does not run."""
+        if self.flight is not None:
+            self.cancel_flight()
+            await self.land()
 
     def expected_peers(self, epoch: int) -> int:
         """Peers expected in this epoch's round: those at it, and those still finishing the one before."""

@@ -84,6 +84,7 @@ class PeerStatus:
     bytes_received: int = 0
     state_downloads: int = 0
     rounds_replayed: int = 0  # rounds it missed and applied afterwards, from a peer that kept their result
+    rounds_overlapped: int = 0  # rounds that travelled while the next inner phase ran (overlap.py)
     settings: str = ""  # digest of the run settings this peer trains with
     warning: str | None = None  # why this peer trains alone, when it can tell
     paused: bool = False  # peer.pause() (SIGUSR1): no rounds, no training, until resume()
@@ -227,7 +228,8 @@ class Peer:
         if self._paused or (not self._resynced and self._loop_run(self._resync())):
             self._drop_batch(batch_size)
             return
-        if self._local_step(batch_size, loss):
+        due = self._local_step(batch_size, loss)
+        if self._swarm_step_due(due):
             self._loop_run(self._swarm_step())
 
     def pause(self) -> concurrent.futures.Future[None]:
@@ -281,6 +283,8 @@ class Peer:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        if self.driver is not None:
+            await self.driver.abandon()  # a round in flight is dropped before the last checkpoint
         if self._opened and self.checkpoint_dir is not None:
             try:
                 await self._save_checkpoint()
@@ -293,7 +297,8 @@ class Peer:
         if self._paused or (not self._resynced and await self._resync()):
             self._drop_batch(batch_size)
             return
-        if self._local_step(batch_size, loss):
+        due = self._local_step(batch_size, loss)
+        if self._swarm_step_due(due):
             await self._swarm_step()
 
     async def apause(self) -> None:
@@ -304,6 +309,8 @@ class Peer:
         if self._round is not None:
             self._round.cancel()  # leave now: the group's deadline drops this peer (invariant 3)
             await asyncio.gather(self._round, return_exceptions=True)
+        if self.driver is not None:
+            self.driver.cancel_flight()  # a round in flight too: withdrawn by the first step after resuming
         self.tracker.set_averaging(False)
         self._announce_pause()
         logger.info("paused at epoch %d: in no round until resumed", self.epoch)
@@ -349,8 +356,10 @@ class Peer:
     async def _resync(self) -> bool:
         """The first step after a resume: take the swarm's state if it moved on while this peer was
         paused. True when it did (the batch at hand came from the old model)."""
-        assert self.policy is not None
+        assert self.policy is not None and self.driver is not None
         self._resynced = True
+        if self.driver.flight is not None:
+            await self.driver.land()  # the round cancelled by the pause: withdrawn, nothing applied
         await self.runtime.presence.read()
         epoch = self.tracker.local.epoch
         donors = self.tracker.ahead_of(epoch)
@@ -401,6 +410,7 @@ class Peer:
             bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
             state_downloads=self.catch_up.downloads if self.catch_up else 0,
             rounds_replayed=self.catch_up.replayed if self.catch_up else 0, settings=self.tracker.settings,
+            rounds_overlapped=self.driver.overlapped if self.driver else 0,
             warning=self.driver.warning if self.driver else None, paused=self._paused,
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
@@ -481,7 +491,8 @@ class Peer:
         self.tracker.next_epoch(self.tracker.local.epoch)
         self.catch_up = CatchUp(self.runtime, self.policy, self.state, self.tracker, self.timing, self._publish_state)
         self.driver = RoundDriver(self.policy, backend, self.tracker, self.timing, self.catch_up, self._record,
-                                  run_id=self.run_id, keep_result=self.runtime.state_server.publish_result)
+                                  run_id=self.run_id, keep_result=self.runtime.state_server.publish_result,
+                                  overlap=getattr(self.config.strategy, "overlap", "off"))
 
     async def _join(self) -> None:
         """Resume from the checkpoint, then take the swarm's state if it is further along (invariant 8)."""
@@ -527,14 +538,22 @@ class Peer:
             self.per_sample.clip_and_noise_gradients()  # raises BudgetExhausted past max_epsilon
         return self.policy.after_backward(batch_size)
 
+    def _swarm_step_due(self, epoch_due: bool) -> bool:
+        """After a local step: a swarm step is due (``epoch_due``, the policy's say), or the round in
+        flight is to be landed (overlap.py); while one travels, the policy's say waits for it."""
+        assert self.driver is not None
+        return self.driver.landing_due() if self.driver.flight is not None else epoch_due
+
     async def _swarm_step(self) -> None:
+        """The due swarm step, or the landing of the round in flight."""
         assert self.driver is not None
         if self._paused:
             return
+        landing = self.driver.flight is not None
         # its own task, so that pause() can cancel the round without cancelling the caller's task
-        self._round = asyncio.ensure_future(self.driver.swarm_step())
+        self._round = asyncio.ensure_future(self.driver.land() if landing else self._advance())
         try:
-            advanced = await self._round
+            advanced, keep_local_progress = await self._round
         except asyncio.CancelledError:
             current = asyncio.current_task()
             cancelling = getattr(current, "cancelling", lambda: 0)()  # Python 3.11+: is the caller cancelled too?
@@ -543,10 +562,16 @@ class Peer:
             return  # paused mid-round: the epoch stays as it was, nothing was applied (invariant 2)
         finally:
             self._round = None
-        if advanced:
+        if advanced:  # the parameters are the swarm's now (the new start): the state joiners take
             self._publish_state()
             if self.checkpoint_dir is not None and time.monotonic() - self._last_checkpoint >= self.checkpoint_every:
                 await self._save_checkpoint()
+        if keep_local_progress is not None:
+            keep_local_progress()
+
+    async def _advance(self) -> tuple[bool, None]:
+        assert self.driver is not None
+        return await self.driver.swarm_step(), None
 
     def _publish_state(self) -> None:
         assert self.runtime.state_server is not None
@@ -626,6 +651,8 @@ class Peer:
             await asyncio.sleep(MANIFEST_TTL / 3)
 
     async def _shutdown(self) -> None:
+        if self.driver is not None:
+            self.driver.cancel_flight()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

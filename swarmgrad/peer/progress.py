@@ -202,10 +202,11 @@ class ProgressTracker:
 
     # ---- called from the training side (any thread) -------------------------------------------
 
-    def next_epoch(self, epoch: int) -> None:
-        """Start counting a new epoch (after a swarm step, or after catching up to the swarm)."""
+    def next_epoch(self, epoch: int, steps: int = 0, samples: int = 0) -> None:
+        """Start counting a new epoch (after a swarm step, or after catching up to the swarm), with
+        ``steps`` and ``samples`` already in it (made while its round travelled: overlap.py)."""
         with self._lock:
-            self.local.epoch, self.local.samples, self.local.steps = epoch, 0, 0
+            self.local.epoch, self.local.samples, self.local.steps = epoch, samples, steps
             self.local.averaging = False
         self._snapshot()
         self.presence.publish_soon()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -86,6 +86,25 @@ class Policy(ABC):
     @abstractmethod
     def apply(self, average: torch.Tensor) -> None:
         """Use the swarm's average (flat, laid out like ``contribution``)."""
+
+    @property
+    def overlap_steps(self) -> int | None:
+        """Local steps per epoch when this strategy's rounds may travel behind the next inner phase
+        (overlap.py); None: its rounds run in turn."""
+        return None
+
+    # a round that travels while training goes on (peer/overlap.py; only where ``overlap_steps``):
+    # ``launch`` fills the contribution and returns it as sent, then exactly one of ``land`` (with the
+    # swarm's average; returns the call that puts the progress made meanwhile back, after the state
+    # is published) or ``withdraw`` (the round is dropped: as if it had never been sent)
+    def launch(self) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} rounds do not overlap training")
+
+    def land(self, average: torch.Tensor) -> Callable[[], None]:
+        raise NotImplementedError(f"{self.name} rounds do not overlap training")
+
+    def withdraw(self) -> None:
+        raise NotImplementedError(f"{self.name} rounds do not overlap training")
 
     def solo(self) -> None:
         """Finish the epoch without the swarm (nobody else is training), from local values only."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from swarmgrad.peer.config import DiLoCo
@@ -22,6 +24,8 @@ class DiLoCoPolicy(Policy):
         self.start = self.layout.zeros()
         self.copy_params_into(self.start)
         self.momentum = self.layout.zeros()
+        # a round in flight (overlap.py): start, momentum and the contribution from before its launch
+        self._before_launch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def weight_cap(self, batch_size: int | None) -> float | None:
         return None if batch_size is None else WEIGHT_SLACK * self.settings.inner_steps * batch_size
@@ -45,6 +49,56 @@ class DiLoCoPolicy(Policy):
         torch.add(average, self.momentum, alpha=mu, out=self.momentum)
         self.start.add_(average, alpha=-lr).add_(self.momentum, alpha=-lr * mu)
         self.copy_into_params(self.start)
+
+    @property
+    def overlap_steps(self) -> int:
+        return self.settings.inner_steps
+
+    @torch.no_grad()
+    def launch(self) -> torch.Tensor:
+        """Eager (arXiv 2502.12996): the outer step is taken at once on this peer's own
+        pseudo-gradient, standing in for the swarm's until the round lands, so the next inner phase
+        starts near where the swarm's step will put it. Returns the contribution as sent."""
+        self.prepare()
+        sent = self.contribution.clone()
+        self._before_launch = (self.start.clone(), self.momentum.clone(), sent)
+        self.apply(sent)
+        return sent
+
+    @torch.no_grad()
+    def land(self, average: torch.Tensor) -> Callable[[], None]:
+        """The outer step on the swarm's ``average`` in place of the provisional one: the progress
+        made since the launch is put aside, the step taken from the start before it (the parameters
+        are then the new start, for the state joiners download), and the returned call puts that
+        progress back on top."""
+        progress = self._undo_launch()
+        self.apply(average)
+
+        @torch.no_grad()
+        def keep_local_progress() -> None:
+            for param, delta in zip(self.params, self.layout.views(progress)):
+                param.add_(delta.to(param.device, param.dtype))
+
+        return keep_local_progress
+
+    @torch.no_grad()
+    def withdraw(self) -> None:
+        """The launch never happened: start and momentum as they were, the parameters where they
+        were sent from plus the progress made since."""
+        start, _, sent = self._before_launch
+        progress = self._undo_launch()
+        self.copy_into_params(progress.add_(start).sub_(sent))
+
+    def _undo_launch(self) -> torch.Tensor:
+        """Restores start and momentum from before the launch; returns params - provisional start."""
+        start, momentum, _ = self._before_launch
+        self._before_launch = None
+        progress = self.layout.zeros()
+        self.copy_params_into(progress)
+        progress.sub_(self.start)
+        self.start.copy_(start)
+        self.momentum.copy_(momentum)
+        return progress
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         # snapshots are taken right after an outer step, when start == params: only momentum is extra
