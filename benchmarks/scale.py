@@ -4,9 +4,10 @@
 
 Every peer is a SwarmNode (its own p2pd) with a NetworkRuntime on one run; the peers of a process
 share its one asyncio loop (``--per-process`` K of them, so N peers take ceil(N / K) processes).
-Start-up: ranks 0, 1, 2 (the seeds) start one after another, each bootstrapping from the seeds
-before it; then all other peers start at once (START_CONCURRENCY at a time per process), each
-bootstrapping from all three seeds, so no single node carries the bootstrap. Then, for each N:
+Start-up: three seeds (the first rank of each of the first three processes, where there are three)
+start one after another, each bootstrapping from the seeds before it; then all other peers start at
+once (START_CONCURRENCY at a time per process), each bootstrapping from all three seeds, so no single
+node (nor one process's event loop) carries the bootstrap. Then, for each N:
 - membership: seconds from the last peer's node start until every peer's ``runtime.members()``
   lists all N (each process polls its peers every 0.1 s; the latest process decides);
 - DHT: all peers at once, each stores 5 signed records (3 with --quick; ``node.store``, all
@@ -99,6 +100,12 @@ class ScaleConfig:
 
     def ranks(self, process: int) -> range:
         return range(process * self.per_process, min(self.peers, (process + 1) * self.per_process))
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds' ranks: each in another process while there are processes enough (one event
+        loop behind all three answered every newcomer's bootstrap pings late, and bootstraps failed)."""
+        return sorted(range(self.peers), key=lambda rank: (rank % self.per_process, rank))[:SEEDS]
 
 
 def round_bound(peers: int) -> int:
@@ -220,10 +227,10 @@ async def start_peer(cfg: ScaleConfig, rank: int, initial_peers: list[str]) -> P
 
 async def start_peers(ctx: PeerContext, cfg: ScaleConfig) -> list[Peer]:
     """The seeds one after another (all processes take part in each step), then everyone else at once."""
-    local, peers, seeds = list(cfg.ranks(ctx.rank)), {}, min(SEEDS, cfg.peers)
+    local, peers, seeds = list(cfg.ranks(ctx.rank)), {}, cfg.seeds
     try:
         addresses: list[str] = []
-        for seed in range(seeds):
+        for seed in seeds:
             mine = None
             if seed in local:
                 peers[seed] = await start_peer(cfg, seed, list(addresses))
@@ -235,7 +242,7 @@ async def start_peers(ctx: PeerContext, cfg: ScaleConfig) -> list[Peer]:
             async with gate:
                 return await start_peer(cfg, rank, addresses)
 
-        rest = [rank for rank in local if rank >= seeds]
+        rest = [rank for rank in local if rank not in seeds]
         outcomes = await asyncio.gather(*map(start, rest), return_exceptions=True)
         peers |= {rank: outcome for rank, outcome in zip(rest, outcomes) if isinstance(outcome, Peer)}
         failed = [outcome for outcome in outcomes if not isinstance(outcome, Peer)]

@@ -14,7 +14,7 @@ from hivemind.p2p import P2P, PeerID
 
 from swarmgrad.averaging import NetworkRuntime
 from swarmgrad.dht import Identity, Membership, NodeConfig, SwarmNode, SyncNode, list_members
-from swarmgrad.dht.membership import FIRST_FAST_READS, MemberRecord, Progress, members_key
+from swarmgrad.dht.membership import FIRST_FAST_READS, PRESENCE_BEAM, MemberRecord, Progress, members_key
 from swarmgrad.dht.records import seal
 from swarmgrad.errors import ConfigError
 from swarmgrad.timing import Timing
@@ -149,6 +149,7 @@ def test_runtime_presence_is_one_record_per_peer_and_lists_the_run():
             roles = {member.peer_id: member.role for member in runtimes[0].members()}
             assert roles == {first.peer_id: "peer", second.peer_id: "peer", client.peer_id: "client"}
             assert {m.peer_id for m in await list_members(first, RUN)} == set(roles)  # one record each in the DHT
+            assert 0 < second.dht_latency < 5  # its bootstrap, stores and reads were timed
 
     run_async(scenario())
 
@@ -247,7 +248,7 @@ def test_a_large_run_beats_less_often_so_presence_costs_the_swarm_linear_time():
     assert timing.ahead_wait(8) == 1.5 and timing.ahead_wait(64) == 3.0
     listings = [{f"p{i}": fake_member_record() for i in range(60 + i)} for i in range(4)]
 
-    async def get_records(key, body_type):
+    async def get_records(key, body_type, **_options):
         return listings.pop(0)
 
     presence = Membership(SimpleNamespace(get_records=get_records, remember_addresses=lambda *_: None), "big-run", ttl=6.0, refresh=0.5, watch=True,
@@ -273,7 +274,7 @@ def test_a_member_one_read_misses_stays_listed_until_its_record_expires_or_it_le
     record = fake_member_record
     reads: list[dict] = []
 
-    async def get_records(key, body_type):
+    async def get_records(key, body_type, **_options):
         return reads.pop(0)
 
     presence = Membership(SimpleNamespace(get_records=get_records, remember_addresses=lambda *_: None), "flaky-run", ttl=6.0, watch=True)
@@ -287,3 +288,42 @@ def test_a_member_one_read_misses_stays_listed_until_its_record_expires_or_it_le
     time.sleep(0.25)
     assert listed({}) == ["a", "b"]  # a failed read changes nothing; c's last record has expired
     assert listed({"b": record("left")}) == ["a"]  # b said it left: gone at once
+
+
+def test_a_record_outlives_beats_as_long_as_its_store_and_reread_really_take():
+    """Under load a store and a reread take seconds (64 peers starting on 2 cores: 8-10 s a beat);
+    records that lived ``ttl`` expired before the next beat renewed them and membership never
+    converged. A record lives ttl / refresh beats of the measured length (before any beat, the
+    node's DHT latency stands in); presence stores and reads search a narrow beam."""
+    lifetimes: list[float] = []
+    beams: list[int | None] = []
+
+    async def store(key, body, expires, *, all_replicas=True, beam_size=None):
+        beams.append(beam_size)
+        lifetimes.append(expires - time.time())
+        await asyncio.sleep(0.3)  # a loaded DHT
+        return True
+
+    async def get_records(key, body_type, *, beam_size=None):
+        beams.append(beam_size)
+        await asyncio.sleep(0.3)
+        return {}
+
+    async def refresh_maddrs():
+        pass
+
+    def node(latency: float) -> SimpleNamespace:
+        return SimpleNamespace(store=store, get_records=get_records, refresh_maddrs=refresh_maddrs, maddrs=[],
+                               dht_latency=latency, remember_addresses=lambda *_: None, dht=None)
+
+    async def scenario(latency: float) -> None:
+        async with Membership(node(latency), "slow-run", ttl=1.0, refresh=0.2, watch=True):
+            await asyncio.sleep(1.0)  # a beat after the first: 0.2 s between beats, 0.6 s of work in each
+
+    run_async(scenario(0.0))
+    assert lifetimes[0] == pytest.approx(1.0, abs=0.05)  # nothing measured yet: ttl x stretch
+    assert len(lifetimes) >= 2 and min(lifetimes[1:]) >= 5 * (0.2 + 0.6) - 0.05  # 5 beats of 0.8 s, not 1 s
+    assert set(beams) == {PRESENCE_BEAM}
+    lifetimes.clear()
+    run_async(scenario(0.5))
+    assert lifetimes[0] == pytest.approx(5 * (0.2 + 2 * 0.5), abs=0.05)  # a store and a read at the node's latency

@@ -1,7 +1,10 @@
 """The node's record validator checks each distinct copy of a record once (a search hears one
-record from many nodes), and decides exactly as the full check does."""
+record from many nodes), and decides exactly as the full check does; a read takes the records that
+check opened instead of checking their signatures again."""
 
+import asyncio
 import time
+from types import SimpleNamespace
 
 import msgpack
 from hivemind.dht.routing import DHTID
@@ -9,6 +12,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
 import swarmgrad.dht.node as node_module
+import swarmgrad.dht.records as records_module
 from swarmgrad.dht.identity import Identity
 from swarmgrad.dht.membership import MemberRecord, members_key
 from swarmgrad.dht.records import seal
@@ -26,8 +30,8 @@ def record(owner: Identity, expires: float, *, step: int = 3, dht_expires: float
 
 def counting_validator(size: int = node_module.VERIFIED_RECORDS) -> tuple[node_module._RememberingValidator, list]:
     validator, checked = node_module._RememberingValidator(size), []
-    full_check = validator.validator.validate
-    validator.validator.validate = lambda rec: checked.append(rec) or full_check(rec)
+    full_check = validator.validator.open
+    validator.validator.open = lambda rec: checked.append(rec) or full_check(rec)
     return validator, checked
 
 
@@ -74,3 +78,38 @@ def test_the_memory_is_bounded_and_forgets_the_oldest_first():
     assert len(validator._passed) == 2 and len(checked) == 3
     assert validator.validate(first) and len(checked) == 3
     assert validator.validate(second) and len(checked) == 4
+
+
+def test_a_read_takes_the_records_the_check_opened_without_checking_their_signatures_again(monkeypatch):
+    """A presence read of N members hears each new record once from a holder (the full check)
+    and then opened every record again for its result: a second Ed25519 check of each, half of the
+    read's CPU. Only these very bytes, checked here and not expired since, skip the second check."""
+    validator, _ = counting_validator()
+    owner, other = Identity.generate(), Identity.generate()
+    now = time.time()
+    heard, unheard = record(owner, now + 30), record(other, now + 30)
+    assert validator.validate(heard)
+    envelope = MSGPackSerializer.loads(heard.value)
+    assert validator.opened(envelope).owner == owner.peer_id and validator.opened(envelope).body.step == 3
+    assert validator.opened(MSGPackSerializer.loads(unheard.value)) is None  # never checked here
+    fields = msgpack.unpackb(envelope)
+    fields["body"] = msgpack.packb({**msgpack.unpackb(fields["body"]), "step": 999})
+    assert validator.opened(msgpack.packb(fields)) is None  # other bytes
+    monkeypatch.setattr(node_module.time, "time", lambda: now + 31)
+    assert validator.opened(envelope) is None  # expired since
+
+    monkeypatch.undo()
+    verified = []
+    verify = records_module.verify_signature
+    monkeypatch.setattr(records_module, "verify_signature", lambda *a: verified.append(a) or verify(*a))
+    node = node_module.SwarmNode()
+    assert node._validator.validate(heard)
+    found = {owner.peer_id: SimpleNamespace(value=envelope)}
+
+    async def get(key, latest, **_options):
+        return SimpleNamespace(value=found)
+
+    node.dht = SimpleNamespace(get=get)
+    records = asyncio.run(node.get_records(KEY, MemberRecord))
+    assert list(records) == [owner.peer_id] and records[owner.peer_id].body.step == 3
+    assert len(verified) == 1  # the holder's copy, checked once; the read added no check

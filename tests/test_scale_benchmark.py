@@ -56,3 +56,19 @@ def test_quick_scale_benchmark_meets_the_bounds_at_8_peers_and_cleans_up(tmp_pat
 
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
     assert leftover.stdout.strip() == "", leftover.stdout  # no p2pd (nor peer process) outlived the run
+
+
+def test_the_seeds_sit_in_different_processes_where_there_are_enough():
+    """Three seeds in one process meant one event loop answered every newcomer's bootstrap pings,
+    late under load: bootstraps failed at 64 peers."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    try:
+        import scale
+    finally:
+        sys.path.remove(str(BENCHMARK.parent))
+
+    def processes(peers: int, per_process: int) -> list[int]:
+        config = scale.ScaleConfig(peers, per_process, numel=1, rounds=1, dht_ops=1, gossip_limit_s=1.0)
+        return [next(p for p in range(config.processes) if seed in config.ranks(p)) for seed in config.seeds]
+
+    assert processes(64, 8) == [0, 1, 2] and processes(8, 4) == [0, 1, 0] and processes(8, 8) == [0, 0, 0]

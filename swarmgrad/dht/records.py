@@ -148,18 +148,21 @@ class SignedRecordValidator(RecordValidatorBase):
     """hivemind validator: a DHT entry is accepted only if it is a valid envelope filed where it claims."""
 
     def validate(self, record: DHTRecord) -> bool:
+        return self.open(record) is not None
+
+    def open(self, record: DHTRecord) -> tuple[bytes, SignedRecord] | None:
+        """``validate``'s check, returning the envelope and the record it holds; None if refused."""
         try:
-            self._check(record)
+            return self._check(record)
         except RecordError as error:
             logger.info("rejected DHT record: %s", error)
-            return False
+            return None
         except Exception as error:  # a validator must never take the node down
             logger.info("rejected DHT record (%s: %s)", type(error).__name__, error)
-            return False
-        return True
+            return None
 
     @staticmethod
-    def _check(record: DHTRecord) -> None:
+    def _check(record: DHTRecord) -> tuple[bytes, SignedRecord]:
         if len(record.value) > MAX_RECORD_BYTES + 16:  # +16: msgpack's own header around the bytes
             raise RecordError(f"value of {len(record.value)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")
         envelope = MSGPackSerializer.loads(record.value)
@@ -170,3 +173,4 @@ class SignedRecordValidator(RecordValidatorBase):
             raise RecordError("record is filed under a different subkey than its owner")
         if record.expiration_time > opened.expires:
             raise RecordError("DHT expiration is later than the signed expiry")
+        return envelope, opened
