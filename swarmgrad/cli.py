@@ -206,7 +206,7 @@ def peer(
     shard: Optional[int] = typer.Option(None, "--shard", help="This peer's data shard (default: a random one).", rich_help_panel="Local"),
     num_shards: Optional[int] = typer.Option(None, "--num-shards", help=f"How many shards the training set is cut into (default {_local_default('num_shards')}).", rich_help_panel="Local"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="fashion-mnist: directory with the IDX files.", rich_help_panel="Local"),
-    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Stop after this many seconds.", rich_help_panel="Local"),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Stop after this many seconds of training (counted from `ready`: joined, --wait-peers met).", rich_help_panel="Local"),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many local steps.", rich_help_panel="Local"),
     target_accuracy: Optional[float] = typer.Option(None, "--target-accuracy", help="Stop once a held-out evaluation reaches it.", rich_help_panel="Local"),
     eval_every: Optional[float] = typer.Option(None, "--eval-every", help=f"Seconds between held-out evaluations; 0: only at the end (default {_local_default('eval_every')}).", rich_help_panel="Local"),

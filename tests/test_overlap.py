@@ -6,7 +6,6 @@ state published at landing, failure and abandoning."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -270,6 +269,27 @@ def test_an_abandoned_flight_applies_nothing():
     asyncio.run(scenario())
 
 
+def test_a_flight_already_back_is_still_abandoned_whole():
+    """Leaving just after the round came back (not yet landed) applies nothing of it either: the
+    published state must stay the last landed one, at the epoch the peer reports."""
+    async def scenario():
+        h = Harness([True])
+        h.train(2)
+        start = h.policy.start.clone()
+        await h.driver.swarm_step()
+        h.train(1, seed=10)
+        trained = h.flat_params()
+        h.backend.release.set()
+        await _settle()
+        assert h.driver.flight is not None and h.driver.flight.task.done() and h.driver.landing_due()
+        await h.driver.abandon()
+        assert h.driver.flight is None and h.tracker.local.epoch == 0 and not h.kept
+        torch.testing.assert_close(h.policy.start, start)
+        torch.testing.assert_close(h.flat_params(), trained)
+
+    asyncio.run(scenario())
+
+
 def test_in_turn_the_round_applies_before_training_goes_on():
     async def scenario():
         h = Harness([True], overlap="off")
@@ -289,21 +309,23 @@ def test_in_turn_the_round_applies_before_training_goes_on():
 def test_auto_launches_in_flight_once_a_round_measured_slower_than_the_compute():
     async def scenario():
         h = Harness([True, True], overlap="auto")
+        clock = FakeClock()  # seconds as the test says, however loaded the machine
+        h.driver.clock.clock = clock
         h.backend.release.set()
         h.train(2)
         h.driver.clock.resumed()
         original = h.backend.average
 
         async def slow(*args):  # a round slower than the compute before it
-            await asyncio.sleep(0.05)
+            clock.now += 1.0
             return await original(*args)
 
         h.backend.average = slow
         assert await h.driver.swarm_step()  # the first round runs in turn and is measured
         assert h.driver.flight is None
-        assert h.driver.clock.round >= 0.05
+        assert h.driver.clock.round == 1.0
         h.train(2, seed=10)
-        time.sleep(0.05)  # an inner phase as long as the round
+        clock.now += 1.0  # an inner phase as long as the round
         assert not await h.driver.swarm_step()  # measured: the next one travels
         assert h.driver.flight is not None
         await h.driver.land()

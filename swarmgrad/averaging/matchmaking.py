@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 # at doubling intervals up to window / 8, so a peer reads about a dozen times per round whatever
 # the swarm's size (a fixed 10 ms poll was 200 DHT reads per peer in a 2 s window).
 FIRST_POLL, POLLS_PER_WINDOW = 0.01, 8
+# Too few declared when the window ends: read on for the window again, or for this many of the DHT's
+# recent request times if longer. A store and the read that sees it each take one; a short window
+# on a loaded machine (0.2 s against stores of 0.5 s) otherwise ends with every peer alone.
+GRACE_LATENCIES = 3
 MAX_GROUP = 1024  # the most members an invitation may name (moshpit's group_size bound)
 MAX_PEER_ID = 128  # characters: libp2p's base58 peer ids are 52
 
@@ -161,16 +165,17 @@ class Matchmaker:
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
         ready_at = time.time() + window
+        grace = max(window, GRACE_LATENCIES * self.node.dht_latency)
         try:
             record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec,
                                  aggregator=self.aggregator)
-            expires = ready_at + 2 * window + self.reply_timeout
+            expires = ready_at + window + grace + self.reply_timeout
             # read while our own declaration is still being stored: others are declaring at the same moment
             declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
                 enough = group_size if expected is None else max(min_group_size, min(group_size, expected))
                 peers = await self._wait_for_peers(
-                    key, looking, ready_at, enough, expected_members, min_group_size, grace=window,
+                    key, looking, ready_at, enough, expected_members, min_group_size, grace=grace,
                     poll=min(FIRST_POLL, window / 4),
                 )
             finally:

@@ -148,11 +148,11 @@ class RoundDriver:
         if not alone and self._overlap():
             self._launch(epoch)
             return False
-        began = time.monotonic()
+        began = self.clock.clock()  # rounds and inner phases on one clock: the rule compares them
         outcome, ahead = await self._attempts(epoch, 0 if alone else MAX_ROUND_ATTEMPTS, self.policy.weight(),
                                               self.policy.prepare)
         if outcome is not None:
-            self.clock.round_took(time.monotonic() - began)
+            self.clock.round_took(self.clock.clock() - began)
             self.keep_result(epoch, outcome.average)
             self.policy.apply(outcome.average)
             self.tracker.next_epoch(epoch + 1)
@@ -220,10 +220,10 @@ class RoundDriver:
         local = self.tracker.local
         weight = self.policy.weight()
         sent = self.policy.launch()
-        flight = Flight(epoch, sent, local.steps, local.samples, time.monotonic())
+        flight = Flight(epoch, sent, local.steps, local.samples, self.clock.clock())
         flight.task = asyncio.ensure_future(
             self._attempts(epoch, MAX_ROUND_ATTEMPTS, weight, lambda: self.policy.contribution.copy_(sent)))
-        flight.task.add_done_callback(lambda _: setattr(flight, "landed_at", time.monotonic()))
+        flight.task.add_done_callback(lambda _: setattr(flight, "landed_at", self.clock.clock()))
         self.flight = flight
         self.overlapped += 1
 
@@ -250,7 +250,7 @@ class RoundDriver:
         local = self.tracker.local
         carried = {"steps": local.steps - flight.steps_at_launch, "samples": local.samples - flight.samples_at_launch}
         if outcome is not None:
-            self.clock.round_took((flight.landed_at or time.monotonic()) - flight.launched_at)
+            self.clock.round_took((flight.landed_at or self.clock.clock()) - flight.launched_at)
             self.keep_result(flight.epoch, outcome.average)
             keep_local_progress = self.policy.land(outcome.average)
         elif ahead:
@@ -274,11 +274,20 @@ class RoundDriver:
             self.flight.task.cancel()
 
     async def abandon(self) -> None:
-        """Drop the round in flight (leaving): nothing of it is applied, the parameters keep the local
-        progress and the epoch stays as it was. Only while the training side does not run."""
-        if self.flight is not None:
-            self.cancel_flight()
-            await self.land()
+        """Drop the round in flight (leaving): nothing of it is applied, even if it is already back;
+        the parameters keep the local progress and the epoch stays as it was. Only while the
+        training side does not run."""
+        flight, self.flight = self.flight, None
+        if flight is None:
+            return
+        try:
+            if flight.task is not None:
+                flight.task.cancel()
+                await asyncio.wait([flight.task])  # its own error, if any, is beside the point now
+                if not flight.task.cancelled():
+                    flight.task.exception()  # retrieved: no "never retrieved" warning at exit
+        finally:
+            self.policy.withdraw()
 
     def expected_peers(self, epoch: int) -> int:
         """Peers expected in this epoch's round: those at it, and those still finishing the one before."""

@@ -154,7 +154,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
                 download_limit_mbps=local.download_limit_mbps, ticket=local.ticket, accountability=local.accountability)
     if metrics is not None:
         metrics.attach(peer)
-    reason, final, started = "stopped", None, time.time()
+    reason, final = "stopped", None
     with stop, pauses, peer, BackgroundEvaluator(task, model, local.eval_batches) as evaluator:
         pauses.attach(peer)
         if announce is not None:
@@ -165,6 +165,8 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
               "num_shards": num_shards, "epoch": peer.epoch, "step": peer.status().step, "task": task_name,
               "options": run_options(config), "state_downloads": peer.status().state_downloads,
               "metrics_url": metrics.url if metrics is not None else None})
+        # the budget is training time: a slow start or a wait for others must not eat into it
+        started = time.time()
         last_progress, last_eval, eval_epoch = 0.0, -float("inf"), -1
         if local.eval_every > 0 and peer.status().state_downloads and _offer_evaluation(peer, evaluator, emit):
             last_eval, eval_epoch = time.monotonic(), peer.epoch  # a joiner's first: the state it took, untrained
