@@ -22,7 +22,9 @@ from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 
 RUN = "avg-test"
-WINDOW = 0.5
+# long enough for every declaration to show on a loaded CI machine (stores of 0.5 s and more);
+# a round whose members all declared ends as soon as they have, without waiting this out
+WINDOW = 1.0
 
 
 async def start_nodes(stack: AsyncExitStack, count: int) -> list[SwarmNode]:
@@ -215,7 +217,7 @@ def test_lossy_codecs_average_within_their_bound(codec, tolerance):
             tensors = [[torch.randn(50_000), torch.randn(128, 64)] for _ in runtimes]
             expected = weighted_mean(tensors, [1.0, 1.0, 1.0])
             averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec=codec))
+                Averager(runtime, ts, settings=moshpit(3), grid_dims=1, codec=codec))
                 for runtime, ts in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(a.step() for a in averagers))
             assert all(report.ok for report in reports), [r.error for r in reports]

@@ -72,7 +72,7 @@ MAX_WEIGHT = 1e15
 # pushes, which shrinks everyone's weight alike, never stops the swarm from mixing.
 MIN_WEIGHT_FRACTION = 2.0**-40
 MAX_RECEIVE_REFERENCES = 32  # per-sender references kept; an evicted sender starts over from zero
-UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many presence TTLs
+UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many presence TTLs (at least)
 
 
 @dataclass
@@ -139,7 +139,7 @@ class GossipAverager:
         self._pending: list[Push] = []
         # peers a push just failed to reach (gone, or hung while leaving), skipped until then: a
         # departed peer costs one push timeout, not one per step until its membership expires
-        self._unreachable: dict[str, float] = {}
+        self._unreachable: dict[str, tuple[float, float]] = {}  # peer -> (skipped until, its heartbeat then)
         self._received_bytes = 0
         self._sent_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per receiver: version, last x^ sent
         self._received_refs: dict[str, tuple[int, torch.Tensor]] = {}  # per sender: version, last x^ received
@@ -217,14 +217,19 @@ class GossipAverager:
     def _live_members(self) -> list[str]:
         """Training members as of the runtime's last presence refresh, less those a push just failed to
         reach, those paused, and (behind a NAT) those behind NATs too: nothing could carry the push."""
-        now = time.monotonic()
-        self._unreachable = {peer: until for peer, until in self._unreachable.items() if until > now}
-        return [m.peer_id for m in self.runtime.members() if m.role == "peer" and m.peer_id not in self._unreachable
+        now, members = time.monotonic(), self.runtime.members()
+        heard = {m.peer_id: m.last_seen for m in members}
+        self._unreachable = {peer: (until, seen) for peer, (until, seen) in self._unreachable.items()
+                             if until > now or heard.get(peer, math.inf) <= seen}  # gone from the list: forgotten
+        return [m.peer_id for m in members if m.role == "peer" and m.peer_id not in self._unreachable
                 and not m.paused and self.runtime.can_reach(m.peer_id)]
 
     def _mark_unreachable(self, peer: str) -> None:
-        # long enough for a departed peer's presence record to expire, so it costs one push timeout
-        self._unreachable[peer] = time.monotonic() + UNREACHABLE_FACTOR * self.runtime.timing.presence_ttl
+        # a departed peer costs one push timeout: it is skipped for a few TTLs and, past that, for as
+        # long as its listing shows no newer heartbeat (a dead peer's record only expires, and on a
+        # loaded DHT a record lives as many of its owner's beats as they really take: past the TTL)
+        heard = max((m.last_seen for m in self.runtime.members() if m.peer_id == peer), default=0.0)
+        self._unreachable[peer] = (time.monotonic() + UNREACHABLE_FACTOR * self.runtime.timing.presence_ttl, heard)
 
     async def _push(self, peer: str, neighbors: int) -> tuple[bool, int]:
         """Give ``weight / (neighbors + 1)`` away to ``peer``; True if it took it."""
