@@ -31,9 +31,12 @@ at 5 and 10 Mbit/s) and swarmgrad-best's over compute-only's (<= 1.3 at every ba
 The regime (a hivemind round at 10 Mbit/s costs at least as long as the inner phase): every run
 also measures, from its peers' progress events, the seconds a local step takes and the seconds an
 epoch takes beyond its steps (the round: the training loops wait for it), in the JSON's ``regime``
-and each result's ``phases``. Measured on this 2-core machine when the scenario was chosen
-(``MEASURED``; 4 peers, 1 thread each, one 150 s run per system at 10 Mbit/s): an inner phase of
-11.0 s (50 steps, 0.18-0.19 s each) against a hivemind round of 14.6 s, so the regime holds.
+and each result's ``phases``. Measured on this 2-core machine (``MEASURED``; 4 peers, 1 thread each,
+at 10 Mbit/s, session 14): a step takes 0.42-0.45 s, so 20 inner steps make an inner phase of
+10.4 s against a hivemind round of 16.0 s: the regime holds. The scenario had 50 inner steps until
+then, chosen when a step was measured at 0.18 s; at today's 0.5 s that inner phase was 26.5 s
+against a hivemind round of 11.5 s, the other regime, where hivemind reached 85% within 1.6x of
+compute-only and no system could be 3x faster than it.
 
 ``--quick``: one bandwidth (10 Mbit/s), fashion-mnist (its 0.2M parameters; digits' rounds are lost
 among the DHT's traffic), 3 peers, 20 s, no target, swarmgrad-best and swarmgrad-int8: a check of
@@ -83,8 +86,8 @@ REGIME_BANDWIDTH = 10.0  # the issue's regime: hivemind's round here >= the inne
 HARNESS = {"swarmgrad-best": ("swarmgrad", BEST_COMPRESSION), "swarmgrad-int8": ("swarmgrad", "int8"),
            "hivemind": ("hivemind", None), "compute-only": ("compute-only", "int8")}
 # the run that chose the scenario (2026-12-02, this 2-core machine; see the docstring)
-MEASURED: dict[str, Any] = {"bandwidth_mbit": 10.0, "inner_phase_seconds": 10.99, "step_seconds": 0.18,
-                            "hivemind_round_seconds": 14.62, "budget_seconds": 150.0}
+MEASURED: dict[str, Any] = {"bandwidth_mbit": 10.0, "inner_steps": 20, "inner_phase_seconds": 10.37,
+                            "step_seconds": 0.42, "hivemind_round_seconds": 15.97, "budget_seconds": 240.0}
 
 
 # -- the scenario at a bandwidth ------------------------------------------------------------------

@@ -54,6 +54,22 @@ def test_an_evaluation_runs_beside_training_on_a_snapshot_of_the_model():
     assert float(model.weight.detach().flatten()[0]) == 0.75  # the model itself is never touched
 
 
+def test_an_evaluation_given_a_state_scores_that_state_and_leaves_the_model_alone():
+    task, model = GatedTask(), torch.nn.Linear(2, 1)
+    task.gate.set()
+    with torch.no_grad():
+        model.weight.fill_(0.75)
+    swarm = {"weight": torch.full((1, 2), 0.5), "bias": torch.zeros(1)}
+    with BackgroundEvaluator(task, model) as evaluator:
+        for _ in range(2):  # the first evaluation makes the snapshot, the second reuses it
+            assert evaluator.offer({"epoch": 3}, swarm)
+            assert evaluator.wait(10)
+            assert evaluator.poll() == ({"accuracy": 0.5, "loss": 0.0}, {"epoch": 3})
+        assert evaluator.offer({"epoch": 4})  # no state: the model as it is
+        assert evaluator.wait(10) and evaluator.poll()[0]["accuracy"] == 0.75
+    assert float(model.weight.detach().flatten()[0]) == 0.75
+
+
 def test_a_background_evaluation_scores_like_one_on_the_training_thread():
     task = get_task("digits")
     torch.manual_seed(0)

@@ -160,6 +160,11 @@ def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
                     torch.testing.assert_close(torch.cat([t.reshape(-1) for t in served]), peer.policy.start)
                     live = torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()])
                     assert not torch.equal(live, peer.policy.start)  # the progress since the last landing
+                    # what held-out evaluations score: the swarm's model, not the live parameters
+                    swarm_model = peer.swarm_model()
+                    assert list(swarm_model) == list(peer.model.state_dict())
+                    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in swarm_model.values()]),
+                                               peer.policy.start)
                 return statuses
 
     statuses = run_async(scenario())

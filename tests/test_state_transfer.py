@@ -272,6 +272,63 @@ def test_donor_keeps_the_previous_version_for_a_download_in_progress(swarm):
     assert_same(run(swarm, scenario()), second)
 
 
+class MovesOnMidDownload(CountingServer):
+    """Publishes three newer versions right after serving its first part: on a slow link the swarm
+    goes on for several epochs while one state travels."""
+
+    newer: list[StateSnapshot] = []
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+
+        async def send_then_move_on(header, payload=b""):
+            await send(header, payload)
+            if header.get("t") == "part" and self.newer:
+                for snapshot in self.newer:
+                    self.publish(snapshot)
+                self.newer = []
+
+        channel.send = send_then_move_on
+        await super()._serve(channel)
+
+
+def test_a_download_under_way_finishes_though_the_donor_moved_on_past_what_it_keeps(swarm, monkeypatch):
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 64 * 1024)
+    first = big_state(version=1, megabytes=0.5, seed=1)
+    later = [big_state(version=v, megabytes=0.5, seed=v) for v in (2, 3, 4)]
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [first], [MovesOnMidDownload]) as (server,):
+            server.newer = later
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm)[:1], seconds=20)
+            held_while_read = sorted(server._snapshots)
+            await asyncio.sleep(0.5)  # the channel's end reaches the donor
+            return got, held_while_read, sorted(server._snapshots), len(server.served)
+
+    got, held_while_read, held_after, served = run(swarm, scenario())
+    assert_same(got, first)  # every part of version 1, though the donor published 2, 3 and 4 meanwhile
+    assert served == math.ceil(first.nbytes / state_transfer.PART_BYTES)
+    assert held_while_read in ([1, 3, 4], [3, 4])  # the joiner may have said "done" before we looked
+    assert held_after == [3, 4]  # once nobody reads it, version 1 goes
+
+
+def test_a_donor_holds_at_most_a_bounded_number_of_versions_for_readers():
+    server = StateServer(SimpleNamespace(), "unused")
+    for version in range(1, 6):
+        server.publish(big_state(version=version, megabytes=0.01, seed=version))
+        server._reading(None, version)  # a channel starts reading each version as it comes
+    server.publish(big_state(version=6, megabytes=0.01, seed=6))
+    server.publish(big_state(version=7, megabytes=0.01, seed=7))
+    # the latest two, and of the five read, the newest PINNED_SNAPSHOTS that are not among them
+    assert sorted(server._snapshots) == [4, 5, 6, 7] and sorted(server._described) == [4, 5, 6, 7]
+    server._reading(5, None)
+    assert sorted(server._snapshots) == [4, 6, 7]
+    for version in (1, 2, 3, 4):
+        server._reading(version, None)
+    assert sorted(server._snapshots) == [6, 7] and not server._readers
+
+
 def test_donor_that_quits_mid_download_is_replaced_by_the_other(swarm, monkeypatch):
     monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)
     snapshot = big_state(version=7, megabytes=4.0, seed=3)

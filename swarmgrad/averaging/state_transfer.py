@@ -79,6 +79,11 @@ PART_BYTES = 1024 * 1024
 # what the round's own codec already changed
 RESULT_DTYPE = torch.bfloat16
 KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or two rounds behind
+# older snapshots a donor keeps while downloads under way still read them (past its latest ``keep``):
+# on a slow link a state takes longer than an epoch (40 MB at 10 Mbit/s: 32 s, against epochs of
+# 8 s), and a download whose version the donor dropped failed on every retry; bounded, since each
+# held snapshot is a copy of the whole state and any peer may open a channel
+PINNED_SNAPSHOTS = 2
 ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
 MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
@@ -311,6 +316,7 @@ class StateServer:
         self.keep_results = keep_results
         self._snapshots: dict[int, StateSnapshot] = {}
         self._described: dict[int, bytes] = {}
+        self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
         self._results: dict[int, torch.Tensor] = {}
         self._sketches: dict[tuple[int, int], bytes] = {}  # (version, seed) -> a sketch, oldest first
         self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
@@ -332,9 +338,31 @@ class StateServer:
             self._described.pop(version)
         self._snapshots[snapshot.version] = snapshot
         self._described[snapshot.version] = snapshot.describe()
-        for version in sorted(self._snapshots)[: -self.keep]:
-            self._snapshots.pop(version)
-            self._described.pop(version)
+        self._drop_old()
+
+    def _drop_old(self) -> None:
+        """Keep the latest ``keep`` snapshots, and the newest ``PINNED_SNAPSHOTS`` older ones that a
+        download under way reads."""
+        older = sorted(self._snapshots)[: -self.keep]
+        read = [version for version in older if self._readers[version] > 0]
+        read = read[max(0, len(read) - PINNED_SNAPSHOTS):]
+        for version in older:
+            if version not in read:
+                self._snapshots.pop(version)
+                self._described.pop(version)
+
+    def _reading(self, channel_version: int | None, version: int | None) -> int | None:
+        """A channel's download moves from ``channel_version`` to ``version`` (None: it ended)."""
+        if channel_version == version:
+            return version
+        if version is not None:
+            self._readers[version] += 1
+        if channel_version is not None:
+            self._readers[channel_version] -= 1
+            if self._readers[channel_version] <= 0:
+                del self._readers[channel_version]
+            self._drop_old()
+        return version
 
     def publish_result(self, epoch: int, result: torch.Tensor) -> None:
         """Keep what round ``epoch`` applied here (a flat float tensor: the swarm's average, or this
@@ -349,60 +377,65 @@ class StateServer:
 
     async def _serve(self, channel: Channel) -> None:
         sketches = 0  # asked on this channel
-        while True:
-            try:
-                async with timeout(self.idle_seconds):  # an idle joiner does not hold the stream forever
-                    request = await channel.recv(max_payload=0)
-            except EOFError:
-                return
-            if request.kind == "done":
-                return
-            if request.kind == "describe":
-                if "version" in request.header:  # a joiner that chose a version by majority
-                    snapshot = self._snapshots.get(field(request.header, "version", int))
+        reading: int | None = None  # the version this channel's joiner described last: held while it reads
+        try:
+            while True:
+                try:
+                    async with timeout(self.idle_seconds):  # an idle joiner does not hold the stream forever
+                        request = await channel.recv(max_payload=0)
+                except EOFError:
+                    return
+                if request.kind == "done":
+                    return
+                if request.kind == "describe":
+                    if "version" in request.header:  # a joiner that chose a version by majority
+                        snapshot = self._snapshots.get(field(request.header, "version", int))
+                        if snapshot is None:
+                            await channel.send_error(f"version {request.header['version']} is no longer held here")
+                            return
+                    else:
+                        snapshot = self.latest
+                        if snapshot is None:
+                            await channel.send_error("this peer has no state to share yet")
+                            return
+                    reading = self._reading(reading, snapshot.version)
+                    await channel.send({"t": "state", "version": snapshot.version, "digest": snapshot.digest,
+                                        "nbytes": snapshot.nbytes}, self._described[snapshot.version])
+                elif request.kind == "sketch":
+                    version = field(request.header, "version", int)
+                    seed = int_field(request.header, "seed", 0, MAX_SEED)
+                    sketches += 1
+                    if sketches > SKETCHES_PER_CHANNEL:
+                        raise FrameError(f"more than {SKETCHES_PER_CHANNEL} sketch requests on one channel")
+                    snapshot = self._snapshots.get(version)
                     if snapshot is None:
-                        await channel.send_error(f"version {request.header['version']} is no longer held here")
+                        await channel.send_error(f"version {version} is no longer held here")
                         return
+                    parts = math.ceil(snapshot.nbytes / PART_BYTES)
+                    await channel.send({"t": "sketch", "version": version, "seed": seed, "parts": parts,
+                                        "classes": len(CLASSES), "k": SKETCH_PROJECTIONS},
+                                       await self._sketch(snapshot, seed))
+                elif request.kind == "part":
+                    version = field(request.header, "version", int)
+                    snapshot = self._snapshots.get(version)
+                    if snapshot is None:
+                        await channel.send_error(f"version {version} is no longer held here")
+                        return
+                    index = int_field(request.header, "index", 0, max(0, math.ceil(snapshot.nbytes / PART_BYTES) - 1))
+                    part = snapshot.data[index * PART_BYTES : (index + 1) * PART_BYTES]
+                    await channel.send({"t": "part", "version": version, "index": index}, memoryview(part.numpy()))
+                elif request.kind == "result":
+                    epoch = field(request.header, "epoch", int)
+                    result = self._results.get(epoch)
+                    if result is None:
+                        await channel.send_error(f"the result of round {epoch} is not kept here")
+                        return
+                    await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
+                                       memoryview(result.view(torch.uint8).numpy()))
                 else:
-                    snapshot = self.latest
-                    if snapshot is None:
-                        await channel.send_error("this peer has no state to share yet")
-                        return
-                await channel.send({"t": "state", "version": snapshot.version, "digest": snapshot.digest,
-                                    "nbytes": snapshot.nbytes}, self._described[snapshot.version])
-            elif request.kind == "sketch":
-                version = field(request.header, "version", int)
-                seed = int_field(request.header, "seed", 0, MAX_SEED)
-                sketches += 1
-                if sketches > SKETCHES_PER_CHANNEL:
-                    raise FrameError(f"more than {SKETCHES_PER_CHANNEL} sketch requests on one channel")
-                snapshot = self._snapshots.get(version)
-                if snapshot is None:
-                    await channel.send_error(f"version {version} is no longer held here")
-                    return
-                parts = math.ceil(snapshot.nbytes / PART_BYTES)
-                await channel.send({"t": "sketch", "version": version, "seed": seed, "parts": parts,
-                                    "classes": len(CLASSES), "k": SKETCH_PROJECTIONS},
-                                   await self._sketch(snapshot, seed))
-            elif request.kind == "part":
-                version = field(request.header, "version", int)
-                snapshot = self._snapshots.get(version)
-                if snapshot is None:
-                    await channel.send_error(f"version {version} is no longer held here")
-                    return
-                index = int_field(request.header, "index", 0, max(0, math.ceil(snapshot.nbytes / PART_BYTES) - 1))
-                part = snapshot.data[index * PART_BYTES : (index + 1) * PART_BYTES]
-                await channel.send({"t": "part", "version": version, "index": index}, memoryview(part.numpy()))
-            elif request.kind == "result":
-                epoch = field(request.header, "epoch", int)
-                result = self._results.get(epoch)
-                if result is None:
-                    await channel.send_error(f"the result of round {epoch} is not kept here")
-                    return
-                await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
-                                   memoryview(result.view(torch.uint8).numpy()))
-            else:
-                raise FrameError(f"unexpected request {request.kind!r}")
+                    raise FrameError(f"unexpected request {request.kind!r}")
+        finally:
+            self._reading(reading, None)
 
     async def _sketch(self, snapshot: StateSnapshot, seed: int) -> bytes:
         """The sketch of ``snapshot`` for ``seed``, computed off the event loop, one at a time, kept for reuse."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -45,26 +45,29 @@ class BackgroundEvaluator:
     def busy(self) -> bool:
         return self._running is not None
 
-    def offer(self, meta: dict[str, Any] | None = None) -> bool:
-        """Start an evaluation of the model as it is now, unless one is running: then skip this one
-        (counted in ``skipped``) and return False."""
+    def offer(self, meta: dict[str, Any] | None = None, state: Mapping[str, torch.Tensor] | None = None) -> bool:
+        """Start an evaluation of the model as it is now (or of ``state``, a ``state_dict`` for it),
+        unless one is running: then skip this one (counted in ``skipped``) and return False."""
         if self._running is not None:
             self.skipped += 1
             logger.debug("evaluation %s skipped: the previous one still runs (%d skipped)", meta or {}, self.skipped)
             return False
-        self.start(meta)
+        self.start(meta, state)
         return True
 
     @torch.no_grad()
-    def start(self, meta: dict[str, Any] | None = None) -> None:
-        """Snapshot the model (on the caller's thread, so the copy is of one consistent state) and
-        score it in the background. ``meta`` comes back with the result."""
+    def start(self, meta: dict[str, Any] | None = None, state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Snapshot the model (on the caller's thread, so the copy is of one consistent state), or
+        load ``state`` into the snapshot instead, and score it in the background. ``meta`` comes
+        back with the result."""
         if self._running is not None:
             raise RuntimeError("an evaluation is already running")
         if self._snapshot is None:
             self._snapshot = copy.deepcopy(self.model)
-        else:
+        elif state is None:
             self._snapshot.load_state_dict(self.model.state_dict())
+        if state is not None:
+            self._snapshot.load_state_dict(state)
         self._meta = dict(meta or {})
         self._running = self._pool.submit(self.task.evaluate, self._snapshot, self.max_batches)
 

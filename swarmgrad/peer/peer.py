@@ -400,6 +400,21 @@ class Peer:
     def epoch(self) -> int:
         return self.tracker.local.epoch
 
+    def swarm_model(self) -> dict[str, torch.Tensor] | None:
+        """DiLoCo: the model's ``state_dict`` as of this peer's latest outer step, the swarm's model
+        (what joiners download and checkpoints keep), without the local progress made since. With
+        overlap a round lands in the middle of the next inner phase, and the live model then carries
+        that phase's steps on one shard: held-out evaluations score this instead, as they score the
+        fresh outer step where rounds run in turn. None for the other strategies, and until this
+        epoch's state is published."""
+        if self.policy is None or self.policy.averages != "delta" or self.runtime.state_server is None:
+            return None
+        latest = self.runtime.state_server.latest
+        if latest is None or latest.version != self.epoch:
+            return None
+        return {name.removeprefix("model/"): tensor for name, tensor in latest.tensors().items()
+                if name.startswith("model/")}
+
     def status(self) -> PeerStatus:
         local, counters = self.tracker.local, self._counters
         return PeerStatus(
@@ -608,6 +623,10 @@ class Peer:
         counters.last_report = {key: value for key, value in asdict(report).items()
                                 if key not in ("group", "contributors", "transports", "pushed_to", "failed", "observed")}
         counters.last_report["peers"] = len(getattr(report, "group", getattr(report, "pushed_to", [])))
+        if hasattr(report, "allreduce_seconds"):  # a group round (a gossip push is too frequent to log)
+            logger.info("round %d: %s, %d peers, %.1f s (all-reduce %.1f s), %.2f MB sent", report.round_index,
+                        "ok" if outcome.ok else f"failed ({report.error})", counters.last_report["peers"],
+                        report.seconds, report.allreduce_seconds, report.bytes_sent / 1e6)
 
     # ---- privacy and checkpoints ------------------------------------------------------------------
 

@@ -227,9 +227,10 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
 
 
 def _offer_evaluation(peer: Peer, evaluator: BackgroundEvaluator, emit: Emit) -> bool:
-    """Evaluate the model as it is now, in the background; False if the last one still runs."""
+    """Evaluate the swarm's model (``Peer.swarm_model``; else the model as it is now) in the
+    background; False if the last one still runs."""
     # the snapshot's time, step and epoch: the event says when the model had this accuracy
-    if not evaluator.offer({"t": time.time(), "step": peer.status().step, "epoch": peer.epoch}):
+    if not evaluator.offer({"t": time.time(), "step": peer.status().step, "epoch": peer.epoch}, peer.swarm_model()):
         return False
     emit({**_progress_event(peer), "evaluating": True})
     return True
