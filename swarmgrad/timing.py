@@ -40,7 +40,7 @@ class Timing(SettingsModel):
     # was at 0.873, and reached 85% in 0.91x its time
     overlap_share: Annotated[float, pydantic.Field(gt=0, le=1)] = 0.3
     overlap_min_round: Seconds = 1.0  # shorter rounds are not worth a stale outer step
-    join_timeout: Seconds = 60.0  # downloading the swarm's state
+    join_timeout: Seconds = 60.0  # a state download that lands no part for this long fails (a slow one goes on)
     catch_up_retry: Seconds = 5.0  # after a failed state download, train locally this long before retrying
     close_part: Seconds = 10.0  # each part of leaving (averagers, presence, state server, node)
 

@@ -345,8 +345,9 @@ def _grid_scenario(count: int, rounds: int, fixed: bool = False):
                          coordinates=[i % 4, i // 4] if fixed else None, codec="none", aggregator="mean"))
                 for i, (runtime, ts) in enumerate(zip(runtimes, tensors))]
 
-            async def everyone_listed():  # the grid is laid out from each peer's view of the membership
-                return all(len(runtime.members()) == count for runtime in runtimes)
+            async def everyone_listed():  # the grid is laid out from each peer's view of the membership,
+                # once a reread found nobody new (until then a peer groups by the declarations it reads)
+                return all(len(runtime.members()) == count and runtime.presence.settled for runtime in runtimes)
 
             await eventually(everyone_listed, seconds=20)
             sizes = set()

@@ -197,7 +197,7 @@ def test_quick_sweep_runs_both_swarmgrad_systems_in_the_lab_and_the_best_sends_l
     for name, run in runs.items():
         assert run["error"] is None, (name, run["logs"])
         assert run["bandwidth_mbit"] == 10.0
-        # trained (chance is 0.1): one or two epochs in 20 s on a loaded machine reach 0.78-0.81
+        # trained (chance is 0.1): two or three epochs in 30 s on a loaded machine reach 0.78 and more
         assert run["curve"] and run["final_accuracy"] >= 0.7, (name, run["curve"], run["logs"])
         assert sum(run["rounds_ok"].values()) > 0, (name, run["logs"])  # the peers averaged
         assert not run["nan_seen"] and run["hung_rounds"] == 0

@@ -175,14 +175,16 @@ def test_load_by_name_or_path(tmp_path):
         load_scenario(tmp_path / "missing.toml")
 
 
-def test_quick_keeps_peer_zero_and_the_churned_peers():
+def test_quick_keeps_peer_zero_a_steady_peer_and_the_churned_peers():
     churn = load_scenario("churn-heavy")
     quick = churn.adjusted(quick=True)
     assert (quick.task, quick.duration, len(quick.expanded_peers())) == ("digits", 30.0, QUICK_PEERS)
     assert quick.inner_steps >= 500 and quick.target_accuracy is None
-    # peers 0, 2 and 3 of churn-heavy are kept (as 0, 1, 2): both kills and the restart survive
-    assert [(e.at, e.action, e.peer) for e in quick.schedule()] == \
-        [(7.5, "kill", 1), (12.0, "kill", 2), (18.0, "restart", 1)]
+    # peers 0, 1 (churn leaves it alone: two peers average from the start) and 2 of churn-heavy are
+    # kept: peer 2's kill and restart survive, peer 3's kill and peer 5's join do not
+    assert [(e.at, e.action, e.peer) for e in quick.schedule()] == [(7.5, "kill", 2), (18.0, "restart", 2)]
+    tta = load_scenario(REPO / "benchmarks" / "scenarios" / "time-to-accuracy.toml").adjusted(quick=True)
+    assert [(e.action, e.peer) for e in tta.schedule()] == [("kill", 2)]  # peers 0, 1 and 7 (killed at 10%)
     home = load_scenario("home-broadband").adjusted(quick=True, duration=20)
     assert home.duration == 20 and [p.up_mbit for p in home.expanded_peers()] == \
         [p.up_mbit for p in load_scenario("home-broadband").expanded_peers()[:3]]

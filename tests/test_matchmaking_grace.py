@@ -8,7 +8,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, Matchmaker, MatchRecord
+from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, REPLY_STRETCH, Matchmaker, MatchRecord
 
 WINDOW = 0.1
 
@@ -56,3 +56,55 @@ def test_a_quick_dht_keeps_the_window_and_its_grace():
     # quick reads: the grace stays one window, so a declaration later than that is missed
     assert GRACE_LATENCIES * 0.001 < WINDOW
     assert find_group(latency=0.001, visible_after=0.5) is None
+
+
+class SlowInvitee:
+    """A transport to one peer that accepts an invitation ``answer_after`` seconds after it is sent."""
+
+    admission = None
+
+    def __init__(self, answer_after: float):
+        self.answer_after = answer_after
+
+    async def open(self, peer, protocol):
+        answer_after = self.answer_after
+
+        class Channel:
+            peer_id = peer
+
+            async def send(self, message):
+                pass
+
+            async def recv(self, max_payload):
+                await asyncio.sleep(answer_after)
+                return SimpleNamespace(kind="accept", header={"share": 1.0, "refuses": []})
+
+            async def close(self):
+                pass
+
+        return Channel()
+
+
+def invite(dht_latency: float, answer_after: float) -> bool:
+    async def scenario():
+        node = SimpleNamespace(peer_id="me", dht_latency=dht_latency)
+        matchmaker = Matchmaker(node, SlowInvitee(answer_after), "test", schema_digest="schema", codec="none",
+                                reply_timeout=0.1)
+        return await matchmaker._invite("other", "round", ["me", "other"]) is not None
+
+    return asyncio.run(scenario())
+
+
+def test_a_slow_dht_stretches_the_wait_for_an_invitations_answer():
+    """On loaded cores an answer takes as long as DHT requests do: a leader whose DHT answers in
+    0.3 s waits that long for an accept (0.2 s after the invite), one whose DHT is quick does not."""
+    assert invite(dht_latency=0.3, answer_after=0.2)
+    assert not invite(dht_latency=0.0, answer_after=0.2)
+
+
+def test_the_wait_for_an_answer_is_bounded_whatever_the_dht_takes():
+    """A DHT slowed by a peer that answers late stretches the wait at most REPLY_STRETCH times."""
+    assert not invite(dht_latency=100.0, answer_after=REPLY_STRETCH * 0.1 + 0.2)
+    node = SimpleNamespace(peer_id="me", dht_latency=100.0)
+    matchmaker = Matchmaker(node, SlowInvitee(0), "test", schema_digest="schema", codec="none", reply_timeout=0.1)
+    assert matchmaker.reply_deadline == REPLY_STRETCH * 0.1

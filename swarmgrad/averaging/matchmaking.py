@@ -53,6 +53,12 @@ FIRST_POLL, POLLS_PER_WINDOW = 0.01, 8
 # recent request times if longer. A store and the read that sees it each take one; a short window
 # on a loaded machine (0.2 s against stores of 0.5 s) otherwise ends with every peer alone.
 GRACE_LATENCIES = 3
+# An invitation, its answer and the plan are a stream and a few frames: milliseconds on a live peer.
+# On loaded cores every p2pd round trip slows at once, DHT requests too, and a fixed 2 s let every
+# invitation of a 16-peer round time out. A reply is waited for as long as this node's slowest recent
+# DHT request, never less than reply_timeout nor more than this many times it: a peer that does not
+# answer is still dropped, not waited for.
+REPLY_STRETCH = 4
 MAX_GROUP = 1024  # the most members an invitation may name (moshpit's group_size bound)
 MAX_PEER_ID = 128  # characters: libp2p's base58 peer ids are 52
 
@@ -146,6 +152,11 @@ class Matchmaker:
         self.schema_digest, self.codec, self.aggregator = schema_digest, codec, aggregator
         self._looking: dict[str, _Looking] = {}
 
+    @property
+    def reply_deadline(self) -> float:
+        """Seconds to wait for one reply of the matchmaking exchange (see :data:`REPLY_STRETCH`)."""
+        return min(REPLY_STRETCH * self.reply_timeout, max(self.reply_timeout, self.node.dht_latency))
+
     async def find_group(
         self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
         expected: int | None = None, expected_members: frozenset[str] | None = None,
@@ -169,7 +180,7 @@ class Matchmaker:
         try:
             record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec,
                                  aggregator=self.aggregator)
-            expires = ready_at + window + grace + self.reply_timeout
+            expires = ready_at + window + grace + self.reply_deadline
             # read while our own declaration is still being stored: others are declaring at the same moment
             declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
@@ -192,7 +203,7 @@ class Matchmaker:
                     return await self._lead(key, group, min_group_size, share)
             # a follower: the leader we accepted (or will accept) sends the plan
             try:
-                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * self.reply_timeout)
+                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * self.reply_deadline)
             except asyncio.TimeoutError:
                 return None
         finally:
@@ -278,7 +289,7 @@ class Matchmaker:
         """Invite one peer to ``group``; its open channel, share and refusals if it accepted, None otherwise."""
         channel = None
         try:
-            async with timeout(self.reply_timeout):
+            async with timeout(self.reply_deadline):
                 channel = await self.transport.open(peer, self.protocol)
                 await channel.send({"t": "invite", "key": key, "group": group})
                 reply = await channel.recv(max_payload=0)
@@ -296,7 +307,7 @@ class Matchmaker:
 
     async def _finish_invitation(self, channel: Channel, message: dict) -> None:
         try:
-            async with timeout(self.reply_timeout):
+            async with timeout(self.reply_deadline):
                 await channel.send(message)
         except Exception as error:
             logger.debug("could not send %s to %s: %s", message["t"], channel.peer_id, error)
@@ -305,7 +316,7 @@ class Matchmaker:
 
     async def serve(self, channel: Channel) -> None:
         """Control-protocol handler: answer one invitation, then wait for the leader's decision."""
-        async with timeout(self.reply_timeout):
+        async with timeout(self.reply_deadline):
             invite = expect_kind(await channel.recv(max_payload=0), "invite")
         key = field(invite.header, "key", str)
         group = peer_ids(invite.header, "group", MAX_GROUP)
@@ -319,8 +330,8 @@ class Matchmaker:
         refuses = sorted(peer for peer in group if admission is not None and not admission.admits(peer))
         await channel.send({"t": "accept", "share": looking.share, "refuses": refuses})
         try:
-            # the leader answers once every invitee has replied (each within reply_timeout)
-            async with timeout(2 * self.reply_timeout):
+            # the leader answers once every invitee has replied (each within its reply deadline)
+            async with timeout(2 * self.reply_deadline):
                 decision = await channel.recv(max_payload=0)
             plan = None
             if decision.kind == "begin":

@@ -476,7 +476,10 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
     that hold them travel and are compared. Raises StateTransferError, using nothing, when no donor
     answers, when the version a majority of them reached is below ``min_version``, when fewer than
     a strict majority of the donors that answered agree on the state, when a part fails every
-    verification pass, or when the transfer cannot be completed within ``seconds``.
+    verification pass, or when ``seconds`` pass without a part landing. Each part that lands gives
+    the transfer ``seconds`` more: a state that takes longer than that on a slow link (40 MB at
+    5 Mbit/s is 64 s) still comes in while it keeps moving, and how long a donor can hold a joiner
+    stays bounded by the parts (each lands once, within ``part_seconds``).
     """
     if not donors:
         raise StateTransferError("no peer to download the state from")
@@ -486,7 +489,10 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
     # others), and never less than 2 s: 4 MiB at 20 Mbit/s
     part_seconds = max(2.0, seconds / 4)
     try:
-        async with timeout(seconds):
+        async with timeout(seconds) as budget:
+            def moving() -> None:  # a part landed
+                budget.reschedule(asyncio.get_running_loop().time() + seconds)
+
             described = await asyncio.gather(*(_describe(transport, protocol, d, max_bytes) for d in donors),
                                              return_exceptions=True)
             for donor, outcome in zip(donors, described):
@@ -517,9 +523,10 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
             async def sketch_of(offer: _Offer, seed: int) -> torch.Tensor:
                 return await _verification_sketch(transport, protocol, offer, seed, part_seconds)
 
-            return await _fetch(sources, part_seconds=part_seconds, keep=keep, blame=blame, sketch_of=sketch_of)
+            return await _fetch(sources, part_seconds=part_seconds, keep=keep, blame=blame, sketch_of=sketch_of,
+                                moving=moving)
     except (asyncio.TimeoutError, TimeoutError):
-        raise StateTransferError(f"state download did not finish within {seconds:.0f} s") from None
+        raise StateTransferError(f"state download stalled: nothing landed for {seconds:.0f} s") from None
     finally:
         await asyncio.gather(*(_finish(offer.channel) for offer in offers), return_exceptions=True)
 
@@ -685,18 +692,19 @@ def _blame(transport: Transport, donor: str, kind: str, detail: str) -> None:
 
 async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None,
                  blame: Blame = lambda donor, kind, detail: None,
-                 sketch_of: Callable[[_Offer, int], Awaitable[torch.Tensor]] | None = None) -> StateSnapshot:
+                 sketch_of: Callable[[_Offer, int], Awaitable[torch.Tensor]] | None = None,
+                 moving: Callable[[], None] = lambda: None) -> StateSnapshot:
     """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on.
     ``sketch_of(donor, seed)``: a donor's sketch, to verify what arrived with (``_verify``).
     ``blame(donor, kind, detail)``: told of a donor that sent an invalid part, a part that failed
-    verification, or parts holding NaN or Inf."""
+    verification, or parts holding NaN or Inf. ``moving()``: called as each part lands."""
     first = sources[0]
     data = torch.empty(first.nbytes, dtype=torch.uint8)
     parts = parts_holding(first.specs, keep)
     random.shuffle(sources)  # joiners arriving together start on different donors
     done: dict[int, str] = {}  # part -> the donor it came from
     healthy = list(sources)
-    await _fetch_parts(healthy, parts, data, done, part_seconds, blame)
+    await _fetch_parts(healthy, parts, data, done, part_seconds, blame, moving)
     if sketch_of is not None:
         await _verify(sources, healthy, parts, data, done, part_seconds, blame, sketch_of)
     snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
@@ -708,7 +716,7 @@ async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str
 
 
 async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.Tensor, done: dict[int, str],
-                       part_seconds: float, blame: Blame) -> None:
+                       part_seconds: float, blame: Blame, moving: Callable[[], None] = lambda: None) -> None:
     """Fetch ``parts`` into ``data`` from the donors of ``healthy`` (a donor that fails leaves it),
     noting in ``done`` where each came from. StateTransferError when they all failed."""
     target = memoryview(data.numpy())
@@ -729,6 +737,7 @@ async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.
                         raise FrameError(f"part {index} is {length} bytes, expected {expected}")
                     await offer.channel.recv_payload_into(target[index * PART_BYTES : index * PART_BYTES + length])
                 done[index] = offer.donor
+                moving()
             except (FrameError, RemoteError, EOFError, OSError, ConnectionError, asyncio.TimeoutError,
                     TimeoutError) as error:
                 logger.info("donor %s failed on part %d: %s; the others take over", offer.donor, index, error)
