@@ -261,3 +261,32 @@ def test_two_donors_whose_results_disagree_hand_over_nothing(monkeypatch):
         run_async(h.catch_up.agreed_result(["a", "liar", "gone"], 0))
     results_from(monkeypatch, {"a": honest, "b": 1.2 * honest})
     torch.testing.assert_close(run_async(h.catch_up.agreed_result(["a", "b"], 0)), 1.1 * honest)
+
+
+def test_a_replays_deadline_grows_with_the_bytes_at_the_rate_the_peers_rounds_received(monkeypatch):
+    """Before any round, a replay gets control_timeout; after rounds that received at a measured rate,
+    control_timeout plus the results' bytes at that rate (10 MB of bfloat16 at 5 Mbit/s is 16 s,
+    against a fixed 5 s), and never more than join_timeout."""
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    timing = Timing()
+    deadlines: list[float] = []
+
+    async def download_result(transport, protocol, donors, epoch, numel, seconds):
+        deadlines.append(seconds)
+        return h.donor_results[epoch]
+
+    monkeypatch.setattr(catch_up_module, "download_result", download_result)
+    run_async(h.catch_up.agreed_result(["donor"], 0))
+    result_bytes = h.policy.layout.total * 2  # bfloat16
+    h.catch_up.note_round(bytes_received=result_bytes, seconds=4.0)  # one result's bytes take 4 s
+    run_async(h.catch_up.agreed_result(["donor"], 0))
+    h.catch_up.note_round(bytes_received=result_bytes, seconds=12.0)  # slower now: smoothed to 6 s
+    run_async(h.catch_up.agreed_result(["a", "b", "c"], 0))  # three results share the link
+    for _ in range(20):  # a link that (or a member who) barely moves a byte
+        h.catch_up.note_round(bytes_received=1, seconds=1000.0)
+    run_async(h.catch_up.agreed_result(["donor"], 0))
+    assert deadlines[0] == timing.control_timeout
+    assert deadlines[1] == pytest.approx(timing.control_timeout + 4.0)
+    # rates 1/4 and 1/12 of a result per second, averaged: 1/6; three results: 18 s
+    assert deadlines[2:5] == pytest.approx([timing.control_timeout + 18.0] * 3)
+    assert deadlines[5] == timing.join_timeout

@@ -266,9 +266,12 @@ def test_a_prefix_in_use_is_refused_and_left_alone():
     assert leftovers(net.prefix) == []
 
 
+# Python leaves SIGINT ignored in a child whose parent ignored it (pytest started in the background
+# by a non-interactive shell): the driver takes Ctrl-C as a terminal's user would send it
 DRIVER = """
-import sys, time
+import signal, sys, time
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec
+signal.signal(signal.SIGINT, signal.default_int_handler)
 try:
     with EmulatedNetwork([LinkSpec(50, 50, 5, 0), LinkSpec(50, 50, 5, 0.05)]) as net:
         net.popen(0, ["sleep", "300"])

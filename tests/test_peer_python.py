@@ -165,6 +165,7 @@ def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
                     assert list(swarm_model) == list(peer.model.state_dict())
                     torch.testing.assert_close(torch.cat([t.reshape(-1) for t in swarm_model.values()]),
                                                peer.policy.start)
+                    assert peer.catch_up.receive_rate > 0  # its rounds size a replay's deadline
                 return statuses
 
     statuses = run_async(scenario())

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TORCH_THREADS
 from torch.utils.data import TensorDataset
 
 from swarmgrad.errors import ConfigError
@@ -26,10 +27,10 @@ needs_fashion = pytest.mark.skipif(not (DEFAULT_DATA_DIR / "t10k-labels-idx1-uby
 
 
 @pytest.fixture(autouse=True)
-def two_threads():
-    """The machines here have 2 cores; more threads only fight each other."""
+def torch_threads():
+    """The machines here have 2 cores; more threads only fight each other (conftest.TORCH_THREADS)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(TORCH_THREADS)
     yield
     torch.set_num_threads(previous)
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from swarmgrad.averaging import NetworkRuntime
-from swarmgrad.averaging.state_transfer import KEPT_RESULTS, StateTransferError, download_result, download_state
+from swarmgrad.averaging.state_transfer import (KEPT_RESULTS, RESULT_DTYPE, StateTransferError, download_result,
+                                                 download_state)
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies import Policy
 from swarmgrad.timing import Timing
@@ -33,6 +34,7 @@ REPLAY_DONORS = 3  # donors asked at once for a round's result: a median needs t
 # how far apart (relative to the larger norm) two donors' results of one round may lie: moshpit
 # groups average different members, so honest results differ, but by less than their norm
 REPLAY_SPREAD = 1.0
+RATE_WEIGHT = 0.5  # of the latest round in the smoothed receive rate a replay's deadline is sized by
 
 
 class Progress(Protocol):
@@ -61,6 +63,25 @@ class CatchUp:
         self.downloads = 0  # whole states taken
         self.replayed = 0  # rounds replayed from their results
         self.in_step = False
+        self.receive_rate: float | None = None  # bytes/s this peer's group rounds received at, smoothed
+
+    def note_round(self, bytes_received: int, seconds: float) -> None:
+        """A group round's all-reduce received ``bytes_received`` in ``seconds``: what this peer's
+        downlink gives now (a slow member only makes it look slower: a longer deadline, still capped)."""
+        if bytes_received > 0 and seconds > 0:
+            rate = bytes_received / seconds
+            self.receive_rate = rate if self.receive_rate is None else \
+                RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.receive_rate
+
+    def replay_seconds(self, donors: int) -> float:
+        """How long asking ``donors`` at once for a round's result may take: ``control_timeout``, plus
+        their results' bytes (they share this peer's downlink) at the rate its rounds measured, at most
+        ``join_timeout``. A fixed 5 s failed every replay at 5 Mbit/s: 10 MB of bfloat16 takes 16 s."""
+        control = self.timing.control_timeout
+        if self.receive_rate is None:
+            return control
+        nbytes = donors * self.policy.layout.total * torch.empty(0, dtype=RESULT_DTYPE).element_size()
+        return min(max(control, self.timing.join_timeout), control + nbytes / self.receive_rate)
 
     @property
     def epoch(self) -> int:
@@ -113,9 +134,10 @@ class CatchUp:
         state download, which a majority of donors must agree on, then decides)."""
         assert self.runtime.transport is not None
         asked = donors[:REPLAY_DONORS]
+        seconds = self.replay_seconds(len(asked))
         outcomes = await asyncio.gather(*(download_result(
             self.runtime.transport, self.runtime.state_protocol, [donor], epoch, self.policy.layout.total,
-            seconds=self.timing.control_timeout) for donor in asked), return_exceptions=True)
+            seconds=seconds) for donor in asked), return_exceptions=True)
         served = [(donor, outcome) for donor, outcome in zip(asked, outcomes) if isinstance(outcome, torch.Tensor)]
         results = [result for _, result in served]
         if not results:

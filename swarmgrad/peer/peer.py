@@ -624,6 +624,8 @@ class Peer:
                                 if key not in ("group", "contributors", "transports", "pushed_to", "failed", "observed")}
         counters.last_report["peers"] = len(getattr(report, "group", getattr(report, "pushed_to", [])))
         if hasattr(report, "allreduce_seconds"):  # a group round (a gossip push is too frequent to log)
+            if outcome.ok and self.catch_up is not None:
+                self.catch_up.note_round(report.bytes_received, report.allreduce_seconds)
             logger.info("round %d: %s, %d peers, %.1f s (all-reduce %.1f s), %.2f MB sent", report.round_index,
                         "ok" if outcome.ok else f"failed ({report.error})", counters.last_report["peers"],
                         report.seconds, report.allreduce_seconds, report.bytes_sent / 1e6)
