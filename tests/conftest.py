@@ -13,20 +13,16 @@ import time
 from typing import Awaitable, Callable
 
 import pytest
+import torch
 
-# Under two xdist workers on two cores, each worker and every peer process it starts computes on one
-# thread: torch's default (one per core) put 2 OpenMP threads in each of 4-6 processes at once, each
-# parallel region waiting for a descheduled thread, and a 25 s training test took 157 s. Set before
-# torch loads here, inherited by child processes; -n 0 keeps torch's default.
+from swarmgrad.runtime import configure_logging, run
+
+# Under two xdist workers on two cores, each worker computes on one thread: torch's default (one per
+# core) ran 2 OpenMP threads in each worker beside a lab's peer processes, each parallel region
+# waiting for a descheduled thread, and a 25 s training test took 157 s. The peers the tests start
+# keep their own settings (the lab's and the demo's run on one thread; a CLI peer's time-bounded
+# accuracy checks were measured with torch's default).
 TORCH_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[_name] = "1"
-
-import torch  # noqa: E402
-
-from swarmgrad.runtime import configure_logging, run  # noqa: E402
-
 torch.set_num_threads(TORCH_THREADS)
 
 configure_logging(20)

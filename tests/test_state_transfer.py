@@ -89,20 +89,29 @@ class QuitAfterOnePart(CountingServer):
         # returning closes the stream (Libp2pTransport's handler closes the channel)
 
 
-class StallAfterOnePart(CountingServer):
-    """Serves one part, then keeps the stream open and never answers a part request again (a hung
-    donor); it still describes and sketches its state."""
+class DelayedParts(CountingServer):
+    """Sends each part ``delay`` seconds after it is asked for, once it served ``after`` parts: a
+    donor on a slow link (0.4 s from the first part)."""
+
+    delay, after = 0.4, 0
 
     async def _serve(self, channel) -> None:
         send = channel.send
 
-        async def stalling_send(header, payload=b""):
-            if header.get("t") == "part" and self.served:
-                await asyncio.sleep(3600)
+        async def delayed_send(header, payload=b""):
+            if header.get("t") == "part" and len(self.served) >= self.after:
+                await asyncio.sleep(self.delay)
             await send(header, payload)
 
-        channel.send = stalling_send
+        channel.send = delayed_send
         await super()._serve(channel)
+
+
+class StallAfterOnePart(DelayedParts):
+    """Serves one part, then keeps the stream open and never answers a part request again (a hung
+    donor); it still describes and sketches its state."""
+
+    delay, after = 3600, 1
 
 
 class LyingServer(CountingServer):
@@ -313,34 +322,17 @@ def test_a_download_under_way_finishes_though_the_donor_moved_on_past_what_it_ke
     assert held_after == [3, 4]  # once nobody reads it, version 1 goes
 
 
-class SlowParts(CountingServer):
-    """Sends each part ``delay`` seconds after it is asked for: a donor on a slow link."""
-
-    delay = 0.4
-
-    async def _serve(self, channel) -> None:
-        send = channel.send
-
-        async def slow_send(header, payload=b""):
-            if header.get("t") == "part":
-                await asyncio.sleep(self.delay)
-            await send(header, payload)
-
-        channel.send = slow_send
-        await super()._serve(channel)
-
-
 def test_a_download_longer_than_its_budget_finishes_while_parts_keep_landing(swarm, monkeypatch):
     """``seconds`` bounds the time without a part landing, not the whole transfer: 8 parts at 0.4 s
     each take over 3 s against a budget of 2 s (a 40 MB state at 5 Mbit/s took 64 s against 60)."""
     monkeypatch.setattr(state_transfer, "PART_BYTES", 64 * 1024)
     snapshot = big_state(version=2, megabytes=0.5, seed=5)
     parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
-    assert parts * SlowParts.delay > 1.5 * 2.0
+    assert parts * DelayedParts.delay > 1.5 * 2.0
 
     async def scenario():
         protocol = new_protocol()
-        async with serving(swarm, protocol, [snapshot], [SlowParts]):
+        async with serving(swarm, protocol, [snapshot], [DelayedParts]):
             started = asyncio.get_running_loop().time()
             got = await download_state(swarm.transports[0], protocol, donor_ids(swarm)[:1], seconds=2.0)
             return got, asyncio.get_running_loop().time() - started
