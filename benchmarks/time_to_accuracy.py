@@ -42,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
@@ -164,6 +164,7 @@ def run_system(system: str, options: Options, console: Console, label: str | Non
         "mb_sent_per_peer": round(sum(sent) / len(sent) / MB, 2) if sent else None,
         "mb_received_per_peer": round(sum(received) / len(received) / MB, 2) if received else None,
         "mb_sent_by_peer": [round(value / MB, 2) for value in sent],
+        "mb_sent_per_round": mb_sent_per_round(summary["peers"].values()),
         "rounds_ok": {p["index"]: p["rounds_ok_total"] for p in summary["lab_peers"]},
         "state_downloads": {p["index"]: p["state_downloads"] for p in summary["lab_peers"]},
         "faults": summary["faults"],
@@ -175,6 +176,13 @@ def run_system(system: str, options: Options, console: Console, label: str | Non
     console.log(f"{label}: {options.targets[-1]:.0%} " + (f"at {reached:.0f} s" if reached is not None else
                 f"not reached in {result['training_seconds']:.0f} s") + f", final {result['final_accuracy']}")
     return result
+
+
+def mb_sent_per_round(peers: Iterable[dict[str, Any]]) -> float | None:
+    """What a peer's averaging rounds sent, per round, averaged over the peers that averaged: the
+    links' totals above also carry the DHT and state downloads, which a short run's few rounds drown in."""
+    per_round = [peer["bytes_sent"] / peer["rounds_ok"] for peer in peers if peer["rounds_ok"] > 0]
+    return round(sum(per_round) / len(per_round) / MB, 4) if per_round else None
 
 
 def time_or_bound(result: dict[str, Any] | None, target: float) -> tuple[float | None, bool]:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import pytest
@@ -34,10 +35,17 @@ configure_logging(20)
 HEAVY_MODULES = {"test_attacks_benchmark", "test_bandwidth_sweep", "test_cli", "test_docs", "test_scale_benchmark"}
 
 
+def _heavy(item: pytest.Item) -> bool:
+    module = item.module.__name__ if item.module is not None else ""
+    return module.startswith("test_lab") or module in HEAVY_MODULES
+
+
+# First: xdist's own hook reads the marks into each test's id ("...@heavy"), which is what its
+# scheduler groups by; a conftest hook runs after a plugin's unless it asks to run first.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        module = item.module.__name__ if item.module is not None else ""
-        if module.startswith("test_lab") or module in HEAVY_MODULES:
+        if _heavy(item):
             item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
@@ -124,6 +132,25 @@ def member_processes():
         if member.process.poll() is None:
             member.process.kill()
             member.process.wait()
+
+
+def run_lab_benchmark(script: Path, *args: str, tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess,
+                                                                                       list[str]]:
+    """Run a lab benchmark (TMPDIR in ``tmp_path``); returns its result and the network namespaces it
+    left: those named for its process (``sglab-<pid>-...``), whatever other labs run beside it."""
+    from swarmgrad.lab.sweep import NETNS_DIR
+
+    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    left = sorted(name for name in os.listdir(NETNS_DIR) if name.startswith(f"sglab-{process.pid}-")) \
+        if NETNS_DIR.is_dir() else []
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), left
 
 
 def p2pd_pids(parent: int | None = None) -> set[int]:

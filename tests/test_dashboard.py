@@ -158,6 +158,10 @@ def test_the_page_shows_every_member_and_the_accuracy_curve(run, tmp_path):
 def test_metrics_of_the_dashboard_and_of_a_peer_parse(run):
     evaluator_id = run.evaluator.last("ready")["peer_id"]
     run.board.wait_for(lambda r: r["summary"]["rounds_ok"] >= 1, 60, "an averaging round")
+    # xdist may run this test first, on its own run: the evaluator's first evaluation may not be read yet
+    run.board.wait_for(lambda r: any(e["peer_id"] == evaluator_id and e["results"][-1]["accuracy"] > 0.5
+                                     for e in run.board.api("evaluations")["evaluators"]),
+                       60, "the evaluator's published evaluation above 50%")
     board = metric_samples(run.board.get("metrics").decode())
     assert board[("swarmgrad_run_members", (("role", "peer"),))] == 2
     assert board[("swarmgrad_run_members", (("role", "monitor"),))] == 1

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import lab_unavailable
+from conftest import lab_unavailable, run_lab_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -100,20 +100,11 @@ _LAB_REASON = lab_unavailable()
 @pytest.mark.timeout(480)  # above the benchmark's own 420 s limit, so that one can fire and say why
 def test_quick_benchmark_runs_swarmgrad_and_hivemind_on_one_network_and_cleans_up(tmp_path):
     import json
-    import os
     import subprocess
 
-    from swarmgrad.lab.sweep import NETNS_DIR
-
-    def lab_namespaces() -> set[str]:
-        return {name for name in os.listdir(NETNS_DIR) if name.startswith("sglab-")} if os.path.isdir(NETNS_DIR) \
-            else set()
-
-    before = lab_namespaces()
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "time_to_accuracy.py"), "--quick", "--systems", "swarmgrad,hivemind",
-         "--out", str(tmp_path), "--json"],
-        capture_output=True, text=True, timeout=420, env={**os.environ, "TMPDIR": str(tmp_path)}, check=False)
+    result, namespaces_left = run_lab_benchmark(
+        BENCHMARKS / "time_to_accuracy.py", "--quick", "--systems", "swarmgrad,hivemind", "--out", str(tmp_path),
+        "--json", tmp_path=tmp_path, timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert json.loads((tmp_path / "time-to-accuracy.json").read_text())["systems"].keys() == {"swarmgrad", "hivemind"}
@@ -124,7 +115,7 @@ def test_quick_benchmark_runs_swarmgrad_and_hivemind_on_one_network_and_cleans_u
         assert system["mb_sent_per_peer"] > 0 and system["mb_received_per_peer"] > 0
         assert sum(system["rounds_ok"].values()) > 0, (name, system["logs"])  # the peers averaged
         assert not system["nan_seen"]
-    assert lab_namespaces() <= before
+    assert namespaces_left == []
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
     assert leftover.stdout.strip() == "", leftover.stdout
 
