@@ -61,17 +61,23 @@ def quick(scenario: Scenario) -> Scenario:
 
 def round_shares(run_dir: Path, warmup: float) -> dict[int, dict[str, float]]:
     """Per lab peer, from its progress events after ``warmup`` seconds of its own training: rounds
-    averaged, epochs gone through, rounds sat out for reachability, state downloads."""
+    averaged, epochs gone through, rounds sat out for reachability, state downloads.
+
+    Only epochs every peer reached count: when the run's clock stops, the fastest peer's last round
+    finds the others already stopped ("no group"), which no NAT caused."""
+    events = [event for event in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+              if event.get("event") == "progress" and event.get("lab_start") == 1]
+    reached: dict[int, int] = {}
+    for event in events:
+        reached[event["lab_peer"]] = max(reached.get(event["lab_peer"], 0), event["epoch"])
+    common = min(reached.values(), default=0)
     first: dict[int, dict] = {}
     last: dict[int, dict] = {}
     started: dict[int, float] = {}
-    for line in (run_dir / "events.jsonl").read_text().splitlines():
-        event = json.loads(line)
-        if event.get("event") != "progress" or event.get("lab_start") != 1:
-            continue
+    for event in events:
         index = event["lab_peer"]
         started.setdefault(index, event["t"])
-        if event["t"] - started[index] >= warmup:
+        if event["t"] - started[index] >= warmup and event["epoch"] <= common:
             first.setdefault(index, event)
             last[index] = event
     shares = {}

@@ -142,6 +142,25 @@ def test_the_nat_verdicts_fail_a_type_below_the_share_and_a_slow_run():
     assert [v["ok"] for v in verdicts] == [True, False, False, False]
 
 
+def test_nat_shares_count_the_epochs_every_peer_reached(tmp_path):
+    """A round missed mid-run counts against the peer; the fastest peer's last round, run alone after
+    the others' clocks stopped, does not (a CI run failed a NAT type on that alone)."""
+    import json
+
+    def progress(peer: int, t: float, epoch: int, rounds: int) -> dict:
+        return {"event": "progress", "lab_start": 1, "lab_peer": peer, "t": t, "epoch": epoch,
+                "rounds_ok": rounds, "state_downloads": 0, "rounds_unreachable": 0}
+
+    events = [progress(0, 0, 0, 0), progress(1, 0, 0, 0)]
+    for epoch in range(1, 7):  # peer 1 misses the round of epoch 3; peer 0 has every round
+        events += [progress(0, 10 * epoch, epoch, epoch), progress(1, 10 * epoch + 1, epoch, epoch - (epoch >= 3))]
+    events.append(progress(0, 70, 7, 6))  # peer 0 alone past the others' end: "no group"
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events))
+    shares = nat.round_shares(tmp_path, warmup=5)
+    assert (shares[0]["rounds"], shares[0]["epochs"], shares[0]["share"]) == (5, 5, 1.0)
+    assert (shares[1]["rounds"], shares[1]["epochs"], shares[1]["share"]) == (4, 5, 0.8)
+
+
 @pytest.mark.skipif(lab_unavailable() is not None, reason=f"emulated network unavailable: {lab_unavailable()}")
 def test_quick_nat_benchmark_every_nat_type_averages(tmp_path):
     """One public peer and one of each NAT type train digits behind real routers; each averages in
