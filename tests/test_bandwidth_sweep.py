@@ -137,6 +137,27 @@ def _progress(peer: int, t: float, step: int, epoch: int) -> dict[str, Any]:
     return {"lab_peer": peer, "lab_start": 1, "event": "progress", "t": t, "step": step, "epoch": epoch}
 
 
+def test_repeats_report_the_median_run_and_every_runs_time(monkeypatch):
+    """A missed target is slower than any time reached (one budget for all); a failed run is left out
+    of the median; the table shows the median and then each run."""
+    times = iter([62.0, None, 52.0, 58.0, 70.0])
+    runs = [_result("swarmgrad-best", next(times)) for _ in range(5)]
+    runs[4]["error"] = "peer 0 crashed"
+    assert bs.median_run(runs, 0.85) is runs[3]  # reached: 52, 58, 62; missed: > 240
+    assert bs.median_run(runs[:2], 0.85) is runs[0]  # the lower median of 62 and > 240
+    assert bs.median_run([runs[4]], 0.85) is runs[4]  # every run failed: the failure is reported
+
+    monkeypatch.setattr(bs, "run_one", lambda sweep, system, bandwidth, console: runs.pop(0))
+    sweep = bs.Sweep(load_scenario(bs.SCENARIO), (5.0,), ("swarmgrad-best",), 0.85, Path("."), repeats=3)
+    median = bs.run_repeated(sweep, "swarmgrad-best", 5.0, console=None)
+    assert median["seconds_to"]["0.85"] == 62.0
+    assert [(r["seconds"], r["reached"]) for r in median["repeats"]] == [(62.0, True), (240.0, False), (52.0, True)]
+    assert bs._cells(median, 0.85)[0] == "62 (62, > 240, 52)"
+    assert bs.parse_args(["--repeats", "3"]).repeats == 3
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--repeats", "0"])
+
+
 def test_phases_split_an_epoch_into_steps_and_the_round():
     # 0.1 s a step, 50 steps an epoch (5 s), then a 3 s round with no steps; reports every 2 s
     events = [_progress(peer, clock + 0.01 * peer, 50 * (clock // 8) + min(50, 10 * (clock % 8)), clock // 8)
