@@ -10,11 +10,14 @@ round trips between peers and 0.5% loss per link. For each bandwidth the up- and
 peer are set to it, and these systems run one after the other in this one invocation, each on a
 fresh emulated network (the harness of benchmarks/time_to_accuracy.py):
 
-- ``swarmgrad-best``: DiLoCo + moshpit + the ``q4`` codec (blockwise 4-bit with error feedback,
-  7.1x fewer bytes than fp32), its rounds overlapped with the next inner phase where they take
-  long enough (``overlap = "auto"``, peer/overlap.py). ``sparse`` sends 165x fewer bytes than fp32
-  but its error feedback spreads an update over rounds, and it lost over this budget: at 5 Mbit/s
-  85% took it 136 s where int8 took 75 s (session 12; ``--best-compression`` picks another codec);
+- ``swarmgrad-best``: DiLoCo + moshpit + the ``q2`` codec (blockwise 2-bit with error feedback,
+  12.8x fewer bytes than fp32), its rounds overlapped with the next inner phase where they take
+  long enough (``overlap = "auto"``, peer/overlap.py). At 5 Mbit/s (3 runs each, session 17) q2
+  reached 85% in 41, 42 and 46 s and ``q4`` in 63, 52 and 62 s: q4's 4.7 MB rounds took 9-10 s
+  against a 7 s inner phase, so the loop waited for them, where q2's 2.4 MB rounds hid behind it.
+  ``sparse`` sends 165x fewer bytes than fp32 but its error feedback spreads an update over rounds,
+  and it lost over this budget: at 5 Mbit/s 85% took it 136 s where int8 took 75 s (session 12;
+  ``--best-compression`` picks another codec);
 - ``swarmgrad-int8``: DiLoCo + moshpit + int8, today's default codec (overlap ``auto`` too);
 - ``hivemind``: ``hivemind.Optimizer`` with its documented collaborative settings and fp16
   (benchmarks/hivemind_peer.py), an epoch as many samples as a swarmgrad epoch;
@@ -73,7 +76,7 @@ from swarmgrad.lab.scenario import Scenario, load_scenario, validate_scenario
 SCENARIO = Path(__file__).with_name("scenarios") / "bandwidth-sweep.toml"
 SYSTEMS = ("swarmgrad-best", "swarmgrad-int8", "hivemind", "compute-only")
 BANDWIDTHS = (5.0, 10.0, 25.0, 100.0)  # Mbit/s, up and down
-BEST_COMPRESSION = "q4"
+BEST_COMPRESSION = "q2"
 HIVEMIND_BANDWIDTHS = (5.0, 10.0)  # where hivemind must take HIVEMIND_TARGET_RATIO x swarmgrad-best's time
 HIVEMIND_TARGET_RATIO = tta.HIVEMIND_TARGET_RATIO
 COMPUTE_TARGET_RATIO = 1.3  # swarmgrad-best over compute-only, at every bandwidth
