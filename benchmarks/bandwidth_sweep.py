@@ -33,7 +33,8 @@ at 5 and 10 Mbit/s) and swarmgrad-best's over compute-only's (<= 1.3 at every ba
 
 ``--repeats N`` runs every system N times at each bandwidth (compute-only N times too) and reports
 the median run, its ratios from the medians; the table shows every run's time beside it. Single
-runs vary: compute-only took 52, 58 and 62 s here in session 14.
+runs vary, and so do hosts: compute-only took 52, 58 and 62 s here in session 14, 32, 31 and 32 s
+in session 17 (so compare ratios from one invocation, not times across sessions).
 
 The regime (a hivemind round at 10 Mbit/s costs at least as long as the inner phase): every run
 also measures, from its peers' progress events, the seconds a local step takes and the seconds an
