@@ -44,7 +44,8 @@ at 10 Mbit/s, session 14): a step takes 0.42-0.45 s, so 20 inner steps make an i
 10.4 s against a hivemind round of 16.0 s: the regime holds. The scenario had 50 inner steps until
 then, chosen when a step was measured at 0.18 s; at today's 0.5 s that inner phase was 26.5 s
 against a hivemind round of 11.5 s, the other regime, where hivemind reached 85% within 1.6x of
-compute-only and no system could be 3x faster than it.
+compute-only and no system could be 3x faster than it. In session 17's full sweep the inner phase
+was 4.8 s (0.21-0.28 s a step) against a hivemind round of 13.2 s at 10 Mbit/s and 17.0 s at 5.
 
 ``--quick``: one bandwidth (10 Mbit/s), fashion-mnist (its 0.2M parameters; digits' rounds are lost
 among the DHT's traffic), 3 peers, 30 s, no target, swarmgrad-best and swarmgrad-int8: a check of
