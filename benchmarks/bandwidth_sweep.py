@@ -24,8 +24,9 @@ fresh emulated network (the harness of benchmarks/time_to_accuracy.py):
 - ``compute-only``: the scenario as written (DiLoCo + moshpit + int8) on unshaped links, run once:
   it does not depend on the bandwidth.
 
-Peer 0 evaluates on the test set every ``eval_every`` seconds and stops a run at the target
-accuracy; a run that does not reach it in its budget gives the budget as a bound. Reported per
+Peer 0 evaluates on the test set (each new epoch's model, at least ``eval_every`` s apart) and
+stops a run at the target accuracy; a run that does not reach it in its budget gives the budget as
+a bound. Reported per
 bandwidth and system: seconds to the target, final accuracy, MB each peer sent (kernel counters of
 its link), and the two ratios the issue sets bars for: hivemind's time over swarmgrad-best's (>= 3
 at 5 and 10 Mbit/s) and swarmgrad-best's over compute-only's (<= 1.3 at every bandwidth). One PNG

@@ -6,6 +6,7 @@ notes); what is tested here is what decides their verdicts.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -99,7 +100,6 @@ _LAB_REASON = lab_unavailable()
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # above the benchmark's own 420 s limit, so that one can fire and say why
 def test_quick_benchmark_runs_swarmgrad_and_hivemind_on_one_network_and_cleans_up(tmp_path):
-    import json
     import subprocess
 
     result, namespaces_left = run_lab_benchmark(
@@ -145,8 +145,6 @@ def test_the_nat_verdicts_fail_a_type_below_the_share_and_a_slow_run():
 def test_nat_shares_count_the_epochs_every_peer_reached(tmp_path):
     """A round missed mid-run counts against the peer; the fastest peer's last round, run alone after
     the others' clocks stopped, does not (a CI run failed a NAT type on that alone)."""
-    import json
-
     def progress(peer: int, t: float, epoch: int, rounds: int) -> dict:
         return {"event": "progress", "lab_start": 1, "lab_peer": peer, "t": t, "epoch": epoch,
                 "rounds_ok": rounds, "state_downloads": 0, "rounds_unreachable": 0}
@@ -165,7 +163,6 @@ def test_nat_shares_count_the_epochs_every_peer_reached(tmp_path):
 def test_quick_nat_benchmark_every_nat_type_averages(tmp_path):
     """One public peer and one of each NAT type train digits behind real routers; each averages in
     at least 90% of its rounds after warm-up and none sits a round out (the quick run has no twin)."""
-    import json
     import os
     import subprocess
 
