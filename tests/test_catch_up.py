@@ -290,3 +290,35 @@ def test_a_replays_deadline_grows_with_the_bytes_at_the_rate_the_peers_rounds_re
     # rates 1/4 and 1/12 of a result per second, averaged: 1/6; three results: 18 s
     assert deadlines[2:5] == pytest.approx([timing.control_timeout + 18.0] * 3)
     assert deadlines[5] == timing.join_timeout
+
+
+def test_donors_that_name_the_same_result_hand_it_over_once_and_a_liar_among_them_is_skipped(monkeypatch):
+    """Members of one group hold the same result: two of three donors naming its digest is agreement,
+    and its bytes come from one of them alone (one result's bytes where the median took three). A
+    donor that names the honest digest but serves other bytes is passed over for the next one."""
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    honest = h.donor_results[0]
+    served = {"liar": -10 * honest, "a": honest, "b": honest, "c": 3 * honest}
+    named = {"liar": "honest", "a": "honest", "b": "honest", "c": "other"}
+    fetched: list[str] = []
+
+    async def download_result_digest(transport, protocol, donor, epoch):
+        return named[donor]
+
+    async def download_result(transport, protocol, donors, epoch, numel, seconds, digest=None):
+        for donor in donors:
+            fetched.append(donor)
+            if digest is None or named[donor] == digest and served[donor] is honest:
+                return served[donor]
+        raise StateTransferError("no donor handed it over")
+
+    monkeypatch.setattr(catch_up_module, "download_result_digest", download_result_digest)
+    monkeypatch.setattr(catch_up_module, "download_result", download_result)
+    assert run_async(h.catch_up.agreed_result(["liar", "a", "c"], 0)) is honest
+    assert fetched == ["liar", "a"]  # one download at a time, from those naming the agreed digest
+    fetched.clear()
+    # no two donors name the same result: every donor's result, and their median
+    named.update({"a": "a", "b": "b", "c": "c"})
+    served.update({"liar": honest, "b": 1.1 * honest})
+    torch.testing.assert_close(run_async(h.catch_up.agreed_result(["a", "b", "c"], 0)), 1.1 * honest)
+    assert sorted(fetched) == ["a", "b", "c"]

@@ -8,7 +8,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, REPLY_STRETCH, Matchmaker, MatchRecord
+from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, REPLY_STRETCH, Matchmaker, MatchRecord, split_groups
 
 WINDOW = 0.1
 
@@ -108,3 +108,75 @@ def test_the_wait_for_an_answer_is_bounded_whatever_the_dht_takes():
     node = SimpleNamespace(peer_id="me", dht_latency=100.0)
     matchmaker = Matchmaker(node, SlowInvitee(0), "test", schema_digest="schema", codec="none", reply_timeout=0.1)
     assert matchmaker.reply_deadline == REPLY_STRETCH * 0.1
+
+
+class DeclaredNode:
+    """A DHT that shows the declarations of ``declared`` under any key, at once."""
+
+    def __init__(self, declared: list[str]):
+        self.peer_id, self.dht_latency, self.declared = "me", 0.001, declared
+
+    async def store(self, key, record, *, expires, all_replicas):
+        pass
+
+    async def get_records(self, key, kind):
+        body = MatchRecord(ready_at=time.time(), share=1.0, schema_digest="schema", codec="none")
+        return {peer: SimpleNamespace(body=body) for peer in self.declared}
+
+
+def key_ordering(first: str, second: str) -> str:
+    """A round key under which split_groups orders ``first``, then ``second``, before the others."""
+    return next(key for key in (f"round-{index}" for index in range(1000))
+                if split_groups([first, second, "other"], 4, key)[0][:2] == [first, second])
+
+
+def test_an_expected_leader_that_is_not_looking_hands_the_lead_to_the_next_member():
+    """The grid expects ``behind`` (a peer the swarm left behind, replaying a round), and the group's
+    order makes it the leader; it never declares, so nobody would invite anyone and every member
+    would fail the round. The next member in order leads the ones that are looking instead."""
+    key = key_ordering("behind", "me")
+
+    async def scenario():
+        matchmaker = Matchmaker(DeclaredNode(["me", "other"]), SimpleNamespace(admission=None), "test",
+                                schema_digest="schema", codec="none", reply_timeout=0.1)
+
+        async def lead(key, group, min_group_size, share):
+            return group
+
+        matchmaker._lead = lead
+        began = time.monotonic()
+        group = await matchmaker.find_group(key, group_size=4, min_group_size=2, window=WINDOW, share=1.0,
+                                            expected=3, expected_members=frozenset({"me", "other", "behind"}))
+        return group, time.monotonic() - began
+
+    group, seconds = asyncio.run(scenario())
+    assert group == ["me", "other"]
+    assert seconds < 4 * WINDOW  # its own window, then one more for the absent leader to show up
+
+
+def test_an_expected_leader_that_declares_late_still_leads():
+    """The expected leader declares a moment after the window: the others wait for it, not lead."""
+    key = key_ordering("late", "me")
+
+    async def scenario():
+        node = DeclaredNode(["me", "other"])
+        matchmaker = Matchmaker(node, SimpleNamespace(admission=None), "test", schema_digest="schema",
+                                codec="none", reply_timeout=0.1)
+        led = []
+
+        async def lead(key, group, min_group_size, share):
+            led.append(group)
+            return group
+
+        async def declare_late():
+            await asyncio.sleep(1.5 * WINDOW)
+            node.declared.append("late")
+
+        matchmaker._lead = lead
+        asyncio.ensure_future(declare_late())
+        plan = await matchmaker.find_group(key, group_size=4, min_group_size=2, window=WINDOW, share=1.0,
+                                           expected=3, expected_members=frozenset({"me", "other", "late"}))
+        return plan, led
+
+    plan, led = asyncio.run(scenario())
+    assert led == [] and plan is None  # a follower of "late" (whose invitation never comes in this fake)

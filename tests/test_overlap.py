@@ -42,8 +42,8 @@ def test_auto_overlaps_only_once_rounds_take_the_set_share_of_the_inner_phase():
         phases.round_took(round_seconds)
         return decision
 
-    assert not phases.overlap()  # nothing measured: the first round runs in turn
-    assert not epoch(10.0, 2.0)  # decided before this epoch's round was measured
+    assert phases.overlap()  # no round measured: the first one travels
+    assert epoch(10.0, 2.0)  # decided before this epoch's round was measured
     assert not epoch(10.0, 2.0)  # rounds 1/5 of the inner phase: in turn
     for _ in range(12):
         last = epoch(10.0, 8.0)
@@ -306,9 +306,9 @@ def test_in_turn_the_round_applies_before_training_goes_on():
     asyncio.run(scenario())
 
 
-def test_auto_launches_in_flight_once_a_round_measured_slower_than_the_compute():
+def test_auto_sends_the_first_round_in_flight_then_follows_the_measured_rule():
     async def scenario():
-        h = Harness([True, True], overlap="auto")
+        h = Harness([True, True, True], overlap="auto")
         clock = FakeClock()  # seconds as the test says, however loaded the machine
         h.driver.clock.clock = clock
         h.backend.release.set()
@@ -316,19 +316,31 @@ def test_auto_launches_in_flight_once_a_round_measured_slower_than_the_compute()
         h.driver.clock.resumed()
         original = h.backend.average
 
-        async def slow(*args):  # a round slower than the compute before it
+        async def slow(*args):  # a round of 1 s
             clock.now += 1.0
             return await original(*args)
 
         h.backend.average = slow
-        assert await h.driver.swarm_step()  # the first round runs in turn and is measured
-        assert h.driver.flight is None
-        assert h.driver.clock.round == 1.0
+        assert not await h.driver.swarm_step()  # no round measured: the first one travels
+        assert h.driver.flight is not None
+        await _settle()  # it lands 1 s after its launch
         h.train(2, seed=10)
         clock.now += 1.0  # an inner phase as long as the round
-        assert not await h.driver.swarm_step()  # measured: the next one travels
-        assert h.driver.flight is not None
+        assert (await h.driver.land())[0] and h.driver.clock.round == 1.0
+        h.train(2, seed=11)
+        clock.now += 1.0
+        assert not await h.driver.swarm_step()  # measured as long as the compute: it travels again
+        await _settle()
         await h.driver.land()
+        h.train(2, seed=12)
+        clock.now += 40.0  # inner phases that dwarf the 1 s rounds
+        for _ in range(5):
+            h.driver.clock.round_began()
+            h.driver.clock.resumed()
+            clock.now += 40.0
+            h.driver.clock.blocked()
+        assert await h.driver.swarm_step()  # now in turn: hiding 1 s of 40 is not worth a stale step
+        assert h.driver.flight is None and h.driver.overlapped == 2
 
     asyncio.run(scenario())
 

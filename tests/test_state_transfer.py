@@ -22,8 +22,11 @@ from swarmgrad.averaging.state_transfer import (
     StateSnapshot,
     StateTransferError,
     download_result,
+    download_result_digest,
     download_state,
+    result_digest,
 )
+from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies import DiLoCoPolicy
@@ -544,6 +547,30 @@ def test_a_donor_keeps_only_its_last_results(swarm):
     assert torch.equal(run(swarm, scenario(3)), results[3]) and torch.equal(run(swarm, scenario(2)), results[2])
     with pytest.raises(StateTransferError, match="result of round 1 is not kept here"):
         run(swarm, scenario(1))
+
+
+def test_donors_name_the_digest_of_the_result_they_keep_and_a_download_checks_it(swarm):
+    """A donor names the sha256 of the result's bytes it keeps (two donors, two results here); a
+    download given one digest skips a donor whose bytes do not have it."""
+    result = torch.randn(50_000, generator=torch.Generator().manual_seed(6))
+    other = result.clone()
+    other[123] += 1.0
+
+    async def scenario():
+        protocol = new_protocol()
+        async with keeping_results(swarm, protocol, [{2: other}, {2: result}]):
+            donors = donor_ids(swarm)
+            named = [await download_result_digest(swarm.transports[0], protocol, donor, 2) for donor in donors]
+            got = await download_result(swarm.transports[0], protocol, donors, 2, result.numel(), digest=named[1])
+            with pytest.raises(StateTransferError, match="not the one it and others described"):
+                await download_result(swarm.transports[0], protocol, donors[:1], 2, result.numel(), digest=named[1])
+            with pytest.raises(RemoteError, match="not kept here"):
+                await download_result_digest(swarm.transports[0], protocol, donors[0], 3)
+            return named, got
+
+    named, got = run(swarm, scenario())
+    assert named[1] == result_digest(result.to(torch.bfloat16)) and named[0] != named[1]
+    assert torch.equal(got, result.to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("bad", ["size", "nan"])

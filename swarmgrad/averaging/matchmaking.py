@@ -26,6 +26,7 @@ rounds out until half of them have.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -182,7 +183,7 @@ class Matchmaker:
                                  aggregator=self.aggregator)
             expires = ready_at + window + grace + self.reply_deadline
             # read while our own declaration is still being stored: others are declaring at the same moment
-            declared = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
+            declaring = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
                 enough = group_size if expected is None else max(min_group_size, min(group_size, expected))
                 peers = await self._wait_for_peers(
@@ -190,18 +191,25 @@ class Matchmaker:
                     poll=min(FIRST_POLL, window / 4),
                 )
             finally:
-                await declared
+                await declaring
+            declared = set(peers)
             if expected_members is not None:
                 # the caller knows who belongs here (the moshpit grid): every member then computes the
                 # same group and leader even when a read missed a declaration (a holder that did not
                 # answer in time); an expected peer that is not looking declines and is left out
-                peers = sorted(set(peers) | expected_members)
-            if not looking.committed:
-                group = self._my_group(key, peers, group_size)
-                if group and leader_of(group, unreachable, clients) == me:
+                peers = sorted(declared | expected_members)
+            group = self._my_group(key, peers, group_size) if not looking.committed else []
+            while group and not looking.committed:
+                leader = leader_of(group, unreachable, clients)
+                if leader == me:
                     looking.committed = True
                     return await self._lead(key, group, min_group_size, share)
-            # a follower: the leader we accepted (or will accept) sends the plan
+                if leader in declared or await self._declares(key, looking, leader, window):
+                    break  # a follower: the leader we accepted (or will accept) sends the plan
+                # an expected leader that is not looking would invite nobody and every member would
+                # wait in vain (a peer the swarm left behind, replaying): the next one in order leads
+                logger.debug("%s: expected leader %s did not declare; the next member leads", key, leader)
+                group = [peer for peer in group if peer != leader]
             try:
                 return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * self.reply_deadline)
             except asyncio.TimeoutError:
@@ -231,6 +239,20 @@ class Matchmaker:
             except asyncio.TimeoutError:
                 pass
             poll = min(2 * poll, max(FIRST_POLL, grace / POLLS_PER_WINDOW))
+
+    async def _declares(self, key: str, looking: _Looking, peer: str, window: float) -> bool:
+        """False when ``peer`` has not declared under ``key`` within ``window`` more (reading as
+        the window's polls do), or an invitation committed us meanwhile; True once it has."""
+        deadline, poll = time.time() + window, min(FIRST_POLL, window / 4)
+        while not looking.committed:
+            if peer in await self._declared(key):
+                return True
+            if time.time() >= deadline:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(looking.plan), timeout=poll)
+            poll = min(2 * poll, window / POLLS_PER_WINDOW)
+        return False
 
     async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)

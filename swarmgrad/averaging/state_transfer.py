@@ -40,6 +40,7 @@ plane the connection is pooled, so the end of an exchange is said, not inferred 
                                                  + float32[parts][classes][k]
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
     -> {"t": "result", "epoch"}               <- {"t": "result", "epoch", "numel"} + bfloat16 bytes
+    -> {"t": "digest", "epoch"}               <- {"t": "digest", "epoch", "sha256"} (of those bytes)
     -> {"t": "done"}
 ``describe`` without a version describes the latest snapshot. A sketch costs the donor about one
 pass over its state (measured: 24 ms per MiB of compared values, on a loaded 2-core machine), off the
@@ -318,6 +319,7 @@ class StateServer:
         self._described: dict[int, bytes] = {}
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
         self._results: dict[int, torch.Tensor] = {}
+        self._result_digests: dict[int, str] = {}
         self._sketches: dict[tuple[int, int], bytes] = {}  # (version, seed) -> a sketch, oldest first
         self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
 
@@ -370,10 +372,15 @@ class StateServer:
         if self.keep_results < 1:
             return
         for later in [later for later in self._results if later > epoch]:
-            self._results.pop(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
-        self._results[epoch] = result.detach().to("cpu").reshape(-1).to(RESULT_DTYPE, copy=True)
+            self._drop_result(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
+        kept = result.detach().to("cpu").reshape(-1).to(RESULT_DTYPE, copy=True)
+        self._results[epoch], self._result_digests[epoch] = kept, result_digest(kept)
         for old in sorted(self._results)[: -self.keep_results]:
-            self._results.pop(old)
+            self._drop_result(old)
+
+    def _drop_result(self, epoch: int) -> None:
+        self._results.pop(epoch)
+        self._result_digests.pop(epoch)
 
     async def _serve(self, channel: Channel) -> None:
         sketches = 0  # asked on this channel
@@ -432,6 +439,13 @@ class StateServer:
                         return
                     await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
                                        memoryview(result.view(torch.uint8).numpy()))
+                elif request.kind == "digest":
+                    epoch = field(request.header, "epoch", int)
+                    digest = self._result_digests.get(epoch)
+                    if digest is None:
+                        await channel.send_error(f"the result of round {epoch} is not kept here")
+                        return
+                    await channel.send({"t": "digest", "epoch": epoch, "sha256": digest})
                 else:
                     raise FrameError(f"unexpected request {request.kind!r}")
         finally:
@@ -819,10 +833,33 @@ def _check_finite(snapshot: StateSnapshot, keep: Callable[[str], bool] | None, s
             raise StateTransferError(f"donor state has NaN or Inf in {name!r}; not using it")
 
 
+def result_digest(kept: torch.Tensor) -> str:
+    """The sha256 of a kept result's bytes (bfloat16, flat), in hex: what a donor says it holds."""
+    return hashlib.sha256(memoryview(kept.view(torch.uint8).numpy())).hexdigest()
+
+
+async def download_result_digest(transport: Transport, protocol: str, donor: str, epoch: int) -> str:
+    """The digest of the result of round ``epoch`` that ``donor`` keeps (``result_digest``)."""
+    channel = await transport.open(donor, protocol)
+    clean = False
+    try:
+        await channel.send({"t": "digest", "epoch": epoch})
+        reply = expect_kind(await channel.recv(max_payload=0), "digest")
+        digest = field(reply.header, "sha256", str)
+        if field(reply.header, "epoch", int) != epoch or len(digest) != 64:
+            raise FrameError(f"expected the sha256 of the result of round {epoch}, got {reply.header!r}")
+        await channel.send({"t": "done"})
+        clean = True
+    finally:
+        await (channel.close() if clean else channel.abort())
+    return digest
+
+
 async def download_result(transport: Transport, protocol: str, donors: list[str], epoch: int, numel: int, *,
-                          seconds: float = DEFAULT_TIMING.control_timeout) -> torch.Tensor:
+                          seconds: float = DEFAULT_TIMING.control_timeout, digest: str | None = None) -> torch.Tensor:
     """The result of round ``epoch`` (``numel`` floats, as float32) from the first of ``donors``, in
-    order, that kept it; all within ``seconds``. StateTransferError when none did."""
+    order, that kept it (and, given ``digest``, whose bytes have it); all within ``seconds``.
+    StateTransferError when none did."""
     if not donors:
         raise StateTransferError("no peer to take the round's result from")
     failures = []
@@ -833,7 +870,7 @@ async def download_result(transport: Transport, protocol: str, donors: list[str]
             break
         try:
             async with timeout(left):
-                return await _fetch_result(transport, protocol, donor, epoch, numel)
+                return await _fetch_result(transport, protocol, donor, epoch, numel, digest)
         except (FrameError, RemoteError, StateTransferError, EOFError, OSError, ConnectionError,
                 asyncio.TimeoutError, TimeoutError) as error:
             failures.append(f"{donor}: {error or type(error).__name__}")
@@ -841,7 +878,8 @@ async def download_result(transport: Transport, protocol: str, donors: list[str]
                              f"({len(failures)} of {len(donors)} asked: {'; '.join(failures[:2])})")
 
 
-async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: int, numel: int) -> torch.Tensor:
+async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: int, numel: int,
+                        digest: str | None) -> torch.Tensor:
     element = torch.empty(0, dtype=RESULT_DTYPE).element_size()
     channel = await transport.open(donor, protocol)
     clean = False
@@ -859,6 +897,8 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
         clean = True
     finally:
         await (channel.close() if clean else channel.abort())
+    if digest is not None and result_digest(received) != digest:
+        raise StateTransferError(f"the result of round {epoch} it served is not the one it and others described")
     result = received.to(torch.float32)
     if not bool(torch.isfinite(result).all()):
         raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")

@@ -3,9 +3,13 @@
 A peer a round or two behind (its round failed while the others' succeeded, it was paused for a
 moment, or its state download ended with the swarm a round further) replays the rounds it missed:
 it takes each round's result from the peers that applied it (donors keep their last few,
-``StateServer.publish_result``; up to three at once, their median, so that no donor alone decides:
-``CatchUp.agreed_result``; the three with the lowest misbehaviour scores here, so that peers seen
-clipped or cut are not asked while others can be) and applies it to its own state, as if it had averaged with them.
+``StateServer.publish_result``) and applies it to its own state, as if it had averaged with them.
+No donor alone decides what it applies (``CatchUp.agreed_result``): three are asked (those with the
+lowest misbehaviour scores here, so that peers seen clipped or cut are not asked while others can
+be) for the digest of the result they keep; the members of one group hold the very same one, so
+where two name the same digest its bytes come once, from one of them, checked against it. Where no
+two agree (groups of a larger swarm), each of the three hands over its result and their median is
+applied. On a 10 Mbit/s link three results of the 5M-parameter model took 24 s where one takes 8.
 That moves a bfloat16 copy of the contribution, not the whole state (parameters, strategy state and,
 for a fresh joiner, optimizer moments), so a peer on a slow link is back in time for the next round
 instead of spiralling through downloads that each end with the swarm a round further on. Further
@@ -17,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Any, Callable, Protocol
 
 import torch
 
 from swarmgrad.averaging import NetworkRuntime
 from swarmgrad.averaging.state_transfer import (KEPT_RESULTS, RESULT_DTYPE, StateTransferError, download_result,
-                                                 download_state)
+                                                 download_result_digest, download_state)
+from swarmgrad.runtime import timeout
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies import Policy
 from swarmgrad.timing import Timing
@@ -134,6 +140,10 @@ class CatchUp:
         state download, which a majority of donors must agree on, then decides)."""
         assert self.runtime.transport is not None
         asked = donors[:REPLAY_DONORS]
+        if len(asked) >= 2:
+            agreed = await self._result_by_digest(asked, epoch)
+            if agreed is not None:
+                return agreed
         seconds = self.replay_seconds(len(asked))
         outcomes = await asyncio.gather(*(download_result(
             self.runtime.transport, self.runtime.state_protocol, [donor], epoch, self.policy.layout.total,
@@ -156,6 +166,32 @@ class CatchUp:
                 raise StateTransferError(f"the two donors' results of round {epoch} disagree")
             return (first + second) / 2
         return results[0]
+
+    async def _result_by_digest(self, asked: list[str], epoch: int) -> torch.Tensor | None:
+        """The members of one group hold the very same result, so the donors are first asked only for
+        its digest: where two or more name the same one, its bytes are taken once, from one of them,
+        and checked against it. None where no two agree (groups of a larger swarm, a liar, donors
+        gone): the caller then takes every donor's result and their median."""
+        assert self.runtime.transport is not None
+        try:
+            async with timeout(self.timing.control_timeout):
+                named = await asyncio.gather(*(download_result_digest(
+                    self.runtime.transport, self.runtime.state_protocol, donor, epoch) for donor in asked),
+                    return_exceptions=True)
+        except asyncio.TimeoutError:
+            return None
+        counts = Counter(digest for digest in named if isinstance(digest, str))
+        if not counts or counts.most_common(1)[0][1] < 2:
+            return None
+        digest = counts.most_common(1)[0][0]
+        holders = [donor for donor, named_digest in zip(asked, named) if named_digest == digest]
+        try:
+            return await download_result(self.runtime.transport, self.runtime.state_protocol, holders, epoch,
+                                         self.policy.layout.total, seconds=self.replay_seconds(1), digest=digest)
+        except StateTransferError as error:
+            logger.info("no donor handed over the result of round %d that %d of them named: %s", epoch,
+                        len(holders), error)
+            return None
 
     async def download(self, donors: list[str], min_version: int) -> None:
         """Take the swarm's state. A peer that steps its own optimizer and has its state keeps it,

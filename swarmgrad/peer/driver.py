@@ -211,8 +211,11 @@ class RoundDriver:
         """The rule's decision for this round, logged when it changes."""
         overlap = self.clock.overlap()
         if overlap != self._overlapping and self.clock.mode == "auto":
-            logger.info("rounds %s: a round takes %.1f s, the inner phase %.1f s", "now travel behind the next inner "
-                        "phase" if overlap else "run in turn again", self.clock.round or 0.0, self.clock.inner or 0.0)
+            if self.clock.round is None:
+                logger.info("the first round travels behind the next inner phase (no round measured yet)")
+            else:
+                logger.info("rounds %s: a round takes %.1f s, the inner phase %.1f s", "now travel behind the next "
+                            "inner phase" if overlap else "run in turn", self.clock.round, self.clock.inner or 0.0)
         self._overlapping = overlap
         return overlap
 
