@@ -192,6 +192,7 @@ def peer(
     aggregator: Optional[str] = typer.Option(None, "--aggregator", help=f"How contributions are combined: mean, centered-clip (bounds what one liar can do; gossip: clipped pushes) or trimmed-mean (default {_RUN_DEFAULTS.aggregator}).", rich_help_panel="Run"),
     inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help=f"diloco: local steps between averaging (default {DiLoCo().inner_steps}).", rich_help_panel="Run"),
     outer_lr: Optional[float] = typer.Option(None, "--outer-lr", help=f"diloco: outer learning rate (default {DiLoCo().outer_lr}).", rich_help_panel="Run"),
+    outer_momentum: Optional[float] = typer.Option(None, "--outer-momentum", help=f"diloco: outer Nesterov momentum, in [0, 1) (default {DiLoCo().outer_momentum}).", rich_help_panel="Run"),
     overlap: Optional[str] = typer.Option(None, "--overlap", help=f"diloco: auto, on or off: a round travels while the next local steps run, its outer step applied when it is back; auto does so where rounds and local steps take times within 1/{Timing().overlap_share:g} of each other (default {DiLoCo().overlap}).", rich_help_panel="Run"),
     target_batch_size: Optional[int] = typer.Option(None, "--target-batch-size", help=f"sync: swarm-wide samples per step (default {SyncSGD().target_batch_size}).", rich_help_panel="Run"),
     gossip_every: Optional[int] = typer.Option(None, "--gossip-every", help=f"gossip: local steps between parameter averaging (default {GossipSGD().every}).", rich_help_panel="Run"),

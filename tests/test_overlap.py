@@ -6,6 +6,10 @@ state published at landing, failure and abandoning."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -352,3 +356,18 @@ def test_strategies_whose_rounds_cannot_overlap_never_launch():
     policy = attach(SyncSGD(target_batch_size=8), model, optimizer)
     driver = RoundDriver(policy, GatedBackend(policy.contribution, []), FakeTracker(), FAST, None, overlap="on")
     assert policy.overlap_steps is None and not driver.clock.overlap() and not driver.landing_due()
+
+
+def test_the_overlap_benchmark_runs_both_schedules_on_the_policys_own_launch_and_land():
+    """benchmarks/overlap_diloco.py --quick: the first outer step is the same step in both schedules
+    (overlap only delays it), and from the second on they differ (the next phase trained from the
+    eager step, not from the swarm's)."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "overlap_diloco.py"), "--quick", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True, cwd=root)
+    result = json.loads(run.stdout)
+    rows = {(row["schedule"], row["momentum"]): row["mean"] for row in result["rows"]}
+    assert set(rows) == {("turn", 0.9), ("overlap", 0.9)} and result["land_after"] == result["inner_steps"]
+    turn, overlap = rows["turn", 0.9], rows["overlap", 0.9]
+    assert len(turn) == len(overlap) == result["rounds"] and all(0 < value <= 1 for value in turn + overlap)
+    assert turn[0] == overlap[0] and turn[1] != overlap[1]

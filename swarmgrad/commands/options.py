@@ -104,6 +104,7 @@ class PeerOptions(CommandOptions):
     aggregator: Optional[str] = None
     inner_steps: Optional[int] = None
     outer_lr: Optional[float] = None
+    outer_momentum: Optional[float] = None
     overlap: Optional[str] = None
     target_batch_size: Optional[int] = None
     gossip_every: Optional[int] = None

@@ -28,6 +28,7 @@ RUN_OPTIONS: dict[str, str] = {
     "aggregator": "aggregator",
     "inner_steps": "strategy.inner_steps",
     "outer_lr": "strategy.outer_lr",
+    "outer_momentum": "strategy.outer_momentum",
     "overlap": "strategy.overlap",
     "target_batch_size": "strategy.target_batch_size",
     "gossip_every": "strategy.every",

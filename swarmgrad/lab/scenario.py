@@ -143,6 +143,7 @@ class Scenario(_Strict):
     compression: str | None = None
     inner_steps: int | None = None
     outer_lr: float | None = None
+    outer_momentum: float | None = None
     overlap: str | None = None
     target_batch_size: int | None = None
     gossip_every: int | None = None
