@@ -68,7 +68,7 @@ class Harness:
         monkeypatch.setattr(catch_up_module, "download_result", self.download_result)
         monkeypatch.setattr(catch_up_module, "download_state", self.download_state)
 
-    async def download_result(self, transport, protocol, donors, epoch, numel, seconds):
+    async def download_result(self, transport, protocol, donors, epoch, numel, seconds, decoder=None):
         self.asked_results.append(epoch)
         if epoch not in self.donor_results:
             raise StateTransferError(f"the result of round {epoch} is not kept here")
@@ -212,11 +212,53 @@ def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its
     run_async(scenario())
 
 
+def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_rounding():
+    """Three real peers with q2: b sits out a round that a and c average; b then replays it from the
+    frames the round travelled in (q2: 0.31 bytes an element where bfloat16 is 2), which decode to
+    exactly what a and c applied, so b's model is theirs to the bit (bfloat16 would leave 2^-8)."""
+    async def scenario() -> None:
+        models = [real_model_and_optimizer() for _ in range(3)]
+        settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "q2", "timing": TIMING}
+        async with sg.Peer(*models[0], run_id="frames-run", **settings) as a:
+            async with sg.Peer(*models[1], run_id="frames-run", initial_peers=a.maddrs, **settings) as b, \
+                    sg.Peer(*models[2], run_id="frames-run", initial_peers=a.maddrs, **settings) as c:
+                peers = (a, b, c)
+                await asyncio.gather(*(peer.await_peers(3, 20) for peer in peers))
+                await asyncio.gather(*(train_until(peer, model, lambda peer=peer: peer.epoch >= 2, 60,
+                                                   "epoch 2", seed) for seed, (peer, (model, _)) in
+                                       enumerate(zip(peers, models))))
+                await b.apause()
+                epoch_b, before = b.epoch, a.status()
+                await asyncio.gather(*(train_until(peer, models[index][0], lambda peer=peer: peer.epoch > epoch_b,
+                                                   60, "a round without b", 10 + index)
+                                       for index, peer in ((0, a), (2, c))))
+                after = a.status()  # a averaged with c (a round with frames), not alone
+                assert after.rounds_ok > before.rounds_ok and after.solo_steps == before.solo_steps
+                assert a.epoch - epoch_b <= KEPT_RESULTS
+
+                async def b_sees_them_ahead() -> bool:
+                    return len(b.tracker.ahead_of(epoch_b)) == 2
+
+                await eventually(b_sees_them_ahead, 30)
+                await b.aresume()
+                downloads = b.status().state_downloads
+                x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+                torch.nn.functional.cross_entropy(models[1][0](x), y).backward()
+                await b.astep(batch_size=16)
+                status = b.status()
+                assert status.rounds_replayed == a.epoch - epoch_b and status.state_downloads == downloads
+                assert b.epoch == a.epoch
+                for pa, pb in zip(models[0][0].parameters(), models[1][0].parameters()):
+                    assert torch.allclose(pa, pb, atol=1e-6, rtol=0), (pa - pb).abs().max()
+
+    run_async(scenario())
+
+
 def results_from(monkeypatch, served: dict[str, torch.Tensor | None]) -> list[list[str]]:
     """Round results served per donor (None: it kept none); returns the donor lists asked."""
     asked: list[list[str]] = []
 
-    async def download_result(transport, protocol, donors, epoch, numel, seconds):
+    async def download_result(transport, protocol, donors, epoch, numel, seconds, decoder=None):
         asked.append(list(donors))
         result = served[donors[0]]
         if result is None:
@@ -271,7 +313,7 @@ def test_a_replays_deadline_grows_with_the_bytes_at_the_rate_the_peers_rounds_re
     timing = Timing()
     deadlines: list[float] = []
 
-    async def download_result(transport, protocol, donors, epoch, numel, seconds):
+    async def download_result(transport, protocol, donors, epoch, numel, seconds, decoder=None):
         deadlines.append(seconds)
         return h.donor_results[epoch]
 
@@ -305,7 +347,7 @@ def test_donors_that_name_the_same_result_hand_it_over_once_and_a_liar_among_the
     async def download_result_digest(transport, protocol, donor, epoch):
         return named[donor]
 
-    async def download_result(transport, protocol, donors, epoch, numel, seconds, digest=None):
+    async def download_result(transport, protocol, donors, epoch, numel, seconds, digest=None, decoder=None):
         for donor in donors:
             fetched.append(donor)
             if digest is None or named[donor] == digest and served[donor] is honest:

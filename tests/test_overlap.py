@@ -96,7 +96,7 @@ class Harness:
         self.backend = GatedBackend(self.policy.contribution, outcomes)
         self.kept: list[tuple[int, torch.Tensor]] = []
         self.driver = RoundDriver(self.policy, self.backend, self.tracker, FAST, self._no_catch_up,
-                                  keep_result=lambda epoch, result: self.kept.append((epoch, result.clone())),
+                                  keep_result=lambda epoch, result, frames: self.kept.append((epoch, result.clone())),
                                   overlap=overlap)
 
     async def _no_catch_up(self, donors, min_version, rejoin=False):

@@ -169,6 +169,9 @@ class GroupAllReduce:
         self._seen: dict[int, int] = {}
         self._averages: list[tuple[dict, bytes]] = []
         self._averages_changed = asyncio.Condition()
+        # the result as it travelled (a lossy return codec): chunk index -> its frame; every member
+        # holds the same, so a peer that missed the round can replay it from these few bytes
+        self.result_frames: dict[int, tuple[dict, bytes]] = {}
         self._served = 0
         self._all_served: asyncio.Future[None] = self._loop.create_future()
         self._start_my_part()  # before any contributor's stream can arrive
@@ -297,6 +300,7 @@ class GroupAllReduce:
                     payload = memoryview(bytearray(length))
                     await channel.recv_payload_into(payload)
                     target.copy_(self._decode_chunk(header, payload, chunk, self.gather_codec))
+                    self.result_frames[chunk.index] = (header, payload.tobytes())
                 done.add(chunk.index)
 
         try:
@@ -379,7 +383,10 @@ class GroupAllReduce:
         if self.gather_codec.lossy:
             average = decode_chunk(self.gather_codec, header, payload, chunk.view)
         self.result[chunk.start : chunk.start + chunk.length] = average
-        self._averages.append(({"t": "avg", "c": chunk.index, **header}, payload))
+        frame = ({"t": "avg", "c": chunk.index, **header}, payload)
+        self._averages.append(frame)
+        if self.gather_codec.lossy:
+            self.result_frames[chunk.index] = (frame[0], bytes(payload))
 
     def _robust_result(self, outcome: Aggregate) -> torch.Tensor:
         """A chunk's robust result; the members whose pull it clipped or rejected are suspected."""

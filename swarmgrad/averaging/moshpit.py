@@ -40,6 +40,7 @@ from swarmgrad.averaging.grid import (
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
+from swarmgrad.averaging.result_frames import Frame, ResultDecoder, ordered_frames
 from swarmgrad.averaging.runtime import NetworkRuntime
 from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Moshpit, check_aggregator
 from swarmgrad.averaging.transport import Channel
@@ -152,6 +153,10 @@ class Averager:
                               "buffer becomes the tensor's storage)")
         self.swap_storage, self.write_back = swap_storage, write_back
         self.average: torch.Tensor | None = None  # write_back=False: the last round's average (flat)
+        # the last round's result as it travelled (result_frames.py), None when it failed or the
+        # return codec is lossless (then the float values are the smallest form)
+        self.result_frames: list[Frame] | None = None
+        self.result_decoder = ResultDecoder(self.schema, self.codec)
         self._buffer = flat if flat is not None else torch.empty(self.schema.total, dtype=torch.float32)
         self._result = torch.zeros(self.schema.total, dtype=torch.float32)  # reused, touched once
         self._rounds: dict[str, GroupAllReduce] = {}
@@ -275,6 +280,7 @@ class Averager:
         report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
         report.allreduce_seconds, report.transports = result.seconds, result.transports
         report.suspicions, report.observed = result.suspicions, result.observed
+        self.result_frames = ordered_frames(allreduce.result_frames, self.schema) if result.ok else None
         if not result.ok:
             if self.feedback is not None:
                 self.feedback.discard()

@@ -39,7 +39,9 @@ plane the connection is pooled, so the end of an exchange is said, not inferred 
     -> {"t": "sketch", "version", "seed"}     <- {"t": "sketch", "version", "seed", "parts", "classes", "k"}
                                                  + float32[parts][classes][k]
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
-    -> {"t": "result", "epoch"}               <- {"t": "result", "epoch", "numel"} + bfloat16 bytes
+    -> {"t": "result", "epoch"[, "frames"]}   <- {"t": "result", "epoch", "numel"} + bfloat16 bytes, or, when
+                                                 asked for frames and kept: {"t": "result", "epoch", "numel",
+                                                 "frames": n} then the n chunk frames it travelled in
     -> {"t": "digest", "epoch"}               <- {"t": "digest", "epoch", "sha256"} (of those bytes)
     -> {"t": "done"}
 ``describe`` without a version describes the latest snapshot. A sketch costs the donor about one
@@ -59,7 +61,7 @@ import random
 import struct
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 import msgpack
 import numpy as np
@@ -320,6 +322,7 @@ class StateServer:
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
         self._results: dict[int, torch.Tensor] = {}
         self._result_digests: dict[int, str] = {}
+        self._result_frames: dict[int, list[tuple[dict, bytes]]] = {}
         self._sketches: dict[tuple[int, int], bytes] = {}  # (version, seed) -> a sketch, oldest first
         self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
 
@@ -366,21 +369,26 @@ class StateServer:
             self._drop_old()
         return version
 
-    def publish_result(self, epoch: int, result: torch.Tensor) -> None:
+    def publish_result(self, epoch: int, result: torch.Tensor, frames: list[tuple[dict, bytes]] | None = None) -> None:
         """Keep what round ``epoch`` applied here (a flat float tensor: the swarm's average, or this
-        peer's own values when it stepped alone), for a peer that missed the round to replay."""
+        peer's own values when it stepped alone), for a peer that missed the round to replay; with
+        the ``frames`` it travelled in (averaging/result_frames.py), which decode to exactly it."""
         if self.keep_results < 1:
             return
         for later in [later for later in self._results if later > epoch]:
             self._drop_result(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
         kept = result.detach().to("cpu").reshape(-1).to(RESULT_DTYPE, copy=True)
         self._results[epoch], self._result_digests[epoch] = kept, result_digest(kept)
+        self._result_frames.pop(epoch, None)
+        if frames is not None:
+            self._result_frames[epoch] = frames
         for old in sorted(self._results)[: -self.keep_results]:
             self._drop_result(old)
 
     def _drop_result(self, epoch: int) -> None:
         self._results.pop(epoch)
         self._result_digests.pop(epoch)
+        self._result_frames.pop(epoch, None)
 
     async def _serve(self, channel: Channel) -> None:
         sketches = 0  # asked on this channel
@@ -437,8 +445,14 @@ class StateServer:
                     if result is None:
                         await channel.send_error(f"the result of round {epoch} is not kept here")
                         return
-                    await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
-                                       memoryview(result.view(torch.uint8).numpy()))
+                    frames = self._result_frames.get(epoch) if request.header.get("frames") is True else None
+                    if frames is None:
+                        await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
+                                           memoryview(result.view(torch.uint8).numpy()))
+                        continue
+                    await channel.send({"t": "result", "epoch": epoch, "numel": result.numel(), "frames": len(frames)})
+                    for header, payload in frames:
+                        await channel.send(header, payload)
                 elif request.kind == "digest":
                     epoch = field(request.header, "epoch", int)
                     digest = self._result_digests.get(epoch)
@@ -855,11 +869,24 @@ async def download_result_digest(transport: Transport, protocol: str, donor: str
     return digest
 
 
+class ResultFrames(Protocol):
+    """What decodes a result's frames (averaging/result_frames.py ``ResultDecoder``)."""
+
+    frames: int
+    max_payload: int
+
+    def check_header(self, index: int, header: dict) -> None: ...
+
+    def decode(self, frames: Sequence[tuple[dict, bytes]]) -> torch.Tensor: ...
+
+
 async def download_result(transport: Transport, protocol: str, donors: list[str], epoch: int, numel: int, *,
-                          seconds: float = DEFAULT_TIMING.control_timeout, digest: str | None = None) -> torch.Tensor:
+                          seconds: float = DEFAULT_TIMING.control_timeout, digest: str | None = None,
+                          decoder: ResultFrames | None = None) -> torch.Tensor:
     """The result of round ``epoch`` (``numel`` floats, as float32) from the first of ``donors``, in
-    order, that kept it (and, given ``digest``, whose bytes have it); all within ``seconds``.
-    StateTransferError when none did."""
+    order, that kept it (and, given ``digest``, whose bytes have it); all within ``seconds``. With a
+    ``decoder`` a donor that kept the frames the round travelled in sends those, which decode to
+    the float32 values it applied (else its bfloat16 copy). StateTransferError when none did."""
     if not donors:
         raise StateTransferError("no peer to take the round's result from")
     failures = []
@@ -870,7 +897,7 @@ async def download_result(transport: Transport, protocol: str, donors: list[str]
             break
         try:
             async with timeout(left):
-                return await _fetch_result(transport, protocol, donor, epoch, numel, digest)
+                return await _fetch_result(transport, protocol, donor, epoch, numel, digest, decoder)
         except (FrameError, RemoteError, StateTransferError, EOFError, OSError, ConnectionError,
                 asyncio.TimeoutError, TimeoutError) as error:
             failures.append(f"{donor}: {error or type(error).__name__}")
@@ -879,27 +906,42 @@ async def download_result(transport: Transport, protocol: str, donors: list[str]
 
 
 async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: int, numel: int,
-                        digest: str | None) -> torch.Tensor:
+                        digest: str | None, decoder: ResultFrames | None) -> torch.Tensor:
     element = torch.empty(0, dtype=RESULT_DTYPE).element_size()
     channel = await transport.open(donor, protocol)
-    clean = False
+    clean, result = False, None
     try:
-        await channel.send({"t": "result", "epoch": epoch})
+        await channel.send({"t": "result", "epoch": epoch, **({"frames": True} if decoder is not None else {})})
         header, length = await channel.recv_header(max_payload=numel * element)
         if header.get("t") != "result" or header.get("epoch") != epoch or header.get("numel") != numel:
             raise FrameError(f"expected the result of round {epoch} ({numel} values), got {header.get('t')!r} "
                              f"of round {header.get('epoch')!r} ({header.get('numel')!r} values)")
-        if length != numel * element:
-            raise FrameError(f"the result is {length} bytes, expected {numel * element}")
-        received = torch.empty(numel, dtype=RESULT_DTYPE)
-        await channel.recv_payload_into(memoryview(received.view(torch.uint8).numpy()))
+        if "frames" in header:
+            if decoder is None or length:
+                raise FrameError("a result in frames that were not asked for, or with a payload")
+            count = int_field(header, "frames", decoder.frames, decoder.frames)
+            frames = []
+            for index in range(count):
+                frame_header, frame_length = await channel.recv_header(max_payload=decoder.max_payload)
+                decoder.check_header(index, frame_header)
+                payload = bytearray(frame_length)
+                await channel.recv_payload_into(memoryview(payload))
+                frames.append((frame_header, bytes(payload)))
+            result = decoder.decode(frames)
+            received = result.to(RESULT_DTYPE)  # what the donor keeps and names the digest of
+        else:
+            if length != numel * element:
+                raise FrameError(f"the result is {length} bytes, expected {numel * element}")
+            received = torch.empty(numel, dtype=RESULT_DTYPE)
+            await channel.recv_payload_into(memoryview(received.view(torch.uint8).numpy()))
         await channel.send({"t": "done"})
         clean = True
     finally:
         await (channel.close() if clean else channel.abort())
     if digest is not None and result_digest(received) != digest:
         raise StateTransferError(f"the result of round {epoch} it served is not the one it and others described")
-    result = received.to(torch.float32)
+    if result is None:
+        result = received.to(torch.float32)
     if not bool(torch.isfinite(result).all()):
         raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")
     return result

@@ -27,8 +27,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from swarmgrad.averaging import NetworkRuntime
-from swarmgrad.averaging.state_transfer import (KEPT_RESULTS, RESULT_DTYPE, StateTransferError, download_result,
-                                                 download_result_digest, download_state)
+from swarmgrad.averaging.state_transfer import (KEPT_RESULTS, RESULT_DTYPE, ResultFrames, StateTransferError,
+                                                 download_result, download_result_digest, download_state)
 from swarmgrad.runtime import timeout
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies import Policy
@@ -63,9 +63,10 @@ class CatchUp:
     that started from other weights would stay apart from the swarm for good."""
 
     def __init__(self, runtime: NetworkRuntime, policy: Policy, state: TrainingState, tracker: Progress,
-                 timing: Timing, publish_state: Callable[[], None]):
+                 timing: Timing, publish_state: Callable[[], None], decoder: ResultFrames | None = None):
         self.runtime, self.policy, self.state, self.tracker = runtime, policy, state, tracker
         self.timing, self.publish_state = timing, publish_state
+        self.decoder = decoder  # results then come in the frames their round travelled in, where kept
         self.downloads = 0  # whole states taken
         self.replayed = 0  # rounds replayed from their results
         self.in_step = False
@@ -147,7 +148,7 @@ class CatchUp:
         seconds = self.replay_seconds(len(asked))
         outcomes = await asyncio.gather(*(download_result(
             self.runtime.transport, self.runtime.state_protocol, [donor], epoch, self.policy.layout.total,
-            seconds=seconds) for donor in asked), return_exceptions=True)
+            seconds=seconds, decoder=self.decoder) for donor in asked), return_exceptions=True)
         served = [(donor, outcome) for donor, outcome in zip(asked, outcomes) if isinstance(outcome, torch.Tensor)]
         results = [result for _, result in served]
         if not results:
@@ -187,7 +188,8 @@ class CatchUp:
         holders = [donor for donor, named_digest in zip(asked, named) if named_digest == digest]
         try:
             return await download_result(self.runtime.transport, self.runtime.state_protocol, holders, epoch,
-                                         self.policy.layout.total, seconds=self.replay_seconds(1), digest=digest)
+                                         self.policy.layout.total, seconds=self.replay_seconds(1), digest=digest,
+                                         decoder=self.decoder)
         except StateTransferError as error:
             logger.info("no donor handed over the result of round %d that %d of them named: %s", epoch,
                         len(holders), error)

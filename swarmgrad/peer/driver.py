@@ -39,6 +39,7 @@ class RoundOutcome:
     ok: bool
     average: torch.Tensor | None = None
     report: Any = None
+    frames: list | None = None  # the average as it travelled (averaging/result_frames.py), if lossy
 
 
 class AveragingBackend(Protocol):
@@ -55,7 +56,9 @@ class MoshpitBackend:
         report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch,
                                           expected_peers=expected_peers, attempt=attempt)
         average = self.averager.average if not self.averager.write_back else self.averager.tensors[0]
-        return RoundOutcome(report.ok, average if report.ok else None, report)
+        if not report.ok:
+            return RoundOutcome(False, None, report)
+        return RoundOutcome(True, average, report, self.averager.result_frames)
 
 
 class GossipBackend:
@@ -96,13 +99,14 @@ class RoundDriver:
     when it fails the peer trains on locally and retries after ``timing.catch_up_retry``.
     ``record(outcome)`` counts each round. ``keep_result(epoch, tensor)`` is handed what each epoch
     applied (the swarm's average, or the peer's own values when it stepped alone), before it is
-    applied: a peer that missed the round replays it from there. ``run_id`` only names the run in warnings.
+    applied, with the frames it travelled in (None when alone or lossless): a peer that missed the
+    round replays it from there. ``run_id`` only names the run in warnings.
     ``overlap``: whether the policy's rounds may travel behind the next inner phase (overlap.py).
     """
 
     def __init__(self, policy: Policy, backend: AveragingBackend, tracker: Tracker, timing: Timing,
                  catch_up: CatchUp, record: Callable[[RoundOutcome], None] = lambda outcome: None,
-                 run_id: str = "", keep_result: Callable[[int, torch.Tensor], None] = lambda epoch, result: None,
+                 run_id: str = "", keep_result: Callable[[int, torch.Tensor, list | None], None] = lambda epoch, result, frames: None,
                  overlap: OverlapMode = "off"):
         self.policy, self.backend, self.tracker, self.timing = policy, backend, tracker, timing
         self.catch_up, self.record, self.run_id, self.keep_result = catch_up, record, run_id, keep_result
@@ -153,7 +157,7 @@ class RoundDriver:
                                               self.policy.prepare)
         if outcome is not None:
             self.clock.round_took(self.clock.clock() - began)
-            self.keep_result(epoch, outcome.average)
+            self.keep_result(epoch, outcome.average, outcome.frames)
             self.policy.apply(outcome.average)
             self.tracker.next_epoch(epoch + 1)
             return True
@@ -164,7 +168,7 @@ class RoundDriver:
             return rejoined
         logger.info("epoch %d: no group; stepping on local values", epoch)
         self.policy.prepare()
-        self.keep_result(epoch, self.policy.contribution)  # before solo(): sync's apply clears the contribution
+        self.keep_result(epoch, self.policy.contribution, None)  # before solo(): sync's apply clears the contribution
         self.policy.solo()
         self.solo_steps += 1
         self.tracker.next_epoch(epoch + 1)
@@ -254,7 +258,7 @@ class RoundDriver:
         carried = {"steps": local.steps - flight.steps_at_launch, "samples": local.samples - flight.samples_at_launch}
         if outcome is not None:
             self.clock.round_took((flight.landed_at or self.clock.clock()) - flight.launched_at)
-            self.keep_result(flight.epoch, outcome.average)
+            self.keep_result(flight.epoch, outcome.average, outcome.frames)
             keep_local_progress = self.policy.land(outcome.average)
         elif ahead:
             self.policy.withdraw()  # the swarm's state (or its rounds replayed) replaces this peer's
@@ -264,7 +268,7 @@ class RoundDriver:
             return bool(await self._rejoin(flight.epoch)), None
         else:
             logger.info("epoch %d: no group; stepping on local values", flight.epoch)
-            self.keep_result(flight.epoch, flight.sent)
+            self.keep_result(flight.epoch, flight.sent, None)
             keep_local_progress = self.policy.land(flight.sent)
             self.solo_steps += 1
         self.tracker.next_epoch(flight.epoch + 1, **carried)

@@ -504,7 +504,8 @@ class Peer:
         schema = getattr(self._averager, "schema", None)
         self.tracker.settings = f"{config.digest}.{schema.digest[:8]}" if schema is not None else config.digest
         self.tracker.next_epoch(self.tracker.local.epoch)
-        self.catch_up = CatchUp(self.runtime, self.policy, self.state, self.tracker, self.timing, self._publish_state)
+        self.catch_up = CatchUp(self.runtime, self.policy, self.state, self.tracker, self.timing, self._publish_state,
+                                decoder=getattr(self._averager, "result_decoder", None))
         self.driver = RoundDriver(self.policy, backend, self.tracker, self.timing, self.catch_up, self._record,
                                   run_id=self.run_id, keep_result=self.runtime.state_server.publish_result,
                                   overlap=getattr(self.config.strategy, "overlap", "off"))

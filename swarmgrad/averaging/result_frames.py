@@ -1,0 +1,63 @@
+"""A round's result as it travelled: one frame per chunk of the run's grid, in the return codec.
+
+With a lossy return codec every member of a group decodes the very same frames (the owners send
+them; an owner keeps what it sent, allreduce.py), so those frames *are* the round's result, at the
+codec's size: q2 is 0.31 bytes an element where the bfloat16 copy a donor also keeps is 2. A peer
+that missed the round decodes them to exactly the float32 values the donor applied (state_transfer:
+``download_result`` with a ``ResultDecoder``).
+
+    frames = ordered_frames(allreduce.result_frames, schema)   # None unless every chunk has one
+    result = ResultDecoder(schema, codec).decode(frames)       # FrameError on anything malformed
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from swarmgrad.averaging.allreduce import gather_codec_for
+from swarmgrad.averaging.codecs import Codec
+from swarmgrad.averaging.frames import decode_chunk
+from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.wire import FrameError, int_field
+
+Frame = tuple[dict, bytes]
+
+
+def ordered_frames(frames: Mapping[int, Frame], schema: Schema) -> list[Frame] | None:
+    """The frames in chunk order, or None unless there is exactly one for every chunk."""
+    if sorted(frames) != list(range(len(schema.chunks))):
+        return None
+    return [frames[index] for index in range(len(schema.chunks))]
+
+
+class ResultDecoder:
+    """Decodes a round's result frames for one grid and round codec (the frames are in its return codec)."""
+
+    def __init__(self, schema: Schema, codec: Codec):
+        self.schema, self.codec = schema, gather_codec_for(codec)
+
+    @property
+    def frames(self) -> int:
+        return len(self.schema.chunks)
+
+    @property
+    def max_payload(self) -> int:
+        """The most bytes one frame's payload may carry."""
+        return max((self.codec.encoded_nbytes(chunk.view) for chunk in self.schema.chunks), default=0)
+
+    def check_header(self, index: int, header: dict) -> None:
+        """Before a payload is read: the frame must be chunk ``index``'s average."""
+        if header.get("t") != "avg" or int_field(header, "c", 0, self.frames - 1) != index:
+            raise FrameError(f"expected the result's chunk {index}, got {header.get('t')!r} {header.get('c')!r}")
+
+    def decode(self, frames: Sequence[Frame]) -> torch.Tensor:
+        """The flat float32 result; FrameError when a frame is missing, out of order or malformed."""
+        if len(frames) != self.frames:
+            raise FrameError(f"a result of {len(frames)} frames, expected {self.frames}")
+        result = torch.empty(self.schema.total, dtype=torch.float32)
+        for index, ((header, payload), chunk) in enumerate(zip(frames, self.schema.chunks)):
+            self.check_header(index, header)
+            result[chunk.start : chunk.start + chunk.length] = decode_chunk(self.codec, header, payload, chunk.view)
+        return result
