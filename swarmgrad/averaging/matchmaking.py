@@ -26,7 +26,6 @@ rounds out until half of them have.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
@@ -199,21 +198,26 @@ class Matchmaker:
                 # answer in time); an expected peer that is not looking declines and is left out
                 peers = sorted(declared | expected_members)
             group = self._my_group(key, peers, group_size) if not looking.committed else []
-            while group and not looking.committed:
-                leader = leader_of(group, unreachable, clients)
-                if leader == me:
-                    looking.committed = True
-                    return await self._lead(key, group, min_group_size, share)
-                if leader in declared or await self._declares(key, looking, leader, window):
-                    break  # a follower: the leader we accepted (or will accept) sends the plan
-                # an expected leader that is not looking would invite nobody and every member would
-                # wait in vain (a peer the swarm left behind, replaying): the next one in order leads
-                logger.debug("%s: expected leader %s did not declare; the next member leads", key, leader)
-                group = [peer for peer in group if peer != leader]
-            try:
-                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * self.reply_deadline)
-            except asyncio.TimeoutError:
-                return None
+            if group and leader_of(group, unreachable, clients) == me:
+                looking.committed = True
+                return await self._lead(key, group, min_group_size, share)
+            # a follower: the leader we accepted (or will accept) sends the plan
+            plan = await self._plan(looking, window)
+            if plan is not None or looking.committed or not group:
+                return plan
+            # No invitation came. An expected leader that never declared (a peer the swarm left behind,
+            # replaying a round) invites nobody, and every member would fail the round: the next member
+            # in order that declared leads those still looking. Only now, not once a read misses the
+            # leader: a leader whose declaration was slow to show still invites in time.
+            leader = leader_of(group, unreachable, clients)
+            if leader in declared:
+                return None  # it was looking: its group went on without this peer
+            rest = [peer for peer in group if peer != leader and peer in declared]
+            logger.debug("%s: expected leader %s never declared; the next member leads", key, leader)
+            if rest and leader_of(rest, unreachable, clients) == me:
+                looking.committed = True
+                return await self._lead(key, rest, min_group_size, share)
+            return await self._plan(looking, window)
         finally:
             self._looking.pop(key, None)
             if not looking.plan.done():
@@ -240,19 +244,12 @@ class Matchmaker:
                 pass
             poll = min(2 * poll, max(FIRST_POLL, grace / POLLS_PER_WINDOW))
 
-    async def _declares(self, key: str, looking: _Looking, peer: str, window: float) -> bool:
-        """False when ``peer`` has not declared under ``key`` within ``window`` more (reading as
-        the window's polls do), or an invitation committed us meanwhile; True once it has."""
-        deadline, poll = time.time() + window, min(FIRST_POLL, window / 4)
-        while not looking.committed:
-            if peer in await self._declared(key):
-                return True
-            if time.time() >= deadline:
-                return False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(looking.plan), timeout=poll)
-            poll = min(2 * poll, window / POLLS_PER_WINDOW)
-        return False
+    async def _plan(self, looking: _Looking, window: float) -> GroupPlan | None:
+        """The plan a leader sends (None: a cancel, or none within the window and two replies)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * self.reply_deadline)
+        except asyncio.TimeoutError:
+            return None
 
     async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)

@@ -439,31 +439,30 @@ class StateServer:
                     index = int_field(request.header, "index", 0, max(0, math.ceil(snapshot.nbytes / PART_BYTES) - 1))
                     part = snapshot.data[index * PART_BYTES : (index + 1) * PART_BYTES]
                     await channel.send({"t": "part", "version": version, "index": index}, memoryview(part.numpy()))
-                elif request.kind == "result":
+                elif request.kind in ("result", "digest"):
                     epoch = field(request.header, "epoch", int)
-                    result = self._results.get(epoch)
-                    if result is None:
+                    if epoch not in self._results:
                         await channel.send_error(f"the result of round {epoch} is not kept here")
                         return
-                    frames = self._result_frames.get(epoch) if request.header.get("frames") is True else None
-                    if frames is None:
-                        await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
-                                           memoryview(result.view(torch.uint8).numpy()))
-                        continue
-                    await channel.send({"t": "result", "epoch": epoch, "numel": result.numel(), "frames": len(frames)})
-                    for header, payload in frames:
-                        await channel.send(header, payload)
-                elif request.kind == "digest":
-                    epoch = field(request.header, "epoch", int)
-                    digest = self._result_digests.get(epoch)
-                    if digest is None:
-                        await channel.send_error(f"the result of round {epoch} is not kept here")
-                        return
-                    await channel.send({"t": "digest", "epoch": epoch, "sha256": digest})
+                    if request.kind == "digest":
+                        await channel.send({"t": "digest", "epoch": epoch, "sha256": self._result_digests[epoch]})
+                    else:
+                        await self._send_result(channel, epoch, request.header.get("frames") is True)
                 else:
                     raise FrameError(f"unexpected request {request.kind!r}")
         finally:
             self._reading(reading, None)
+
+    async def _send_result(self, channel: Channel, epoch: int, frames_asked: bool) -> None:
+        """A kept result: in the frames it travelled in when asked for them and kept, else as bfloat16."""
+        result, frames = self._results[epoch], self._result_frames.get(epoch) if frames_asked else None
+        if frames is None:
+            await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
+                               memoryview(result.view(torch.uint8).numpy()))
+            return
+        await channel.send({"t": "result", "epoch": epoch, "numel": result.numel(), "frames": len(frames)})
+        for header, payload in frames:
+            await channel.send(header, payload)
 
     async def _sketch(self, snapshot: StateSnapshot, seed: int) -> bytes:
         """The sketch of ``snapshot`` for ``seed``, computed off the event loop, one at a time, kept for reuse."""
