@@ -21,8 +21,13 @@ fresh emulated network (the harness of benchmarks/time_to_accuracy.py):
 - ``swarmgrad-int8``: DiLoCo + moshpit + int8, today's default codec (overlap ``auto`` too);
 - ``hivemind``: ``hivemind.Optimizer`` with its documented collaborative settings and fp16
   (benchmarks/hivemind_peer.py), an epoch as many samples as a swarmgrad epoch;
-- ``compute-only``: the scenario as written (DiLoCo + moshpit + int8) on unshaped links, run once:
-  it does not depend on the bandwidth.
+- ``compute-only``: the scenario as written (DiLoCo + moshpit + int8) on unshaped links, run once
+  (``--repeats`` times): it does not depend on the bandwidth.
+
+Every swarmgrad system runs the scenario's outer momentum, 0.6: a round that lands an inner phase
+late acts as momentum of its own, and at DiLoCo's 0.9 an overlapped swarm lost about twice as much
+accuracy per outer step (benchmarks/overlap_diloco.py, offline: 0.835/0.845 after 6/7 steps at 0.9,
+0.841/0.854 at 0.6, 0.854/0.865 in turn). With ``overlap = "auto"`` the first round travels too.
 
 Peer 0 evaluates on the test set (each new epoch's model, at least ``eval_every`` s apart) and
 stops a run at the target accuracy; a run that does not reach it in its budget gives the budget as
@@ -35,7 +40,16 @@ at 5 and 10 Mbit/s) and swarmgrad-best's over compute-only's (<= 1.3 at every ba
 ``--repeats N`` runs every system N times at each bandwidth (compute-only N times too) and reports
 the median run, its ratios from the medians; the table shows every run's time beside it. Single
 runs vary, and so do hosts: compute-only took 52, 58 and 62 s here in session 14, 32, 31 and 32 s
-in session 17 (so compare ratios from one invocation, not times across sessions).
+in session 17 (so compare ratios from one invocation, not times across sessions). Peer 0 scores
+2,000 images, so an accuracy near the target is known to about 0.8 points (its standard error),
+about an epoch of training there: a run reaches 85% an epoch early or late by chance. Session 18,
+``--repeats 5``: compute-only 25, 27, 22, 28, 29 s; swarmgrad-best at 5 Mbit/s 38, 38, 35, 45,
+42 s (1.43x), at 10 Mbit/s 35, 31, 33, 27, 32 s (1.20x).
+
+Why 5 Mbit/s stays above 1.3x: overlapped, the swarm's model of epoch k exists once round k-1
+lands, at about k x max(inner phase, round) + one round, where compute-only's is at k x (inner
+phase + its 1-2 s round). At 5 Mbit/s a q2 round of 2.4 MB per peer takes 5-6 s against an inner
+phase of 5-6 s, so the last round's landing alone is a fifth of compute-only's 27 s.
 
 The regime (a hivemind round at 10 Mbit/s costs at least as long as the inner phase): every run
 also measures, from its peers' progress events, the seconds a local step takes and the seconds an
