@@ -927,6 +927,8 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
                 await channel.recv_payload_into(memoryview(payload))
                 frames.append((frame_header, bytes(payload)))
             result = decoder.decode(frames)
+            if result.numel() != numel:
+                raise FrameError(f"the result's frames hold {result.numel()} values, expected {numel}")
             received = result.to(RESULT_DTYPE)  # what the donor keeps and names the digest of
         else:
             if length != numel * element:

@@ -106,7 +106,8 @@ class RoundDriver:
 
     def __init__(self, policy: Policy, backend: AveragingBackend, tracker: Tracker, timing: Timing,
                  catch_up: CatchUp, record: Callable[[RoundOutcome], None] = lambda outcome: None,
-                 run_id: str = "", keep_result: Callable[[int, torch.Tensor, list | None], None] = lambda epoch, result, frames: None,
+                 run_id: str = "",
+                 keep_result: Callable[[int, torch.Tensor, list | None], None] = lambda epoch, result, frames: None,
                  overlap: OverlapMode = "off"):
         self.policy, self.backend, self.tracker, self.timing = policy, backend, tracker, timing
         self.catch_up, self.record, self.run_id, self.keep_result = catch_up, record, run_id, keep_result
