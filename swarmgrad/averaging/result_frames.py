@@ -37,15 +37,9 @@ class ResultDecoder:
 
     def __init__(self, schema: Schema, codec: Codec):
         self.schema, self.codec = schema, gather_codec_for(codec)
-
-    @property
-    def frames(self) -> int:
-        return len(self.schema.chunks)
-
-    @property
-    def max_payload(self) -> int:
-        """The most bytes one frame's payload may carry."""
-        return max((self.codec.encoded_nbytes(chunk.view) for chunk in self.schema.chunks), default=0)
+        self.frames = len(schema.chunks)
+        # the most bytes one frame's payload may carry: read once per received frame, so computed once
+        self.max_payload = max((self.codec.encoded_nbytes(chunk.view) for chunk in schema.chunks), default=0)
 
     def check_header(self, index: int, header: dict) -> None:
         """Before a payload is read: the frame must be chunk ``index``'s average."""
