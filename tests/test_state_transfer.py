@@ -383,6 +383,25 @@ def test_donor_that_quits_mid_download_is_replaced_by_the_other(swarm, monkeypat
     assert len(healthy) in (parts - 1, parts)  # the quitter's one part may or may not have arrived
 
 
+def test_donor_that_closes_after_its_last_part_still_vouches_on_a_new_stream(swarm, monkeypatch):
+    """Two parts, one per donor: the quitter closes its stream after its part and is never asked
+    for another, so the joiner learns it closed only when it asks for the verification sketch. It
+    must ask again on a new stream; a strict majority of the two must vouch."""
+    monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)
+    snapshot = big_state(version=7, megabytes=0.4, seed=5)
+    assert math.ceil(snapshot.nbytes / state_transfer.PART_BYTES) == 2
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot], [QuitAfterOnePart, CountingServer]) as servers:
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20)
+            return got, [server.served for server in servers]
+
+    got, (quitter, healthy) = run(swarm, scenario())
+    assert_same(got, snapshot)
+    assert len(quitter) == 1 and len(healthy) == 1
+
+
 def test_donor_that_hangs_mid_download_does_not_block_the_other(swarm, monkeypatch):
     """A donor that stops answering (stream still open) must not hold the download hostage."""
     monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)

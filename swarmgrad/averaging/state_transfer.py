@@ -635,9 +635,13 @@ async def _sketch_on(offer: _Offer, seed: int, seconds: float) -> torch.Tensor:
 async def _verification_sketch(transport: Transport, protocol: str, offer: _Offer, seed: int,
                                seconds: float) -> torch.Tensor:
     """``offer``'s donor's sketch for ``seed``, on its channel, or on a new one where that failed
-    (a donor whose part timed out may still answer a sketch)."""
+    (a donor whose part timed out may still answer a sketch) or was closed after its last part
+    (the other donors fetched the rest before this one's next request could find it closed)."""
     if not offer.broken:
-        return await _sketch_on(offer, seed, seconds)
+        try:
+            return await _sketch_on(offer, seed, seconds)
+        except (EOFError, ConnectionError, OSError) as error:
+            logger.info("donor %s closed its stream (%s); asking for the sketch on a new one", offer.donor, error)
     async with timeout(seconds):
         channel = await transport.open(offer.donor, protocol)
         clean = False
