@@ -124,13 +124,19 @@ def at_bandwidth(scenario: Scenario, mbit: float) -> Scenario:
     return validate_scenario(data, source=f"scenario {scenario.name} at {mbit:g} Mbit/s")
 
 
-def for_system(scenario: Scenario, system: str, best_compression: str = BEST_COMPRESSION) -> Scenario:
-    """The scenario ``system`` trains: its compression (hivemind keeps the scenario's; it uses fp16)."""
+def for_system(scenario: Scenario, system: str, best_compression: str = BEST_COMPRESSION,
+               best_inner_steps: int | None = None) -> Scenario:
+    """The scenario ``system`` trains: its compression (hivemind keeps the scenario's; it uses fp16),
+    and for swarmgrad-best its inner steps where ``best_inner_steps`` sets them."""
+    changes: dict[str, Any] = {}
     compression = best_compression if system == "swarmgrad-best" else HARNESS[system][1]
-    if compression is None or compression == scenario.compression:
+    if compression is not None and compression != scenario.compression:
+        changes["compression"] = compression
+    if system == "swarmgrad-best" and best_inner_steps is not None and best_inner_steps != scenario.inner_steps:
+        changes["inner_steps"] = best_inner_steps
+    if not changes:
         return scenario
-    return validate_scenario({**scenario.model_dump(), "compression": compression},
-                             source=f"scenario {scenario.name} for {system}")
+    return validate_scenario({**scenario.model_dump(), **changes}, source=f"scenario {scenario.name} for {system}")
 
 
 def quick_scenario(scenario: Scenario, duration: float | None = None) -> Scenario:
@@ -225,11 +231,12 @@ class Sweep:
     out: Path
     best_compression: str = BEST_COMPRESSION
     repeats: int = 1
+    best_inner_steps: int | None = None  # None: the scenario's
 
 
 def run_one(sweep: Sweep, system: str, bandwidth: float | None, console: Console) -> dict[str, Any]:
     """One system's lab run at ``bandwidth`` (None: compute-only's unshaped links) through the harness."""
-    scenario = for_system(sweep.scenario, system, sweep.best_compression)
+    scenario = for_system(sweep.scenario, system, sweep.best_compression, sweep.best_inner_steps)
     if bandwidth is not None:
         scenario = at_bandwidth(scenario, bandwidth)
     harness_system = HARNESS[system][0]
@@ -271,6 +278,7 @@ def run_sweep(sweep: Sweep, console: Console) -> dict[str, Any]:
     report: dict[str, Any] = {"scenario": sweep.scenario.model_dump(mode="json"), "target": sweep.target,
                               "bandwidths": list(sweep.bandwidths), "systems": list(sweep.systems),
                               "best_compression": sweep.best_compression, "repeats": sweep.repeats,
+                              "best_inner_steps": sweep.best_inner_steps or sweep.scenario.inner_steps,
                               "results": {}, "compute_only": None}
     if "compute-only" in sweep.systems:
         report["compute_only"] = run_repeated(sweep, "compute-only", None, console)
@@ -445,6 +453,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each system at each bandwidth; the median run is reported (default 1)")
     parser.add_argument("--best-compression", default=BEST_COMPRESSION, help="swarmgrad-best's codec spec")
+    parser.add_argument("--best-inner-steps", type=int, default=None,
+                        help="swarmgrad-best's inner steps a round (default: the scenario's)")
     parser.add_argument("--quick", action="store_true", help="one bandwidth, fashion-mnist, 3 peers, 30 s: a check for CI")
     parser.add_argument("--out", default=".", help="directory for bandwidth-sweep.png and .json")
     parser.add_argument("--json", action="store_true", help="print the JSON result on stdout")
@@ -477,12 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.duration is not None:
             scenario = scenario.adjusted(duration=args.duration)
         target = QUICK_TARGET if args.quick else scenario.target_accuracy or tta.TARGETS[0]
-        for_system(at_bandwidth(scenario, args.bandwidths[0]), "swarmgrad-best", args.best_compression)  # checks
+        for_system(at_bandwidth(scenario, args.bandwidths[0]), "swarmgrad-best", args.best_compression,
+                   args.best_inner_steps)  # checks
     except SwarmgradError as error:
         console.print(f"[red]error:[/red] {error}")
         return 2
     sweep = Sweep(scenario, args.bandwidths, args.systems, target, Path(args.out).resolve(), args.best_compression,
-                  args.repeats)
+                  args.repeats, args.best_inner_steps)
     sweep.out.mkdir(parents=True, exist_ok=True)
     report = run_sweep(sweep, console)
     title = (f"bandwidth sweep: {len(scenario.expanded_peers())} peers, {scenario.task}, "

@@ -82,7 +82,7 @@ def test_codec_parameters_at_the_ends_of_their_ranges_are_accepted():
 def test_get_codec_says_which_part_of_the_spec_is_wrong():
     with pytest.raises(CodecError, match="^codec spec must be a string, got int$"):
         get_codec(3)  # type: ignore[arg-type]
-    with pytest.raises(CodecError, match="^unknown codec 'zip'; choose one of none, fp16, bf16, int8, q4, q2, topk, sparse, powersgd$"):
+    with pytest.raises(CodecError, match="^unknown codec 'zip'; choose one of none, fp16, bf16, int8, q4, q2, sign, topk, sparse, powersgd$"):
         get_codec("zip")
     with pytest.raises(CodecError, match="^codec 'fp16' takes no parameter, got 'fp16:3'$"):
         get_codec("fp16:3")

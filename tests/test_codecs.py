@@ -377,7 +377,7 @@ def test_from_msgpack_rejects_non_maps_and_missing_fields(obj: object) -> None:
 
 
 def test_get_codec_parses_specs() -> None:
-    assert CODEC_NAMES == ("none", "fp16", "bf16", "int8", "q4", "q2", "topk", "sparse", "powersgd")
+    assert CODEC_NAMES == ("none", "fp16", "bf16", "int8", "q4", "q2", "sign", "topk", "sparse", "powersgd")
     assert get_codec("topk") == TopKCodec(0.01) and get_codec("topk:0.05") == TopKCodec(0.05)
     assert get_codec("powersgd") == PowerSGDCodec(4) and get_codec("powersgd:8") == PowerSGDCodec(8)
     assert get_codec("int8:4096") == Int8Codec(4096)

@@ -174,7 +174,7 @@ def test_spec_strings_round_trip_and_name_their_defaults() -> None:
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("q3", r"^unknown codec 'q3'; choose one of none, fp16, bf16, int8, q4, q2, topk, sparse, powersgd$"),
+    ("q3", r"^unknown codec 'q3'; choose one of none, fp16, bf16, int8, q4, q2, sign, topk, sparse, powersgd$"),
     ("q4:0", r"^q4 block size must be an int in \[1, 16777216\], got 0$"),
     ("q2:abc", r"^bad parameter 'abc' for codec 'q2' \(spec 'q2:abc'\)$"),
     ("sparse:0", r"^sparse fraction must be a number in \(0, 1\], got 0.0$"),

@@ -8,7 +8,7 @@
     tensor = codec.decode(Encoded.from_msgpack(msgpack.unpackb(data)), max_elements=limit)
     feedback.commit()  # or feedback.discard() when the round failed
 
-Specs: none | fp16 | bf16 | int8[:block] | q4[:block] | q2[:block] | topk[:fraction] |
+Specs: none | fp16 | bf16 | int8[:block] | q4[:block] | q2[:block] | sign[:block] | topk[:fraction] |
 sparse[:fraction[:bits]] | powersgd[:rank]. `nonzero` only carries `sparse` averages back.
 """
 
@@ -23,6 +23,7 @@ from .int8 import Int8Codec
 from .lowbit import Q2Codec, Q4Codec
 from .nonzero import NonzeroCodec
 from .powersgd import PowerSGDCodec
+from .sign import SignCodec
 from .sparse import SparseCodec
 from .topk import TopKCodec
 
@@ -42,6 +43,7 @@ __all__ = [
     "Q2Codec",
     "Q4Codec",
     "RawCodec",
+    "SignCodec",
     "SparseCodec",
     "TopKCodec",
     "get_codec",
@@ -79,6 +81,7 @@ _REGISTRY: dict[str, tuple[Callable[..., Codec], Callable[[str], object] | None]
     Int8Codec.name: (Int8Codec, _int_param),
     Q4Codec.name: (Q4Codec, _int_param),
     Q2Codec.name: (Q2Codec, _int_param),
+    SignCodec.name: (SignCodec, _int_param),
     TopKCodec.name: (TopKCodec, _float_param),
     SparseCodec.name: (_sparse, _sparse_params),
     PowerSGDCodec.name: (PowerSGDCodec, _int_param),
