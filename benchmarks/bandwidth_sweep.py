@@ -46,10 +46,24 @@ about an epoch of training there: a run reaches 85% an epoch early or late by ch
 ``--repeats 5``: compute-only 25, 27, 22, 28, 29 s; swarmgrad-best at 5 Mbit/s 38, 38, 35, 45,
 42 s (1.43x), at 10 Mbit/s 35, 31, 33, 27, 32 s (1.20x).
 
-Why 5 Mbit/s stays above 1.3x: overlapped, the swarm's model of epoch k exists once round k-1
-lands, at about k x max(inner phase, round) + one round, where compute-only's is at k x (inner
-phase + its 1-2 s round). At 5 Mbit/s a q2 round of 2.4 MB per peer takes 5-6 s against an inner
-phase of 5-6 s, so the last round's landing alone is a fifth of compute-only's 27 s.
+Why 5 Mbit/s stays above 1.3x: overlapped, the swarm's model of epoch k exists once round k
+lands, an inner phase after it left: at about (k + 1) x max(inner phase, round), where
+compute-only's is at k x (inner phase + its 1-2 s round). A q2 round moves 2.4 MB per peer, 3.8 s
+of a 5 Mbit/s link at best; measured (session 20, one run each, the JSON's ``phases``): rounds of
+5.1-7.5 s (all-reduce 4.4-5.6 s, the rest waiting in matchmaking for the last peer), an inner phase
+of 5.7 s (0.272 s a step: the round's own work shares the 2 cores with training) and epochs of
+7.1 s, against compute-only's 0.224 s a step, 5.3 s inner phases and 6.1 s epochs; the first
+swarm model at 15.2 s against 11.0. A late round also costs accuracy per outer step (overlap_diloco:
+0.841 after 6 steps against 0.855 in turn), about one epoch more to 85%, so 85% comes after about
+seven epochs of 7.1 s against five of 6.1 s (1.3x would need both epochs of 5.7 s and no lost
+step). Tried in session 20, all slower at 5 Mbit/s: 30 inner steps (``--best-inner-steps 30``: 46,
+47, 49 s against compute-only's 38, 32, 28 s in one invocation; rounds hide behind 9 s inner phases
+but each outer step counts 30 steps of staler progress), moshpit groups of 2 (``group_size = 2``:
+1.6 MB per peer a round, 58 and 127 s: pairs average less per round), the eager proxy of arXiv
+2502.12996 (the last average plus this peer's change over it, in place of this peer's own
+pseudo-gradient: offline it diverged, 0.66 after 7 steps against 0.855), and codecs cheaper than q2
+(``benchmarks/codec_diloco.py``: ``sign`` 1.42 MB, ``sparse`` 0.5-1.6 MB, each 1.9-4.1 points
+behind uncompressed after 6 rounds where q2 is 0.1 behind).
 
 The regime (a hivemind round at 10 Mbit/s costs at least as long as the inner phase): every run
 also measures, from its peers' progress events, the seconds a local step takes and the seconds an
