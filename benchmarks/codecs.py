@@ -36,7 +36,7 @@ from codec_diloco import WireGroup  # benchmarks/ is the script's directory
 from swarmgrad.averaging.codecs import get_codec
 from swarmgrad.averaging.layout import Schema
 
-OUR_SPECS = ["none", "fp16", "bf16", "int8", "q4", "q2", "topk:0.01", "sparse:0.01", "sparse", "powersgd:4"]
+OUR_SPECS = ["none", "fp16", "bf16", "int8", "q4", "q2", "sign", "topk:0.01", "sparse:0.01", "sparse", "powersgd:4"]
 GROUP = 4  # members of the simulated all-reduce round
 # our codec -> the hivemind codec it is compared with in the "speed vs hivemind" column
 BASELINES = {"none": "NoCompression", "fp16": "Float16Compression", "int8": "Uniform8BitQuantization"}

@@ -14,21 +14,19 @@ block, e.g. q4 at the default block of 64: 0.5625 bytes (7.1x), q2: 0.3125 bytes
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from .base import Codec, CodecError, array_from, meta_int, tensor_from
 from .bits import pack, packed_size, unpack
+from .blocks import BlockCodec, absmax, blocks
 
 __all__ = ["Q2Codec", "Q4Codec"]
 
 # Divides by max(absmax, floor) so that L / absmax stays finite for subnormal blocks.
 _SCALE_FLOOR = 2.0**-100
-MAX_BLOCK_SIZE = 1 << 24
 DEFAULT_BLOCK = 64
 
 
@@ -39,72 +37,35 @@ def levels(bits: int) -> np.ndarray:
 
 
 @dataclass(frozen=True, repr=False)
-class _BlockQuantCodec(Codec):
+class _BlockQuantCodec(BlockCodec):
     block_size: int = DEFAULT_BLOCK
 
-    lossy: ClassVar[bool] = True
     bits: ClassVar[int]
-    meta_keys: ClassVar[frozenset[str]] = frozenset({"block"})
+    scale_part: ClassVar[str] = "absmax"
 
-    def __post_init__(self) -> None:
-        if type(self.block_size) is not int or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise CodecError(f"{self.name} block size must be an int in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+    def code_bytes(self, numel: int) -> int:
+        return packed_size(numel, self.bits)
 
-    @property
-    def spec(self) -> str:
-        return self.name if self.block_size == DEFAULT_BLOCK else f"{self.name}:{self.block_size}"
-
-    def _meta_for(self, shape: tuple[int, ...], numel: int) -> dict[str, int | float]:
-        return {"block": self.block_size}
-
-    def _part_sizes(self, shape: tuple[int, ...], numel: int, meta: Mapping[str, int | float]) -> dict[str, int]:
-        block = meta_int(meta, "block", 1, MAX_BLOCK_SIZE)
-        return {"absmax": 4 * -(-numel // block), "q": packed_size(numel, self.bits)}
+    def code_values(self, codes: bytes, numel: int) -> np.ndarray:
+        # every level is inside (-1, 1), so level * absmax is finite
+        return levels(self.bits)[unpack(codes, numel, self.bits)]
 
     def _encode(
         self, flat: torch.Tensor, shape: tuple[int, ...], warm_start: torch.Tensor | None
     ) -> tuple[dict[str, bytes], dict[str, int | float]]:
-        numel, block, half = flat.numel(), self.block_size, (1 << self.bits) // 2
-        full = numel // block * block
-        # Full blocks as one (blocks, block) matrix; the short tail as a second 1-row matrix.
-        pieces = [flat[:full].view(-1, block)] if full else []
-        if full < numel:
-            pieces.append(flat[full:].view(1, -1))
-        q = torch.empty(numel, dtype=torch.uint8)
+        half = (1 << self.bits) // 2
+        q = torch.empty(flat.numel(), dtype=torch.uint8)
         maxima, start = [], 0
-        for piece in pieces:
-            absmax = torch.maximum(piece.amax(dim=1), piece.amin(dim=1).neg_())  # both propagate NaN
-            if not bool(torch.isfinite(absmax).all()):
-                raise CodecError("cannot encode a tensor with NaN or Inf values")
+        for piece in blocks(flat, self.block_size):
+            largest = absmax(piece)
             # cell index floor((x / m + 1) * L / 2); x = m lands on L, one past the top cell
-            scaled = piece * (half / absmax.clamp_min(_SCALE_FLOOR)).unsqueeze(1)
+            scaled = piece * (half / largest.clamp_min(_SCALE_FLOOR)).unsqueeze(1)
             cells = scaled.add_(half).floor_().clamp_(0, 2 * half - 1)
             q[start : start + piece.numel()].view(piece.shape).copy_(cells)
-            maxima.append(absmax)
+            maxima.append(largest)
             start += piece.numel()
-        absmax = torch.cat(maxima) if maxima else torch.empty(0)
-        return {"absmax": absmax.numpy().tobytes(), "q": pack(q.numpy(), self.bits)}, {"block": block}
-
-    def _decode(
-        self, parts: Mapping[str, bytes], shape: tuple[int, ...], numel: int, meta: Mapping[str, int | float]
-    ) -> torch.Tensor:
-        block = int(meta["block"])
-        absmax = tensor_from(parts["absmax"], torch.float32)  # small: one float per block
-        if absmax.numel():
-            low, high = (float(value) for value in torch.aminmax(absmax))
-            if not (0.0 <= low and high <= float(torch.finfo(torch.float32).max)):  # NaN fails both
-                raise CodecError(f"{self.name} block maxima must be finite and not negative")
-        # every level is inside (-1, 1), so level * absmax is finite: no pass over the output
-        values = levels(self.bits)[unpack(parts["q"], numel, self.bits)]
-        out = torch.empty(numel, dtype=torch.float32)
-        out_np, absmax_np = out.numpy(), array_from(parts["absmax"], np.float32)
-        full = numel // block * block
-        if full:
-            np.multiply(values[:full].reshape(-1, block), absmax_np[: full // block, None],
-                        out=out_np[:full].reshape(-1, block))
-        if full < numel:
-            np.multiply(values[full:], absmax_np[-1], out=out_np[full:])
-        return out
+        maximum = torch.cat(maxima) if maxima else torch.empty(0)
+        return {"absmax": maximum.numpy().tobytes(), "q": pack(q.numpy(), self.bits)}, {"block": self.block_size}
 
 
 @dataclass(frozen=True, repr=False)
