@@ -16,7 +16,8 @@ from swarmgrad.averaging.accountability import WEIGHTS, Accountability, Misbehav
 from swarmgrad.averaging.admission import BANNED, NOT_ADMITTED, Admission
 from swarmgrad.averaging.allreduce import AllReduceReport
 from swarmgrad.averaging.matchmaking import left_out, peer_ids
-from swarmgrad.averaging.state_transfer import StateSnapshot, StateTransferError, _check_finite
+from swarmgrad.averaging.state_snapshot import StateSnapshot, StateTransferError
+from swarmgrad.averaging.state_transfer import _check_finite
 from swarmgrad.averaging.wire import FrameError
 from swarmgrad.commands.status import _view
 from swarmgrad.dht.membership import Member, TrainingStats

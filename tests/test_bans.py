@@ -17,7 +17,8 @@ from conftest import eventually, run_async
 from swarmgrad.averaging import NetworkRuntime
 from swarmgrad.averaging.accountability import Accountability
 from swarmgrad.averaging.admission import BANNED
-from swarmgrad.averaging.state_transfer import StateSnapshot, download_state
+from swarmgrad.averaging.state_snapshot import StateSnapshot
+from swarmgrad.averaging.state_transfer import download_state
 from swarmgrad.averaging.transport import Libp2pTransport
 from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.dht import NodeConfig

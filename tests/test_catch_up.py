@@ -18,7 +18,8 @@ from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 import swarmgrad as sg
 from swarmgrad.averaging.accountability import Misbehaviour
-from swarmgrad.averaging.state_transfer import KEPT_RESULTS, StateTransferError
+from swarmgrad.averaging.state_server import KEPT_RESULTS
+from swarmgrad.averaging.state_snapshot import StateTransferError
 from swarmgrad.peer import catch_up as catch_up_module
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.config import DiLoCo

@@ -12,7 +12,8 @@ from conftest import run_async
 from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
 from swarmgrad.averaging.direct import TOKEN_BYTES, DirectTransport
 from swarmgrad.averaging.secure import FrameCipher
-from swarmgrad.averaging.state_transfer import StateSnapshot, download_state
+from swarmgrad.averaging.state_snapshot import StateSnapshot
+from swarmgrad.averaging.state_transfer import download_state
 from swarmgrad.averaging.transport import Libp2pTransport
 from swarmgrad.averaging.wire import FrameError, RemoteError
 from swarmgrad.dht import NodeConfig, SwarmNode

@@ -29,7 +29,8 @@ PEER = """
 import asyncio, json, sys, time
 import torch
 from swarmgrad.averaging import NetworkRuntime
-from swarmgrad.averaging.state_transfer import StateSnapshot, download_state
+from swarmgrad.averaging.state_snapshot import StateSnapshot
+from swarmgrad.averaging.state_transfer import download_state
 from swarmgrad.dht.node import NodeConfig
 
 async def main(role, host, *args):

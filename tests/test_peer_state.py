@@ -8,8 +8,8 @@ import pytest
 import torch
 from peer_fakes import attach, model_and_optimizer, train_steps
 
-from swarmgrad.averaging import state_transfer
-from swarmgrad.averaging.state_transfer import StateSnapshot, _parse_description, layout, parts_holding
+from swarmgrad.averaging import state_snapshot
+from swarmgrad.averaging.state_snapshot import StateSnapshot, layout, parse_description, parts_holding
 from swarmgrad.averaging.wire import FrameError
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
@@ -90,16 +90,16 @@ def test_digest_identifies_the_layout_not_the_values():
 
 def test_describe_parses_back_and_is_checked_against_nbytes():
     snapshot = StateSnapshot.capture(2, {"w": torch.randn(3, 4), "n": torch.tensor(5)}, {"k": [1, 2]})
-    specs, meta = _parse_description(snapshot.describe(), snapshot.nbytes)
+    specs, meta = parse_description(snapshot.describe(), snapshot.nbytes)
     assert specs == snapshot.specs and meta == snapshot.meta
     with pytest.raises(FrameError, match="adds up"):
-        _parse_description(snapshot.describe(), snapshot.nbytes + 1)
+        parse_description(snapshot.describe(), snapshot.nbytes + 1)
     with pytest.raises(FrameError):
-        _parse_description(b"\xc1 not msgpack", snapshot.nbytes)
+        parse_description(b"\xc1 not msgpack", snapshot.nbytes)
 
 
 def test_parts_holding_covers_exactly_the_kept_tensors(monkeypatch):
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 100)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 100)
     # byte ranges: a 0..40, b 40..240, c 240..244 (+4 padding), d 248..348, e 352..352 (empty)
     specs = (("a", "float32", (10,)), ("b", "float32", (50,)), ("c", "float32", (1,)),
              ("d", "int8", (100,)), ("e", "float32", (0,)))

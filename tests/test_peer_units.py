@@ -16,7 +16,7 @@ import torch
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 from swarmgrad.averaging.settings import Gossip, Moshpit
-from swarmgrad.averaging.state_transfer import StateSnapshot
+from swarmgrad.averaging.state_snapshot import StateSnapshot
 from swarmgrad.dht.membership import Progress
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer import Peer

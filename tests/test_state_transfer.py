@@ -16,16 +16,11 @@ import pytest
 import torch
 from conftest import joiner_and_donors
 
-from swarmgrad.averaging import state_transfer
-from swarmgrad.averaging.state_transfer import (
-    StateServer,
-    StateSnapshot,
-    StateTransferError,
-    download_result,
-    download_result_digest,
-    download_state,
-    result_digest,
-)
+from swarmgrad.averaging import state_server, state_snapshot
+from swarmgrad.averaging.state_results import download_result, download_result_digest, result_digest
+from swarmgrad.averaging.state_server import StateServer
+from swarmgrad.averaging.state_snapshot import StateSnapshot, StateTransferError
+from swarmgrad.averaging.state_transfer import download_state
 from swarmgrad.averaging.codecs import get_codec
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
@@ -194,7 +189,7 @@ def donor_ids(swarm) -> list[str]:
 
 def test_download_spreads_parts_over_both_donors(swarm):
     snapshot = big_state(version=4)
-    parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    parts = math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
     assert parts >= 3
 
     async def scenario():
@@ -217,8 +212,8 @@ def test_download_of_some_tensors_fetches_only_their_parts(swarm):
                "strategy/momentum/0": torch.randn(1_000_000, generator=generator)}  # 4 MB
     snapshot = StateSnapshot.capture(3, tensors, {"epoch": 3})
     keep = lambda name: not name.startswith("optimizer/")  # noqa: E731
-    wanted = state_transfer.parts_holding(snapshot.specs, keep)
-    total = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    wanted = state_snapshot.parts_holding(snapshot.specs, keep)
+    total = math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
     assert len(wanted) < total
 
     async def scenario():
@@ -236,9 +231,9 @@ def test_download_of_some_tensors_fetches_only_their_parts(swarm):
 
 
 def test_many_small_parts_are_spread_and_complete(swarm, monkeypatch):
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 64 * 1024)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 64 * 1024)
     snapshot = big_state(version=2, megabytes=2.0, seed=1)
-    parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    parts = math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
 
     async def scenario():
         protocol = new_protocol()
@@ -309,7 +304,7 @@ class MovesOnMidDownload(CountingServer):
 
 
 def test_a_download_under_way_finishes_though_the_donor_moved_on_past_what_it_keeps(swarm, monkeypatch):
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 64 * 1024)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 64 * 1024)
     first = big_state(version=1, megabytes=0.5, seed=1)
     later = [big_state(version=v, megabytes=0.5, seed=v) for v in (2, 3, 4)]
 
@@ -324,7 +319,7 @@ def test_a_download_under_way_finishes_though_the_donor_moved_on_past_what_it_ke
 
     got, held_while_read, held_after, served = run(swarm, scenario())
     assert_same(got, first)  # every part of version 1, though the donor published 2, 3 and 4 meanwhile
-    assert served == math.ceil(first.nbytes / state_transfer.PART_BYTES)
+    assert served == math.ceil(first.nbytes / state_snapshot.PART_BYTES)
     assert held_while_read in ([1, 3, 4], [3, 4])  # the joiner may have said "done" before we looked
     assert held_after == [3, 4]  # once nobody reads it, version 1 goes
 
@@ -332,9 +327,9 @@ def test_a_download_under_way_finishes_though_the_donor_moved_on_past_what_it_ke
 def test_a_download_longer_than_its_budget_finishes_while_parts_keep_landing(swarm, monkeypatch):
     """``seconds`` bounds the time without a part landing, not the whole transfer: 8 parts at 0.4 s
     each take over 3 s against a budget of 2 s (a 40 MB state at 5 Mbit/s took 64 s against 60)."""
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 64 * 1024)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 64 * 1024)
     snapshot = big_state(version=2, megabytes=0.5, seed=5)
-    parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    parts = math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
     assert parts * DelayedParts.delay > 1.5 * 2.0
 
     async def scenario():
@@ -366,9 +361,9 @@ def test_a_donor_holds_at_most_a_bounded_number_of_versions_for_readers():
 
 
 def test_donor_that_quits_mid_download_is_replaced_by_the_other(swarm, monkeypatch):
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 256 * 1024)
     snapshot = big_state(version=7, megabytes=4.0, seed=3)
-    parts = math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    parts = math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
 
     async def scenario():
         protocol = new_protocol()
@@ -387,9 +382,9 @@ def test_donor_that_closes_after_its_last_part_still_vouches_on_a_new_stream(swa
     """Two parts, one per donor: the quitter closes its stream after its part and is never asked
     for another, so the joiner learns it closed only when it asks for the verification sketch. It
     must ask again on a new stream; a strict majority of the two must vouch."""
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 256 * 1024)
     snapshot = big_state(version=7, megabytes=0.4, seed=5)
-    assert math.ceil(snapshot.nbytes / state_transfer.PART_BYTES) == 2
+    assert math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES) == 2
 
     async def scenario():
         protocol = new_protocol()
@@ -404,7 +399,7 @@ def test_donor_that_closes_after_its_last_part_still_vouches_on_a_new_stream(swa
 
 def test_donor_that_hangs_mid_download_does_not_block_the_other(swarm, monkeypatch):
     """A donor that stops answering (stream still open) must not hold the download hostage."""
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 256 * 1024)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 256 * 1024)
     snapshot = big_state(version=7, megabytes=2.0, seed=4)
 
     async def scenario():
@@ -453,7 +448,7 @@ def test_donor_lying_about_its_size_is_refused(swarm, lie):
 
 
 def test_donor_sending_short_parts_is_dropped(swarm, monkeypatch):
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 128 * 1024)
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 128 * 1024)
     snapshot = big_state(version=5, megabytes=1.0, seed=5)
 
     async def scenario():
@@ -465,7 +460,7 @@ def test_donor_sending_short_parts_is_dropped(swarm, monkeypatch):
     got, (short, honest) = run(swarm, scenario())
     assert_same(got, snapshot)
     assert len(short) == 1  # its first part is refused and it gets no second chance
-    assert len(honest) == math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    assert len(honest) == math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
 
 
 def test_no_donors_or_no_state_is_an_error(swarm):
@@ -566,7 +561,7 @@ def test_a_donor_keeps_only_its_last_results(swarm):
         async with keeping_results(swarm, protocol, [results]):
             return await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], epoch, 10)
 
-    assert state_transfer.KEPT_RESULTS == 2
+    assert state_server.KEPT_RESULTS == 2
     assert torch.equal(run(swarm, scenario(3)), results[3]) and torch.equal(run(swarm, scenario(2)), results[2])
     with pytest.raises(StateTransferError, match="result of round 1 is not kept here"):
         run(swarm, scenario(1))

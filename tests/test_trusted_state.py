@@ -16,22 +16,22 @@ import pytest
 import torch
 from conftest import joiner_and_donors
 
-from swarmgrad.averaging import state_transfer
-from swarmgrad.averaging.state_transfer import (
+from swarmgrad.averaging import state_server, state_snapshot, state_transfer
+from swarmgrad.averaging.state_server import StateServer
+from swarmgrad.averaging.state_sketch import (
     CLASSES,
+    SKETCH_PROJECTIONS,
     SKETCHES_PER_CHANNEL,
-    StateServer,
-    StateSnapshot,
-    StateTransferError,
     agreeing,
     compared_values,
-    download_state,
     majority_version,
     parts_within,
     reference_sketch,
     sketch,
     tolerance_of,
 )
+from swarmgrad.averaging.state_snapshot import StateSnapshot, StateTransferError
+from swarmgrad.averaging.state_transfer import download_state
 from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.peer.state import OPTIMIZER_PREFIX
 
@@ -65,7 +65,7 @@ def blames(swarm):
 
 @pytest.fixture(autouse=True)
 def small_parts(monkeypatch):
-    monkeypatch.setattr(state_transfer, "PART_BYTES", 128 * 1024)  # a state of ~2 MB in ~16 parts
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 128 * 1024)  # a state of ~2 MB in ~16 parts
 
 
 def run(swarm, coroutine, seconds: float = 60.0):
@@ -105,7 +105,7 @@ class ServesPoison(CountingServer):
 
         async def poisoned_send(header, payload=b""):
             if header.get("t") == "part":
-                size = state_transfer.PART_BYTES
+                size = state_snapshot.PART_BYTES
                 payload = memoryview(self.poison.data[header["index"] * size: (header["index"] + 1) * size].numpy())
             await send(header, payload)
 
@@ -167,11 +167,11 @@ def noisy(snapshot: StateSnapshot, fraction: float, seed: int = 5) -> StateSnaps
 
 
 def parts_of(snapshot: StateSnapshot) -> int:
-    return math.ceil(snapshot.nbytes / state_transfer.PART_BYTES)
+    return math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
 
 
 def part(snapshot: StateSnapshot, index: int) -> torch.Tensor:
-    size = state_transfer.PART_BYTES
+    size = state_snapshot.PART_BYTES
     return snapshot.data[index * size: (index + 1) * size]
 
 
@@ -205,7 +205,7 @@ def test_a_sketch_depends_on_its_seed_and_keeps_distances():
     honest = training_state()
     parts = list(range(parts_of(honest)))
     first, again = sketch(honest.data, honest.specs, 1, parts), sketch(honest.data, honest.specs, 1, parts)
-    assert first.shape == (len(parts), len(CLASSES), state_transfer.SKETCH_PROJECTIONS) and first.dtype == torch.float32
+    assert first.shape == (len(parts), len(CLASSES), SKETCH_PROJECTIONS) and first.dtype == torch.float32
     assert torch.equal(first, again)
     assert not torch.equal(first, sketch(honest.data, honest.specs, 2, parts))
     # parts holding only optimizer moments sketch to zeros: two peers' moments never disagree
@@ -370,13 +370,13 @@ def test_two_donors_that_disagree_wildly_hand_over_nothing(swarm, blames):
 def test_a_donor_answers_a_few_sketches_per_channel_and_computes_each_once(swarm, monkeypatch):
     honest = training_state()
     computed = []
-    real_sketch = state_transfer.sketch
+    real_sketch = state_server.sketch
 
     def counting_sketch(data, specs, seed, parts):
         computed.append(seed)
         return real_sketch(data, specs, seed, parts)
 
-    monkeypatch.setattr(state_transfer, "sketch", counting_sketch)
+    monkeypatch.setattr(state_server, "sketch", counting_sketch)
 
     async def scenario():
         protocol = new_protocol()

@@ -20,7 +20,7 @@ from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountab
 from swarmgrad.averaging.admission import DEFAULT_LOOKUP_INTERVAL, Admission
 from swarmgrad.averaging.direct import default_transport
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, RateLimits
-from swarmgrad.averaging.state_transfer import StateServer
+from swarmgrad.averaging.state_server import StateServer
 from swarmgrad.averaging.transport import Transport
 from swarmgrad.dht.membership import Member, Membership, Role, _read_listing, check_run_id
 from swarmgrad.dht.node import NodeConfig, SwarmNode

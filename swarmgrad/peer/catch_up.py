@@ -28,8 +28,10 @@ from typing import Any, Callable, Protocol
 import torch
 
 from swarmgrad.averaging import NetworkRuntime
-from swarmgrad.averaging.state_transfer import (KEPT_RESULTS, RESULT_DTYPE, ResultFrames, StateTransferError,
-                                                 download_result, download_result_digest, download_state)
+from swarmgrad.averaging.state_results import RESULT_DTYPE, ResultFrames, download_result, download_result_digest
+from swarmgrad.averaging.state_server import KEPT_RESULTS
+from swarmgrad.averaging.state_snapshot import StateTransferError
+from swarmgrad.averaging.state_transfer import download_state
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies import Policy
 from swarmgrad.runtime import timeout

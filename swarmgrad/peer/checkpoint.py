@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_transfer import StateSnapshot, layout
+from swarmgrad.averaging.state_snapshot import StateSnapshot, layout
 from swarmgrad.errors import ConfigError
 from swarmgrad.version import __version__
 

@@ -42,7 +42,7 @@ from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
 from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.averaging.settings import Aggregator, Averaging
-from swarmgrad.averaging.state_transfer import StateTransferError
+from swarmgrad.averaging.state_snapshot import StateTransferError
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
 from swarmgrad.dht.membership import TrainingStats, check_run_id, reachability
 from swarmgrad.dht.node import NodeConfig

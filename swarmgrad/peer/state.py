@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from swarmgrad.averaging.state_transfer import StateSnapshot
+from swarmgrad.averaging.state_snapshot import StateSnapshot
 from swarmgrad.errors import ConfigError
 
 

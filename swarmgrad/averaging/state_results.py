@@ -1,0 +1,126 @@
+"""A round's result, kept by the peers that applied it, for a peer that missed the round to replay on
+its own state (peer/catch_up.py) instead of downloading the whole state again: a fraction of the
+bytes. A donor (state_server.py) keeps each result as bfloat16, names its sha256, and keeps the
+frames it travelled in where it has them (averaging/result_frames.py): those decode to exactly the
+float32 values it applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Protocol, Sequence
+
+import torch
+
+from swarmgrad.averaging.state_snapshot import StateTransferError
+from swarmgrad.averaging.transport import Transport
+from swarmgrad.averaging.wire import FrameError, RemoteError, expect_kind, field, int_field
+from swarmgrad.runtime import timeout
+from swarmgrad.timing import DEFAULT_TIMING
+
+# a round's result travels as bfloat16: half the bytes, and its rounding (2^-8 relative) is below
+# what the round's own codec already changed
+RESULT_DTYPE = torch.bfloat16
+
+
+def result_digest(kept: torch.Tensor) -> str:
+    """The sha256 of a kept result's bytes (bfloat16, flat), in hex: what a donor says it holds."""
+    return hashlib.sha256(memoryview(kept.view(torch.uint8).numpy())).hexdigest()
+
+
+async def download_result_digest(transport: Transport, protocol: str, donor: str, epoch: int) -> str:
+    """The digest of the result of round ``epoch`` that ``donor`` keeps (``result_digest``)."""
+    channel = await transport.open(donor, protocol)
+    clean = False
+    try:
+        await channel.send({"t": "digest", "epoch": epoch})
+        reply = expect_kind(await channel.recv(max_payload=0), "digest")
+        digest = field(reply.header, "sha256", str)
+        if field(reply.header, "epoch", int) != epoch or len(digest) != 64:
+            raise FrameError(f"expected the sha256 of the result of round {epoch}, got {reply.header!r}")
+        await channel.send({"t": "done"})
+        clean = True
+    finally:
+        await (channel.close() if clean else channel.abort())
+    return digest
+
+
+class ResultFrames(Protocol):
+    """What decodes a result's frames (averaging/result_frames.py ``ResultDecoder``)."""
+
+    frames: int
+    max_payload: int
+
+    def check_header(self, index: int, header: dict) -> None: ...
+
+    def decode(self, frames: Sequence[tuple[dict, bytes]]) -> torch.Tensor: ...
+
+
+async def download_result(transport: Transport, protocol: str, donors: list[str], epoch: int, numel: int, *,
+                          seconds: float = DEFAULT_TIMING.control_timeout, digest: str | None = None,
+                          decoder: ResultFrames | None = None) -> torch.Tensor:
+    """The result of round ``epoch`` (``numel`` floats, as float32) from the first of ``donors``, in
+    order, that kept it (and, given ``digest``, whose bytes have it); all within ``seconds``. With a
+    ``decoder`` a donor that kept the frames the round travelled in sends those, which decode to
+    the float32 values it applied (else its bfloat16 copy). StateTransferError when none did."""
+    if not donors:
+        raise StateTransferError("no peer to take the round's result from")
+    failures = []
+    deadline = asyncio.get_running_loop().time() + seconds
+    for donor in donors:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        try:
+            async with timeout(left):
+                return await _fetch_result(transport, protocol, donor, epoch, numel, digest, decoder)
+        except (FrameError, RemoteError, StateTransferError, EOFError, OSError, ConnectionError,
+                asyncio.TimeoutError, TimeoutError) as error:
+            failures.append(f"{donor}: {error or type(error).__name__}")
+    raise StateTransferError(f"no donor handed over the result of round {epoch} "
+                             f"({len(failures)} of {len(donors)} asked: {'; '.join(failures[:2])})")
+
+
+async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: int, numel: int,
+                        digest: str | None, decoder: ResultFrames | None) -> torch.Tensor:
+    element = torch.empty(0, dtype=RESULT_DTYPE).element_size()
+    channel = await transport.open(donor, protocol)
+    clean, result = False, None
+    try:
+        await channel.send({"t": "result", "epoch": epoch, **({"frames": True} if decoder is not None else {})})
+        header, length = await channel.recv_header(max_payload=numel * element)
+        if header.get("t") != "result" or header.get("epoch") != epoch or header.get("numel") != numel:
+            raise FrameError(f"expected the result of round {epoch} ({numel} values), got {header.get('t')!r} "
+                             f"of round {header.get('epoch')!r} ({header.get('numel')!r} values)")
+        if "frames" in header:
+            if decoder is None or length:
+                raise FrameError("a result in frames that were not asked for, or with a payload")
+            count = int_field(header, "frames", decoder.frames, decoder.frames)
+            frames = []
+            for index in range(count):
+                frame_header, frame_length = await channel.recv_header(max_payload=decoder.max_payload)
+                decoder.check_header(index, frame_header)
+                payload = bytearray(frame_length)
+                await channel.recv_payload_into(memoryview(payload))
+                frames.append((frame_header, bytes(payload)))
+            result = decoder.decode(frames)
+            if result.numel() != numel:
+                raise FrameError(f"the result's frames hold {result.numel()} values, expected {numel}")
+            received = result.to(RESULT_DTYPE)  # what the donor keeps and names the digest of
+        else:
+            if length != numel * element:
+                raise FrameError(f"the result is {length} bytes, expected {numel * element}")
+            received = torch.empty(numel, dtype=RESULT_DTYPE)
+            await channel.recv_payload_into(memoryview(received.view(torch.uint8).numpy()))
+        await channel.send({"t": "done"})
+        clean = True
+    finally:
+        await (channel.close() if clean else channel.abort())
+    if digest is not None and result_digest(received) != digest:
+        raise StateTransferError(f"the result of round {epoch} it served is not the one it and others described")
+    if result is None:
+        result = received.to(torch.float32)
+    if not bool(torch.isfinite(result).all()):
+        raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")
+    return result

@@ -1,0 +1,141 @@
+"""A peer's whole state as one byte buffer: named CPU tensors laid out at 8-byte offsets, a version
+and small metadata (``StateSnapshot``), and the ``PART_BYTES`` parts it travels in.
+
+A donor serves its snapshots (state_server.py); a joiner fetches one in parts and checks it
+(state_transfer.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import msgpack
+import torch
+
+from swarmgrad.averaging.wire import FrameError
+from swarmgrad.errors import SwarmgradError
+
+# small enough that a peer keeping its optimizer state skips the parts holding it even in a state
+# of a few MB, large enough that a part's round trip is a small share of its transfer
+PART_BYTES = 1024 * 1024
+ALIGNMENT = 8  # bytes; the largest element size we carry
+MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
+MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+
+
+class StateTransferError(SwarmgradError):
+    """No donor could hand over a complete, valid state."""
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """Named CPU tensors packed in one byte buffer, a version (higher is fresher) and JSON-like metadata."""
+
+    version: int
+    specs: tuple[tuple[str, str, tuple[int, ...]], ...]  # name, dtype, shape
+    meta: dict[str, Any]
+    data: torch.Tensor  # uint8, all tensors' bytes in spec order
+
+    @classmethod
+    def capture(cls, version: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StateSnapshot:
+        """A copy of ``tensors`` (any device), safe to serve while training goes on."""
+        specs = []
+        for name, tensor in tensors.items():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
+                raise ValueError(f"state tensor {name!r} has unsupported dtype {dtype}")
+            specs.append((name, dtype, tuple(tensor.shape)))
+        offsets, total = layout(specs)
+        data = torch.zeros(total, dtype=torch.uint8)
+        for (start, length), tensor in zip(offsets, tensors.values()):
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            data[start : start + length].copy_(flat)
+        return cls(version, tuple(specs), dict(meta or {}), data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    @property
+    def digest(self) -> str:
+        """Identifies the layout (names, dtypes, shapes), not the values: donors with equal digests lay
+        their bytes out alike, so their parts and sketches compare part by part (values agree only up
+        to a tolerance: ``agreeing``)."""
+        described = msgpack.packb([[n, d, list(s)] for n, d, s in self.specs], use_bin_type=True)
+        return hashlib.sha256(described).hexdigest()[:32]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Views into ``data`` with their names, dtypes and shapes."""
+        offsets, _ = layout(self.specs)
+        return {name: self.data[start : start + length].view(DTYPES[dtype]).reshape(shape)
+                for (name, dtype, shape), (start, length) in zip(self.specs, offsets)}
+
+    def describe(self) -> bytes:
+        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
+                             use_bin_type=True)
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty(0, dtype=DTYPES[dtype]).element_size()
+
+
+def layout(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[tuple[int, int]], int]:
+    """(offset, length) of each tensor in the byte buffer, and its total size. Offsets are
+    multiples of 8, so every tensor can be viewed in place as its own dtype."""
+    offsets, position = [], 0
+    for _, dtype, shape in specs:
+        length = math.prod(shape) * element_size(dtype)
+        offsets.append((position, length))
+        position += -(-length // ALIGNMENT) * ALIGNMENT
+    return offsets, position
+
+
+def parse_description(payload: bytes, nbytes: int) -> tuple[tuple, dict]:
+    try:
+        described = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        specs = tuple(
+            (str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in described["specs"]
+        )
+        meta = described["meta"]
+    except Exception as error:
+        raise FrameError(f"state description is malformed: {error}") from None
+    if not isinstance(meta, dict):
+        raise FrameError("state metadata must be a map")
+    for name, dtype, shape in specs:
+        if dtype not in DTYPES or any(d < 0 for d in shape):
+            raise FrameError(f"state tensor {name!r}: bad dtype {dtype!r} or shape {shape}")
+    if layout(specs)[1] != nbytes:
+        raise FrameError(f"state description adds up to {layout(specs)[1]} bytes, the donor claims {nbytes}")
+    return specs, meta
+
+
+def names_in(specs: Sequence[tuple[str, str, tuple[int, ...]]], parts: Sequence[int]) -> list[str]:
+    """The tensors with bytes in ``parts``."""
+    offsets, _ = layout(specs)
+    wanted = set(parts)
+    return [name for (name, _, _), (start, length) in zip(specs, offsets)
+            if length and wanted & set(range(start // PART_BYTES, (start + length - 1) // PART_BYTES + 1))]
+
+
+def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Callable[[str], bool] | None) -> list[int]:
+    """Indices of the ``PART_BYTES`` parts that hold the tensors ``keep`` accepts (all, without it)."""
+    offsets, total = layout(specs)
+    if keep is None:
+        return list(range(math.ceil(total / PART_BYTES)))
+    parts: set[int] = set()
+    for (name, _, _), (start, length) in zip(specs, offsets):
+        if length and keep(name):
+            parts.update(range(start // PART_BYTES, (start + length - 1) // PART_BYTES + 1))
+    return sorted(parts)
+
+
+def part_count(nbytes: int) -> int:
+    """How many ``PART_BYTES`` parts a state of ``nbytes`` travels in."""
+    return math.ceil(nbytes / PART_BYTES)
