@@ -44,7 +44,9 @@ in session 17 (so compare ratios from one invocation, not times across sessions)
 2,000 images, so an accuracy near the target is known to about 0.8 points (its standard error),
 about an epoch of training there: a run reaches 85% an epoch early or late by chance. Session 18,
 ``--repeats 5``: compute-only 25, 27, 22, 28, 29 s; swarmgrad-best at 5 Mbit/s 38, 38, 35, 45,
-42 s (1.43x), at 10 Mbit/s 35, 31, 33, 27, 32 s (1.20x).
+42 s (1.43x), at 10 Mbit/s 35, 31, 33, 27, 32 s (1.20x). Session 20's full sweep (one run each,
+``docs/measurements/bandwidth-sweep.png``): compute-only 32 s; swarmgrad-best 61, 37, 35, 35 s at 5,
+10, 25, 100 Mbit/s (1.91, 1.16, 1.09, 1.10x); hivemind > 300, > 257, > 257, 98 s.
 
 Why 5 Mbit/s stays above 1.3x: overlapped, the swarm's model of epoch k exists once round k
 lands, an inner phase after it left: at about (k + 1) x max(inner phase, round), where
