@@ -175,6 +175,7 @@ class Matchmaker:
         me = self.node.peer_id
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
+        began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
         ready_at = time.time() + window
         grace = max(window, GRACE_LATENCIES * self.node.dht_latency)
         try:
@@ -189,8 +190,10 @@ class Matchmaker:
                     key, looking, ready_at, enough, expected_members, min_group_size, grace=grace,
                     poll=min(FIRST_POLL, window / 4),
                 )
+                seen.update(at=time.monotonic() - began, peers=len(peers))
             finally:
                 await declaring
+                seen["stored"] = time.monotonic() - began
             declared = set(peers)
             if expected_members is not None:
                 # the caller knows who belongs here (the moshpit grid): every member then computes the
@@ -219,6 +222,10 @@ class Matchmaker:
                 return await self._lead(key, rest, min_group_size, share)
             return await self._plan(looking, window)
         finally:
+            # where a round's matchmaking time goes (a DHT store, the reads, the invitations), for -vv
+            logger.debug("%s: %s peers seen after %.2f s, declaration stored after %.2f s, done after %.2f s",
+                         key, seen.get("peers", "no"), seen.get("at", math.nan), seen.get("stored", math.nan),
+                         time.monotonic() - began)
             self._looking.pop(key, None)
             if not looking.plan.done():
                 looking.plan.cancel()
