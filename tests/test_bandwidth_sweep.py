@@ -52,6 +52,16 @@ def test_each_system_trains_its_codec():
     assert bs.for_system(base, "hivemind") == base  # fp16 is hivemind_peer.py's own
 
 
+def test_only_swarmgrad_best_takes_its_own_inner_steps():
+    base = bs.at_bandwidth(load_scenario(bs.SCENARIO), 5.0)
+    best = bs.for_system(base, "swarmgrad-best", best_inner_steps=30)
+    assert best.inner_steps == best.run_config.strategy.inner_steps == 30 and best.compression == "q2"
+    for system in ("swarmgrad-int8", "compute-only"):
+        assert bs.for_system(base, system, best_inner_steps=30).inner_steps == base.inner_steps == 20
+    assert bs.for_system(base, "swarmgrad-best").inner_steps == 20
+    assert bs.parse_args(["--best-inner-steps", "30"]).best_inner_steps == 30
+
+
 def test_the_quick_variant_is_one_bandwidth_and_short():
     args = bs.parse_args(["--quick"])
     assert args.bandwidths == (bs.QUICK_BANDWIDTH,) and args.systems == bs.QUICK_SYSTEMS
