@@ -96,8 +96,8 @@ def _patch_progress(**fake: int) -> None:
 
 def _patch_state() -> None:
     """Every snapshot it publishes (what joiners download) gets its float model tensors x -10."""
-    from swarmgrad.averaging.state_server import StateServer
-    from swarmgrad.averaging.state_snapshot import StateSnapshot
+    from swarmgrad.state.server import StateServer
+    from swarmgrad.state.snapshot import StateSnapshot
 
     publish = StateServer.publish
 

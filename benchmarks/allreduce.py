@@ -37,9 +37,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
-
 from _harness import (
     MB,
     GroupFailed,
@@ -58,6 +55,8 @@ from _harness import (
     tcp_peer,
     verdict,
 )
+from rich.console import Console
+from rich.table import Table
 
 CODEC_SYSTEMS = ("hivemind", "swarmgrad")  # systems that average, once per codec
 RAW_SYSTEMS = ("raw-p2pd", "raw-tcp", "raw-tcp-aes")  # traffic only, codec-independent
@@ -207,13 +206,14 @@ def _log_round(ctx: PeerContext, system: str, codec: str, index: int, seconds: f
 
 
 def swarmgrad_peer(ctx: PeerContext, cfg: BenchConfig) -> dict:
-    from swarmgrad.runtime import run
+    from swarmgrad.eventloop import run
 
     return run(_swarmgrad_rounds(ctx, cfg))
 
 
 async def _swarmgrad_rounds(ctx: PeerContext, cfg: BenchConfig) -> dict:
-    from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+    from swarmgrad.averaging import Averager, Moshpit
+    from swarmgrad.net.network_runtime import NetworkRuntime
 
     initial, expected = peer_tensor(ctx.rank, cfg.numel), expected_result(cfg.peers, cfg.numel, cfg.aggregator)
     tensor = initial.clone()
@@ -261,8 +261,9 @@ def _group_size(report: Any) -> int:
 def swarmgrad_missing() -> str | None:
     """Why swarmgrad cannot be benchmarked here, or None if it can."""
     try:
-        from swarmgrad.averaging import Averager, NetworkRuntime  # noqa: F401
+        from swarmgrad.averaging import Averager  # noqa: F401
         from swarmgrad.dht import NodeConfig, SwarmNode  # noqa: F401
+        from swarmgrad.net.network_runtime import NetworkRuntime  # noqa: F401
     except ImportError as error:
         return f"not available: {type(error).__name__}: {error}"
     return None

@@ -51,7 +51,7 @@ from swarmgrad.averaging.allreduce import gather_codec_for
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Schema, assign_parts
-from swarmgrad.averaging.wire import pack_prefix_and_header
+from swarmgrad.net.wire import pack_prefix_and_header
 from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.strategies.diloco import DiLoCoPolicy
 from swarmgrad.tasks import endless_batches, get_task

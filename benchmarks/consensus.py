@@ -38,10 +38,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from _harness import MB, GroupFailed, PeerContext, fmt, log, run_group, start_swarm_node, verdict
 from rich.console import Console
 from rich.table import Table
-
-from _harness import MB, GroupFailed, PeerContext, fmt, log, run_group, start_swarm_node, verdict
 
 GROUP_SIZE = 4
 WINDOW = 1.0  # moshpit matchmaking seconds (the Averager's default before the runtime refactor; now 2 s)
@@ -119,7 +118,7 @@ async def wait_for_members(runtime: Any, count: int, timeout_s: float) -> None:
 
 
 def consensus_peer(ctx: PeerContext, cfg: GroupConfig) -> dict:
-    from swarmgrad.runtime import run
+    from swarmgrad.eventloop import run
 
     return run(_run_jobs(ctx, cfg))
 
@@ -140,7 +139,8 @@ async def _run_jobs(ctx: PeerContext, cfg: GroupConfig) -> dict:
 
 
 async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
-    from swarmgrad.averaging import GossipAverager, NetworkRuntime
+    from swarmgrad.averaging import GossipAverager
+    from swarmgrad.net.network_runtime import NetworkRuntime
 
     run_id, tensor, stop = f"consensus-{index}-gossip-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel), cfg.stops[index]
     async with NetworkRuntime(run_id, node=node) as runtime, \
@@ -160,7 +160,8 @@ async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, 
 
 
 async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
-    from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+    from swarmgrad.averaging import Averager, Moshpit
+    from swarmgrad.net.network_runtime import NetworkRuntime
 
     run_id, tensor = f"consensus-{index}-moshpit-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel)
     settings = Moshpit(group_size=GROUP_SIZE, min_group_size=2, matchmaking_seconds=WINDOW)
@@ -205,7 +206,8 @@ async def privacy_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int)
 async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: str, tensor: torch.Tensor,
                          privacy: Any) -> list[float]:
     """PRIVACY_ROUNDS steps of one 4-peer group; rank 0's seconds. Every rank syncs alike."""
-    from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+    from swarmgrad.averaging import Averager, Moshpit
+    from swarmgrad.net.network_runtime import NetworkRuntime
 
     active = ctx.rank < PRIVACY_PEERS
     seconds: list[float] = []

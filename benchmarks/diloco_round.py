@@ -54,10 +54,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from _harness import MB, GroupFailed, PeerContext, fmt, log, patch_hivemind_quantization, run_group, start_hivemind_dht
 from rich.console import Console
 from rich.table import Table
-
-from _harness import MB, GroupFailed, PeerContext, fmt, log, patch_hivemind_quantization, run_group, start_hivemind_dht
 
 TASK = "fashion-mnist-large"
 GRAD_SETS = 3  # random gradients drawn once per peer and cycled: drawing 5M values per step costs more than Adam

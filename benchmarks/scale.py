@@ -164,7 +164,7 @@ class Peer:
 
 
 def scale_process(ctx: PeerContext, cfg: ScaleConfig) -> dict:
-    from swarmgrad.runtime import run
+    from swarmgrad.eventloop import run
 
     return run(_process_main(ctx, cfg))
 
@@ -211,8 +211,8 @@ async def _process_main(ctx: PeerContext, cfg: ScaleConfig) -> dict:
 
 
 async def start_peer(cfg: ScaleConfig, rank: int, initial_peers: list[str]) -> Peer:
-    from swarmgrad.averaging import NetworkRuntime
     from swarmgrad.dht import NodeConfig, SwarmNode
+    from swarmgrad.net.network_runtime import NetworkRuntime
 
     stack = contextlib.AsyncExitStack()
     try:

@@ -9,7 +9,7 @@
 #   scripts/mutation.sh                 # fresh run of everything, then the report
 #   scripts/mutation.sh --keep          # reuse ./mutants (and its copy of the tests): finish a stopped run
 #   scripts/mutation.sh --report        # only the report of the last run (add --json for JSON)
-#   scripts/mutation.sh 'swarmgrad.averaging.wire*'   # some mutants only (mutmut's name patterns)
+#   scripts/mutation.sh 'swarmgrad.net.wire*'   # some mutants only (mutmut's name patterns)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

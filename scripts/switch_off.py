@@ -86,9 +86,9 @@ CHECKS = [
                 f"            if False:{OFF}\n"),)),
     Check("tests/test_direct.py::test_direct_channel_is_used_when_reachable_and_encrypted_on_the_wire",
           "direct data plane: channels are plain TCP frames, not AES-GCM sealed (both sides)",
-          (Edit("swarmgrad/averaging/direct.py", "channel = EncryptedChannel.take_over(peer_id, reader, writer, name)",
+          (Edit("swarmgrad/net/direct.py", "channel = EncryptedChannel.take_over(peer_id, reader, writer, name)",
                 f"channel = FastChannel.take_over(peer_id, reader, writer, name){OFF}"),
-           Edit("swarmgrad/averaging/direct.py",
+           Edit("swarmgrad/net/direct.py",
                 "channel = EncryptedChannel.take_over(pending.peer_id, reader, writer, name)",
                 f"channel = FastChannel.take_over(pending.peer_id, reader, writer, name){OFF}"))),
     Check("tests/test_peer_python.py::"

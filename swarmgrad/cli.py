@@ -71,7 +71,7 @@ def _split_addresses(values: Optional[List[str]]) -> list[str]:
 
 def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
     """Run a command's coroutine, turning user-fixable errors into one line and an exit code."""
-    from swarmgrad.runtime import run
+    from swarmgrad.eventloop import run
 
     return call_reporting_errors(lambda: run(coroutine))
 
@@ -87,7 +87,7 @@ def _main(
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More logs on stderr (-vv for debug)."),
     version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Show the version."),
 ) -> None:
-    from swarmgrad.runtime import configure_logging
+    from swarmgrad.eventloop import configure_logging
 
     configure_logging(logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
 
@@ -258,8 +258,8 @@ def peer(
         _print_config(loaded, json_output, config)
         return
 
-    from swarmgrad.averaging.accountability import Accountability
     from swarmgrad.dht.tickets import Ticket
+    from swarmgrad.net.accountability import Accountability
     from swarmgrad.peer.runner import LocalOptions
 
     ticket = _validated(lambda: Ticket.load(options.ticket)) if options.ticket is not None else None

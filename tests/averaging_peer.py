@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+from swarmgrad.averaging import Averager, Moshpit
 from swarmgrad.dht import NodeConfig
-from swarmgrad.runtime import run
+from swarmgrad.eventloop import run
+from swarmgrad.net.network_runtime import NetworkRuntime
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 import pytest
 import torch
 
-from swarmgrad.runtime import configure_logging, run
+from swarmgrad.eventloop import configure_logging, run
 
 # Under two xdist workers on two cores, each worker computes on one thread: torch's default (one per
 # core) ran 2 OpenMP threads in each worker beside a lab's peer processes, each parallel region
@@ -179,9 +179,9 @@ def joiner_and_donors(name: str, donors: int):
     from contextlib import AsyncExitStack
     from types import SimpleNamespace
 
-    from swarmgrad.averaging.transport import Libp2pTransport
     from swarmgrad.dht import NodeConfig, SwarmNode
-    from swarmgrad.runtime import BackgroundLoop
+    from swarmgrad.eventloop import BackgroundLoop
+    from swarmgrad.net.transport import Libp2pTransport
 
     loop = BackgroundLoop(name)
     stack = AsyncExitStack()

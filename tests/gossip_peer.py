@@ -11,9 +11,10 @@ import sys
 
 import torch
 
-from swarmgrad.averaging import GossipAverager, NetworkRuntime
+from swarmgrad.averaging import GossipAverager
 from swarmgrad.dht import NodeConfig
-from swarmgrad.runtime import run
+from swarmgrad.eventloop import run
+from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.timing import Timing
 
 

@@ -13,9 +13,9 @@ import json
 import sys
 import time
 
-from swarmgrad.averaging import NetworkRuntime
 from swarmgrad.dht import NodeConfig
-from swarmgrad.runtime import run
+from swarmgrad.eventloop import run
+from swarmgrad.net.network_runtime import NetworkRuntime
 
 PROTOCOL = "swarmgrad/test/blob"
 

@@ -12,17 +12,17 @@ from conftest import run_async
 from rich.console import Console
 
 import swarmgrad as sg
-from swarmgrad.averaging.accountability import WEIGHTS, Accountability, Misbehaviour
-from swarmgrad.averaging.admission import BANNED, NOT_ADMITTED, Admission
 from swarmgrad.averaging.allreduce import AllReduceReport
 from swarmgrad.averaging.matchmaking import left_out, peer_ids
-from swarmgrad.averaging.state_snapshot import StateSnapshot, StateTransferError
-from swarmgrad.averaging.state_transfer import _check_finite
-from swarmgrad.averaging.wire import FrameError
 from swarmgrad.commands.status import _view
 from swarmgrad.dht.membership import Member, TrainingStats
 from swarmgrad.errors import ConfigError
+from swarmgrad.net.accountability import WEIGHTS, Accountability, Misbehaviour
+from swarmgrad.net.admission import BANNED, NOT_ADMITTED, Admission
+from swarmgrad.net.wire import FrameError
 from swarmgrad.peer.driver import RoundOutcome
+from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
+from swarmgrad.state.transfer import _check_finite
 
 RULE = Accountability(ban_threshold=5, ban_seconds=30, half_life=10, far_rows=0.5)
 
@@ -60,7 +60,7 @@ def test_an_honest_peer_clipped_now_and_then_is_never_banned():
 def test_past_the_threshold_a_peer_is_banned_once_logged_and_the_ban_ends(caplog):
     clock = Clock()
     scores = Misbehaviour(RULE, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.accountability"):
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.net.accountability"):
         assert [scores.note("liar", "invalid frame") for _ in range(5)] == [False] * 4 + [True]
     assert scores.banned("liar") and scores.bans() == {"liar": pytest.approx(30)}
     (line,) = [record.getMessage() for record in caplog.records]

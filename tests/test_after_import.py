@@ -36,7 +36,7 @@ def test_an_imported_module_gets_the_callback_at_once():
 def test_configuring_logging_loads_no_hivemind_yet_hivemind_logs_through_the_root_logger():
     script = textwrap.dedent("""
         import logging, sys
-        from swarmgrad.runtime import configure_logging
+        from swarmgrad.eventloop import configure_logging
         configure_logging(logging.INFO)
         assert "hivemind" not in sys.modules and "torch" not in sys.modules
         from hivemind.utils.logging import get_logger

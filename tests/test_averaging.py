@@ -17,9 +17,10 @@ import pytest
 import torch
 from conftest import eventually, run_async
 
-from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+from swarmgrad.averaging import Averager, Moshpit
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
+from swarmgrad.net.network_runtime import NetworkRuntime
 
 RUN = "avg-test"
 # long enough for every declaration to show on a loaded CI machine (stores of 0.5 s and more);

@@ -14,14 +14,15 @@ import pytest
 import torch
 from conftest import eventually, run_async
 
-from swarmgrad.averaging import NetworkRuntime
-from swarmgrad.averaging.accountability import Accountability
-from swarmgrad.averaging.admission import BANNED
-from swarmgrad.averaging.state_snapshot import StateSnapshot
-from swarmgrad.averaging.state_transfer import download_state
-from swarmgrad.averaging.transport import Libp2pTransport
-from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.dht import NodeConfig
+from swarmgrad.net.accountability import Accountability
+from swarmgrad.net.admission import BANNED
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.transport import Libp2pTransport
+from swarmgrad.net.wire import RemoteError
+from swarmgrad.state.server import StateServer, state_protocol
+from swarmgrad.state.snapshot import StateSnapshot
+from swarmgrad.state.transfer import download_state
 from swarmgrad.timing import Timing
 
 TIMING = Timing(presence_refresh=0.5)
@@ -43,7 +44,8 @@ def test_a_peer_that_keeps_sending_invalid_frames_is_banned_then_admitted_again(
     async def scenario():
         async with AsyncExitStack() as stack:
             a = await stack.enter_async_context(NetworkRuntime(run_id, timing=TIMING, accountability=RULE))
-            a.state_server.publish(StateSnapshot.capture(1, {"w": torch.arange(4.0)}))
+            served = await stack.enter_async_context(StateServer(a.transport, state_protocol(run_id)))
+            served.publish(StateSnapshot.capture(1, {"w": torch.arange(4.0)}))
             join = NodeConfig(initial_peers=a.node.maddrs)
             b, c = [await stack.enter_async_context(NetworkRuntime(run_id, join, timing=TIMING)) for _ in range(2)]
             everyone = {a.peer_id, b.peer_id, c.peer_id}
@@ -54,20 +56,20 @@ def test_a_peer_that_keeps_sending_invalid_frames_is_banned_then_admitted_again(
             await eventually(listed_by_all, 20)
             # c pesters a: twice over a plain libp2p stream, once over its direct data plane
             raw = Libp2pTransport(c.node.p2p)
-            answers = [await pester(await raw.open(a.peer_id, a.state_protocol)) for _ in range(2)]
-            answers.append(await pester(await c.transport.open(a.peer_id, a.state_protocol)))
+            answers = [await pester(await raw.open(a.peer_id, served.protocol)) for _ in range(2)]
+            answers.append(await pester(await c.transport.open(a.peer_id, served.protocol)))
             assert all("unexpected request" in answer for answer in answers), answers
             assert set(a.admission.misbehaviour.bans()) == {c.peer_id}
             refused_before = a.admission.refused_streams
 
             # banned: every stream is refused, saying why, over libp2p and the direct plane's setup
-            channel = await raw.open(a.peer_id, a.state_protocol)
+            channel = await raw.open(a.peer_id, served.protocol)
             await channel.send({"t": "describe"})
             with pytest.raises(RemoteError, match=f"^{re.escape(BANNED)}"):
                 await asyncio.wait_for(channel.recv(), 10)
             await channel.close()
             with pytest.raises(RemoteError, match=f"^{re.escape(BANNED)}"):
-                await c.transport.open(a.peer_id, a.state_protocol)
+                await c.transport.open(a.peer_id, served.protocol)
             assert a.admission.refused_streams >= refused_before + 2
 
             # its record is ignored at a's next reread (every 0.5 s), well before the last one a took
@@ -81,7 +83,7 @@ def test_a_peer_that_keeps_sending_invalid_frames_is_banned_then_admitted_again(
 
             # the ban ends: c is served (it downloads a's state) and listed again
             await asyncio.sleep(a.admission.misbehaviour.bans()[c.peer_id])  # the ban's own deadline
-            state = await download_state(c.transport, a.state_protocol, [a.peer_id], seconds=10)
+            state = await download_state(c.transport, served.protocol, [a.peer_id], seconds=10)
             assert torch.equal(state.tensors()["w"], torch.arange(4.0))
             await eventually(listed_by_all, 10)
             assert a.admission.misbehaviour.bans() == {} and a.admission.misbehaviour.bans_total == 1

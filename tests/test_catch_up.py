@@ -17,19 +17,21 @@ from conftest import eventually, run_async
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 import swarmgrad as sg
-from swarmgrad.averaging.accountability import Misbehaviour
-from swarmgrad.averaging.state_server import KEPT_RESULTS
-from swarmgrad.averaging.state_snapshot import StateTransferError
+from swarmgrad.net.accountability import Misbehaviour
 from swarmgrad.peer import catch_up as catch_up_module
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.state import TrainingState
+from swarmgrad.state.server import KEPT_RESULTS
+from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.timing import Timing
 
 
 class KeptResults:
-    """What CatchUp uses of a StateServer: the results it keeps."""
+    """What CatchUp uses of a StateServer: the results it keeps, and its protocol."""
+
+    protocol = "state"
 
     def __init__(self) -> None:
         self.results: dict[int, torch.Tensor] = {}
@@ -51,13 +53,13 @@ class Harness:
         self.state = TrainingState(model, optimizer, self.policy)
         self.server = KeptResults()
         self.misbehaviour = Misbehaviour()
-        runtime = SimpleNamespace(transport=object(), state_server=self.server, state_protocol="state",
+        runtime = SimpleNamespace(transport=object(),
                                   reachable_first=lambda donors: list(donors),
                                   admission=SimpleNamespace(misbehaviour=self.misbehaviour,
                                                             blame=lambda peer, kind, detail: self.misbehaviour.note(
                                                                 peer, kind, detail)))
         self.published: list[int] = []
-        self.catch_up = CatchUp(runtime, self.policy, self.state, self.tracker, Timing(),
+        self.catch_up = CatchUp(runtime, self.server, self.policy, self.state, self.tracker, Timing(),
                                 lambda: self.published.append(self.tracker.local.epoch))
         self.catch_up.in_step = in_step
         numel = self.policy.layout.total

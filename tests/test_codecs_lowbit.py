@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import run_async
 
-from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+from swarmgrad.averaging import Averager, Moshpit
 from swarmgrad.averaging.allreduce import gather_codec_for
 from swarmgrad.averaging.codecs import (
     CodecError,
@@ -39,6 +39,7 @@ from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.settings import check_codec
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
+from swarmgrad.net.network_runtime import NetworkRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 QUANT_SPECS = ["q4", "q2", "q4:5", "q2:1000"]

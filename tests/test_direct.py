@@ -9,14 +9,16 @@ import pytest
 import torch
 from conftest import run_async
 
-from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
-from swarmgrad.averaging.direct import TOKEN_BYTES, DirectTransport
-from swarmgrad.averaging.secure import FrameCipher
-from swarmgrad.averaging.state_snapshot import StateSnapshot
-from swarmgrad.averaging.state_transfer import download_state
-from swarmgrad.averaging.transport import Libp2pTransport
-from swarmgrad.averaging.wire import FrameError, RemoteError
+from swarmgrad.averaging import Averager, Moshpit
 from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.net.direct import TOKEN_BYTES, DirectTransport
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.secure import FrameCipher
+from swarmgrad.net.transport import Libp2pTransport
+from swarmgrad.net.wire import FrameError, RemoteError
+from swarmgrad.state.server import StateServer, state_protocol
+from swarmgrad.state.snapshot import StateSnapshot
+from swarmgrad.state.transfer import download_state
 
 PROTOCOL = "test/direct-echo"
 # a float32 pattern that random data never contains: the plaintext we look for on the wire
@@ -273,6 +275,7 @@ def test_state_server_answers_over_the_direct_data_plane():
             second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
             donor = await stack.enter_async_context(NetworkRuntime("state-run", node=first))
             joiner = await stack.enter_async_context(NetworkRuntime("state-run", node=second))
+            served = await stack.enter_async_context(StateServer(donor.transport, state_protocol("state-run")))
             assert isinstance(donor.transport, DirectTransport) and isinstance(joiner.transport, DirectTransport)
             connections = 0
             tap = WireTap(donor.transport.addresses[0])
@@ -286,7 +289,7 @@ def test_state_server_answers_over_the_direct_data_plane():
             donor.transport.addresses = [tap.server.sockets[0].getsockname()]  # the data port is only behind the tap
             snapshot = StateSnapshot.capture(3, {"model/w": MARKER.repeat(128), "model/b": torch.randn(10)},
                                              {"epoch": 3})
-            donor.state_server.publish(snapshot)
+            served.publish(snapshot)
             opened = []
             open_channel = joiner.transport.open
 
@@ -298,7 +301,7 @@ def test_state_server_answers_over_the_direct_data_plane():
             joiner.transport.open = recording_open
             for download in range(2):
                 started = time.monotonic()
-                got = await download_state(joiner.transport, joiner.state_protocol, [donor.peer_id], seconds=20)
+                got = await download_state(joiner.transport, served.protocol, [donor.peer_id], seconds=20)
                 assert time.monotonic() - started < 3  # no wait for an end that never comes
                 assert got.version == 3 and torch.equal(got.data, snapshot.data)
                 assert opened[download].transport_name == "direct"

@@ -14,7 +14,7 @@ from swarmgrad.averaging.frames import (
     encoded_from_frame,
     encoded_to_frame,
 )
-from swarmgrad.averaging.wire import FrameError
+from swarmgrad.net.wire import FrameError
 
 SHAPE = (6, 5)
 

@@ -19,12 +19,13 @@ import torch
 from conftest import eventually, run_async
 from hivemind.p2p import PeerID
 
-from swarmgrad.averaging import Gossip, GossipAverager, NetworkRuntime
-from swarmgrad.averaging.framestream import FastChannel
+from swarmgrad.averaging import Gossip, GossipAverager
 from swarmgrad.averaging.gossip import MIN_WEIGHT_FRACTION
 from swarmgrad.averaging.pushsum import Push, exponential_neighbors
-from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.net.framestream import FastChannel
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.wire import RemoteError
 from swarmgrad.timing import Timing
 
 RUN = "gossip-test"
@@ -197,7 +198,7 @@ def test_topk_gossip_reaches_the_weighted_mean_with_per_coordinate_mass():
 
 def test_sparse_push_payloads_are_validated():
     from swarmgrad.averaging.sparse_gossip import pack, unpack
-    from swarmgrad.averaging.wire import FrameError
+    from swarmgrad.net.wire import FrameError
 
     good = pack(torch.tensor([1, 5, 9]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5]))
     indices, values, weights = unpack(good, 3, 10)

@@ -28,9 +28,10 @@ STATE_MEGABYTES = 6  # 6.3 s at the cap: the bucket's 64 KiB burst is 1% of it
 PEER = """
 import asyncio, json, sys, time
 import torch
-from swarmgrad.averaging import NetworkRuntime
-from swarmgrad.averaging.state_snapshot import StateSnapshot
-from swarmgrad.averaging.state_transfer import download_state
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.state.server import StateServer, state_protocol
+from swarmgrad.state.snapshot import StateSnapshot
+from swarmgrad.state.transfer import download_state
 from swarmgrad.dht.node import NodeConfig
 
 async def main(role, host, *args):
@@ -42,16 +43,17 @@ async def main(role, host, *args):
     else:
         donor, maddr = args
         network, limit = NodeConfig(host=host, initial_peers=[maddr]), None
-    async with NetworkRuntime("ratecap", network, upload_limit_mbps=limit) as runtime:
+    async with NetworkRuntime("ratecap", network, upload_limit_mbps=limit) as runtime, \
+            StateServer(runtime.transport, state_protocol("ratecap")) as server:
         if role == "donor":
             tensors = {"model/w": torch.ones(int(megabytes) * 2**20 // 4)}
-            runtime.state_server.publish(StateSnapshot.capture(1, tensors, {}))
+            server.publish(StateSnapshot.capture(1, tensors, {}))
             print(json.dumps({"peer_id": runtime.peer_id, "maddrs": runtime.node.maddrs}), flush=True)
         else:
             print("ready", flush=True)
             await loop.run_in_executor(None, sys.stdin.readline)
             started = time.monotonic()
-            snapshot = await download_state(runtime.transport, runtime.state_protocol, [donor], seconds=120)
+            snapshot = await download_state(runtime.transport, server.protocol, [donor], seconds=120)
             print(json.dumps({"seconds": time.monotonic() - started, "nbytes": snapshot.nbytes}), flush=True)
         await loop.run_in_executor(None, sys.stdin.readline)  # stay until told to leave
 

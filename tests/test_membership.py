@@ -12,11 +12,11 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P, PeerID
 
-from swarmgrad.averaging import NetworkRuntime
 from swarmgrad.dht import Identity, Membership, NodeConfig, SwarmNode, SyncNode, list_members
 from swarmgrad.dht.membership import FIRST_FAST_READS, PRESENCE_BEAM, MemberRecord, Progress, members_key
 from swarmgrad.dht.records import seal
 from swarmgrad.errors import ConfigError
+from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.timing import Timing
 
 RUN = "test-run"

@@ -12,7 +12,7 @@ import torch
 from conftest import run_async
 
 import swarmgrad as sg
-from swarmgrad.averaging.state_server import KEPT_RESULTS
+from swarmgrad.state.server import KEPT_RESULTS
 
 INNER = 4
 TIMING = sg.Timing(presence_refresh=0.5)

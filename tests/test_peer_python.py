@@ -154,7 +154,7 @@ def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
                                                   for seed, (peer, (model, _)) in enumerate(zip(holders, models))))
                 for peer in holders:
                     await peer.driver.abandon()  # a round still in flight: withdrawn, start as last landed
-                    snapshot = peer.runtime.state_server.latest
+                    snapshot = peer.state_server.latest
                     assert snapshot is not None and snapshot.version == peer.epoch
                     served = [snapshot.tensors()[f"model/{key}"] for key in peer.model.state_dict()]
                     torch.testing.assert_close(torch.cat([t.reshape(-1) for t in served]), peer.policy.start)

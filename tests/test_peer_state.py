@@ -8,13 +8,13 @@ import pytest
 import torch
 from peer_fakes import attach, model_and_optimizer, train_steps
 
-from swarmgrad.averaging import state_snapshot
-from swarmgrad.averaging.state_snapshot import StateSnapshot, layout, parse_description, parts_holding
-from swarmgrad.averaging.wire import FrameError
 from swarmgrad.errors import ConfigError
+from swarmgrad.net.wire import FrameError
 from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from swarmgrad.peer.config import DiLoCo, SyncSGD
 from swarmgrad.peer.state import StateMismatch, TrainingState, not_optimizer
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.snapshot import StateSnapshot, layout, parse_description, parts_holding
 
 # ---- StateSnapshot ------------------------------------------------------------------------------------
 

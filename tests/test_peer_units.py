@@ -16,7 +16,6 @@ import torch
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 from swarmgrad.averaging.settings import Gossip, Moshpit
-from swarmgrad.averaging.state_snapshot import StateSnapshot
 from swarmgrad.dht.membership import Progress
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer import Peer
@@ -31,6 +30,7 @@ from swarmgrad.peer.config import (
 )
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
 from swarmgrad.peer.state import StateMismatch, TrainingState
+from swarmgrad.state.snapshot import StateSnapshot
 
 # ---- DiLoCo ----------------------------------------------------------------------------------------
 

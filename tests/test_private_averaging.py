@@ -6,10 +6,11 @@ from contextlib import AsyncExitStack
 import torch
 from conftest import eventually, run_async
 
-from swarmgrad.averaging import Averager, Moshpit, NetworkRuntime
+from swarmgrad.averaging import Averager, Moshpit
 from swarmgrad.averaging.allreduce import GroupAllReduce
 from swarmgrad.averaging.privacy import Privacy
 from swarmgrad.dht import Membership, NodeConfig, SwarmNode, list_members
+from swarmgrad.net.network_runtime import NetworkRuntime
 
 RUN = "private-run"
 PAIR = Moshpit(group_size=2, matchmaking_seconds=1.0)

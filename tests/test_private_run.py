@@ -12,12 +12,13 @@ import torch
 from conftest import run_async
 
 import swarmgrad as sg
-from swarmgrad.averaging.admission import NOT_ADMITTED
-from swarmgrad.averaging.wire import RemoteError
 from swarmgrad.dht.identity import Identity
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.net.admission import NOT_ADMITTED
+from swarmgrad.net.wire import RemoteError
 from swarmgrad.peer.manifest import RunManifest
+from swarmgrad.state.server import StateServer, state_protocol
 
 STEPS = 40
 INNER = 8
@@ -82,9 +83,9 @@ def test_a_private_run_takes_no_record_and_no_stream_from_a_peer_without_a_valid
                 refusals = []
                 for target in (a, b):
                     with pytest.raises(RemoteError) as refused:
-                        await c.runtime.transport.open(target.peer_id, target.runtime.state_protocol)
+                        await c.runtime.transport.open(target.peer_id, target.state_server.protocol)
                     refusals.append(str(refused.value))
-                    channel = await c.runtime.transport.libp2p.open(target.peer_id, target.runtime.state_protocol)
+                    channel = await c.runtime.transport.libp2p.open(target.peer_id, target.state_server.protocol)
                     with pytest.raises(RemoteError) as refused:
                         await asyncio.wait_for(channel.recv(), 10)
                     await channel.close()
@@ -186,7 +187,7 @@ def test_cli_a_private_run_created_with_a_ticket_refuses_joiners_without_one_in_
 def test_a_ticketed_newcomers_first_stream_is_served_before_the_receiver_reread_its_record(tmp_path):
     """The receiver rereads presence every 30 s here, so when the newcomer's first stream arrives
     it has not listed it: the admission reads the member records then, and serves the stream."""
-    from swarmgrad.averaging.runtime import NetworkRuntime
+    from swarmgrad.net.network_runtime import NetworkRuntime
 
     run_id = "private-newcomer"
     run_key = Identity.generate()
@@ -194,11 +195,12 @@ def test_a_ticketed_newcomers_first_stream_is_served_before_the_receiver_reread_
     slow = sg.Timing(presence_refresh=30)
 
     async def scenario() -> tuple[str, int, bool]:
-        async with NetworkRuntime(run_id, net_a, ticket=Ticket.issue(run_key, id_a), timing=slow) as a:
+        async with NetworkRuntime(run_id, net_a, ticket=Ticket.issue(run_key, id_a), timing=slow) as a, \
+                StateServer(a.transport, state_protocol(run_id)) as served:
             joiner_net = net_b.model_copy(update={"initial_peers": a.node.maddrs})
             async with NetworkRuntime(run_id, joiner_net, ticket=Ticket.issue(run_key, id_b), timing=slow) as b:
                 assert not a.admission.admits(id_b) and id_b not in {m.peer_id for m in a.members()}
-                channel = await b.transport.open(id_a, a.state_protocol)
+                channel = await b.transport.open(id_a, served.protocol)
                 await channel.send({"t": "describe"})
                 with pytest.raises(RemoteError) as answer:  # the state server's own answer: it has none yet
                     await asyncio.wait_for(channel.recv(), 10)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from swarmgrad.averaging.codecs import CodecError, get_codec
 from swarmgrad.averaging.layout import Schema, TensorSpec, assign_parts
-from swarmgrad.averaging.wire import (
+from swarmgrad.net.wire import (
     MAX_HEADER_BYTES,
     PREFIX,
     WIRE_VERSION,

@@ -10,7 +10,7 @@ import torch
 
 from swarmgrad.averaging.pushsum import Push, exponential_neighbors, give, merge
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
-from swarmgrad.averaging.wire import FrameError
+from swarmgrad.net.wire import FrameError
 
 MEMBERS = [f"peer{i:02d}" for i in range(8)]
 

@@ -7,16 +7,16 @@ import time
 
 import pytest
 
-from swarmgrad.averaging.framestream import FastChannel
-from swarmgrad.averaging.ratelimit import (
+from swarmgrad.errors import ConfigError
+from swarmgrad.eventloop import run
+from swarmgrad.net.framestream import FastChannel
+from swarmgrad.net.ratelimit import (
     CHUNK_BYTES,
     MIN_BURST_BYTES,
     RateLimits,
     TokenBucket,
     check_limit_mbps,
 )
-from swarmgrad.errors import ConfigError
-from swarmgrad.runtime import run
 
 
 class FakeClock:

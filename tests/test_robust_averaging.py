@@ -13,10 +13,11 @@ import pytest
 import torch
 from conftest import eventually, run_async
 
-from swarmgrad.averaging import Averager, Gossip, GossipAverager, Moshpit, NetworkRuntime
+from swarmgrad.averaging import Averager, Gossip, GossipAverager, Moshpit
 from swarmgrad.averaging.privacy import Privacy
 from swarmgrad.averaging.robust import trim_for, trimmed_mean, weighted_mean
 from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.timing import Timing
 
 RUN = "robust-test"

@@ -10,15 +10,15 @@ import torch
 from conftest import joiner_and_donors
 from test_state_transfer import donor_ids, new_protocol, run
 
-from swarmgrad.averaging import state_server
 from swarmgrad.averaging.codecs import get_codec
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.result_frames import ResultDecoder
-from swarmgrad.averaging.state_results import download_result, download_result_digest, result_digest
-from swarmgrad.averaging.state_server import StateServer
-from swarmgrad.averaging.state_snapshot import StateTransferError
-from swarmgrad.averaging.wire import RemoteError
+from swarmgrad.net.wire import RemoteError
+from swarmgrad.state import server as state_server
+from swarmgrad.state.results import download_result, download_result_digest, result_digest
+from swarmgrad.state.server import StateServer
+from swarmgrad.state.snapshot import StateTransferError
 
 
 @pytest.fixture(scope="module")

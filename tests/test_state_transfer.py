@@ -16,13 +16,13 @@ import pytest
 import torch
 from conftest import joiner_and_donors
 
-from swarmgrad.averaging import state_snapshot
-from swarmgrad.averaging.state_server import StateServer
-from swarmgrad.averaging.state_snapshot import StateSnapshot, StateTransferError
-from swarmgrad.averaging.state_transfer import download_state
 from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies import DiLoCoPolicy
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.server import StateServer
+from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
+from swarmgrad.state.transfer import download_state
 
 _protocols = itertools.count()
 

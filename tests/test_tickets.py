@@ -12,10 +12,10 @@ import time
 import pytest
 
 import swarmgrad as sg
-from swarmgrad.averaging.admission import Admission
 from swarmgrad.dht.identity import Identity
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError, StartupError
+from swarmgrad.net.admission import Admission
 from swarmgrad.peer.manifest import RunManifest, check_admission, settle_run
 
 SWARMGRAD = [sys.executable, "-m", "swarmgrad"]

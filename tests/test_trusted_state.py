@@ -16,9 +16,13 @@ import pytest
 import torch
 from conftest import joiner_and_donors
 
-from swarmgrad.averaging import state_server, state_snapshot, state_transfer
-from swarmgrad.averaging.state_server import StateServer
-from swarmgrad.averaging.state_sketch import (
+from swarmgrad.net.wire import RemoteError
+from swarmgrad.peer.state import OPTIMIZER_PREFIX
+from swarmgrad.state import server as state_server
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state import transfer as state_transfer
+from swarmgrad.state.server import StateServer
+from swarmgrad.state.sketch import (
     CLASSES,
     SKETCH_PROJECTIONS,
     SKETCHES_PER_CHANNEL,
@@ -30,10 +34,8 @@ from swarmgrad.averaging.state_sketch import (
     sketch,
     tolerance_of,
 )
-from swarmgrad.averaging.state_snapshot import StateSnapshot, StateTransferError
-from swarmgrad.averaging.state_transfer import download_state
-from swarmgrad.averaging.wire import RemoteError
-from swarmgrad.peer.state import OPTIMIZER_PREFIX
+from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
+from swarmgrad.state.transfer import download_state
 
 _protocols = itertools.count()
 

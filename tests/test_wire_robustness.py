@@ -10,12 +10,13 @@ import torch
 from conftest import run_async
 from hivemind.p2p import P2P, PeerID
 
-from swarmgrad.averaging import Averager, GroupAllReduce, GroupPlan, Moshpit, NetworkRuntime, get_codec
+from swarmgrad.averaging import Averager, GroupAllReduce, GroupPlan, Moshpit, get_codec
 from swarmgrad.averaging.frames import encoded_to_frame
 from swarmgrad.averaging.layout import Schema
-from swarmgrad.averaging.transport import Libp2pTransport, StreamChannel
-from swarmgrad.averaging.wire import PREFIX, FrameError, RemoteError, expect_kind, pack_prefix_and_header
 from swarmgrad.dht import NodeConfig, SwarmNode
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.transport import Libp2pTransport, StreamChannel
+from swarmgrad.net.wire import PREFIX, FrameError, RemoteError, expect_kind, pack_prefix_and_header
 
 
 def frame_bytes(header: dict, payload: bytes = b"") -> bytes:
@@ -156,7 +157,7 @@ def test_bad_contribution_inside_a_round_fails_it_cleanly(case):
 # ---- typed header fields and error frames, without a stream -------------------------------------
 
 def test_typed_fields_accept_what_they_say_and_name_what_they_refuse():
-    from swarmgrad.averaging.wire import Frame, error_header, field, int_field
+    from swarmgrad.net.wire import Frame, error_header, field, int_field
 
     header = {"w": 3, "f": 2.5, "b": True, "s": "x", "n": 7}
     assert field(header, "w", float) == 3.0 and type(field(header, "w", float)) is float  # msgpack packs 3.0 as 3
@@ -187,7 +188,7 @@ def test_typed_fields_accept_what_they_say_and_name_what_they_refuse():
 
 
 def test_header_limits_are_exact():
-    from swarmgrad.averaging.wire import MAX_HEADER_BYTES, check_lengths, parse_header
+    from swarmgrad.net.wire import MAX_HEADER_BYTES, check_lengths, parse_header
 
     check_lengths(1, 10, 10)
     check_lengths(MAX_HEADER_BYTES, 0, 0)

@@ -19,7 +19,6 @@ _EXPORTS = {
     "GossipReport": "swarmgrad.averaging.gossip",
     "Averager": "swarmgrad.averaging.moshpit",
     "AveragingReport": "swarmgrad.averaging.moshpit",
-    "NetworkRuntime": "swarmgrad.averaging.runtime",
     "Gossip": "swarmgrad.averaging.settings",
     "Moshpit": "swarmgrad.averaging.settings",
 }

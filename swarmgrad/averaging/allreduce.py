@@ -38,10 +38,11 @@ from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_ch
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
 from swarmgrad.averaging.robust import Aggregate, bound_weights, robust_aggregate
 from swarmgrad.averaging.settings import AGGREGATORS
-from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import Frame, FrameError, int_field
-from swarmgrad.averaging.wire import field as frame_field
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.channel import Channel
+from swarmgrad.net.transport import Transport
+from swarmgrad.net.wire import Frame, FrameError, int_field
+from swarmgrad.net.wire import field as frame_field
 
 logger = logging.getLogger(__name__)
 

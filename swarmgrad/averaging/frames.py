@@ -9,7 +9,7 @@ import torch
 
 from swarmgrad.averaging.codecs import Codec, CodecError, Encoded
 from swarmgrad.averaging.codecs.base import check_finite
-from swarmgrad.averaging.wire import FrameError, field
+from swarmgrad.net.wire import FrameError, field
 
 
 def encoded_to_frame(encoded: Encoded) -> tuple[dict[str, Any], bytes]:

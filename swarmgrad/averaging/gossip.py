@@ -53,14 +53,15 @@ from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.pushsum import ClipScale, Push, clip_pushes, exponential_neighbors, give, merge
-from swarmgrad.averaging.runtime import NetworkRuntime
 from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Gossip, check_aggregator
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
-from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import FrameError, RemoteError, int_field
-from swarmgrad.averaging.wire import field as frame_field
 from swarmgrad.errors import ConfigError
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.channel import Channel
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.transport import Transport
+from swarmgrad.net.wire import FrameError, RemoteError, int_field
+from swarmgrad.net.wire import field as frame_field
 
 logger = logging.getLogger(__name__)
 

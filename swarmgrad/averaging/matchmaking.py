@@ -37,11 +37,12 @@ from typing import Annotated
 import pydantic
 
 from swarmgrad.averaging.allreduce import GroupPlan
-from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import FrameError, expect_kind, field
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.channel import Channel
+from swarmgrad.net.transport import Transport
+from swarmgrad.net.wire import FrameError, expect_kind, field
 from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)

@@ -41,14 +41,14 @@ from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.result_frames import Frame, ResultDecoder, ordered_frames
-from swarmgrad.averaging.runtime import NetworkRuntime
 from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Moshpit, check_aggregator
-from swarmgrad.averaging.transport import Channel
-from swarmgrad.averaging.wire import expect_kind
-from swarmgrad.averaging.wire import field as frame_field
 from swarmgrad.dht.membership import reachability
 from swarmgrad.errors import ConfigError
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.channel import Channel
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.wire import expect_kind
+from swarmgrad.net.wire import field as frame_field
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 With a lossy return codec every member of a group decodes the very same frames (the owners send
 them; an owner keeps what it sent, allreduce.py), so those frames *are* the round's result, at the
 codec's size: q2 is 0.31 bytes an element where the bfloat16 copy a donor also keeps is 2. A peer
-that missed the round decodes them to exactly the float32 values the donor applied (state_results.py:
+that missed the round decodes them to exactly the float32 values the donor applied (state/results.py:
 ``download_result`` with a ``ResultDecoder``).
 
     frames = ordered_frames(allreduce.result_frames, schema)   # None unless every chunk has one
@@ -20,7 +20,7 @@ from swarmgrad.averaging.allreduce import gather_codec_for
 from swarmgrad.averaging.codecs import Codec
 from swarmgrad.averaging.frames import decode_chunk
 from swarmgrad.averaging.layout import Schema
-from swarmgrad.averaging.wire import FrameError, int_field
+from swarmgrad.net.wire import FrameError, int_field
 
 Frame = tuple[dict, bytes]
 

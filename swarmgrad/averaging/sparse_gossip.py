@@ -23,7 +23,7 @@ import os
 import numpy as np
 import torch
 
-from swarmgrad.averaging.wire import FrameError
+from swarmgrad.net.wire import FrameError
 
 BYTES_PER_ENTRY = 12
 

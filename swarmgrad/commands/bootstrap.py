@@ -8,7 +8,7 @@ import logging
 from swarmgrad.console import stderr
 from swarmgrad.dht.membership import Membership
 from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.runtime import shutdown_signal
+from swarmgrad.eventloop import shutdown_signal
 
 logger = logging.getLogger(__name__)
 

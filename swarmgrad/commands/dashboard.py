@@ -6,7 +6,7 @@ from swarmgrad.console import stderr
 from swarmgrad.dashboard.server import Dashboard
 from swarmgrad.dashboard.settings import DashboardSettings
 from swarmgrad.dht.node import NodeConfig
-from swarmgrad.runtime import shutdown_signal
+from swarmgrad.eventloop import shutdown_signal
 
 
 async def run_dashboard(network: NodeConfig, run_id: str, settings: DashboardSettings) -> None:

@@ -30,11 +30,11 @@ from typing import Annotated, Any, Callable, ClassVar, Generic, Mapping, Optiona
 
 import pydantic
 
-from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY
-from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, MAX_LIMIT_MBPS
 from swarmgrad.commands.run_options import RUN_OPTIONS, flag_name, key_name, problem_message
 from swarmgrad.dht.config import NodeConfig, check_run_id
 from swarmgrad.errors import ConfigError
+from swarmgrad.net.accountability import DEFAULT_ACCOUNTABILITY
+from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS, MAX_LIMIT_MBPS
 
 ENV_PREFIX = "SWARMGRAD_"
 

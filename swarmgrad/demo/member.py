@@ -14,7 +14,7 @@ import sys
 from swarmgrad.dht.membership import DEFAULT_TTL, Membership
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.errors import SwarmgradError
-from swarmgrad.runtime import configure_logging, run, shutdown_signal
+from swarmgrad.eventloop import configure_logging, run, shutdown_signal
 
 
 async def serve(config: NodeConfig, run_id: str, ttl: float) -> None:

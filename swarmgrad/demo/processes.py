@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmgrad.errors import StartupError
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
 
 logger = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 10.0  # SIGTERM -> a peer leaves (each part of leaving has its own deadline), else SIGKILL

@@ -26,7 +26,7 @@ from swarmgrad.dht.identity import Identity
 from swarmgrad.dht.reachability import DialBackServer, ask_dial_back
 from swarmgrad.dht.records import BodyT, RecordError, SignedRecord, SignedRecordValidator, open_envelope, seal
 from swarmgrad.errors import ConfigError, StartupError
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
 
 logger = logging.getLogger(__name__)
 DIAL_BACK_SECONDS = 5.0  # one dial-back check: a round trip and one TCP connect by the checker

@@ -23,7 +23,7 @@ import time
 
 from hivemind.p2p import P2P, PeerID
 
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
 
 logger = logging.getLogger(__name__)
 

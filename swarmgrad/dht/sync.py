@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarmgrad.dht.membership import DEFAULT_TTL, Member, Membership, Role, list_members
 from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.runtime import BackgroundLoop
+from swarmgrad.eventloop import BackgroundLoop
 
 
 class SyncNode:

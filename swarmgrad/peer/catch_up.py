@@ -27,14 +27,14 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from swarmgrad.averaging import NetworkRuntime
-from swarmgrad.averaging.state_results import RESULT_DTYPE, ResultFrames, download_result, download_result_digest
-from swarmgrad.averaging.state_server import KEPT_RESULTS
-from swarmgrad.averaging.state_snapshot import StateTransferError
-from swarmgrad.averaging.state_transfer import download_state
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies import Policy
-from swarmgrad.runtime import timeout
+from swarmgrad.state.results import RESULT_DTYPE, ResultFrames, download_result, download_result_digest
+from swarmgrad.state.server import KEPT_RESULTS, StateServer
+from swarmgrad.state.snapshot import StateTransferError
+from swarmgrad.state.transfer import download_state
 from swarmgrad.timing import Timing
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,10 @@ class CatchUp:
     resumed a checkpoint) replays: a result moves every peer's parameters by the same step, so one
     that started from other weights would stay apart from the swarm for good."""
 
-    def __init__(self, runtime: NetworkRuntime, policy: Policy, state: TrainingState, tracker: Progress,
-                 timing: Timing, publish_state: Callable[[], None], decoder: ResultFrames | None = None):
-        self.runtime, self.policy, self.state, self.tracker = runtime, policy, state, tracker
+    def __init__(self, runtime: NetworkRuntime, server: StateServer, policy: Policy, state: TrainingState,
+                 tracker: Progress, timing: Timing, publish_state: Callable[[], None],
+                 decoder: ResultFrames | None = None):
+        self.runtime, self.server, self.policy, self.state, self.tracker = runtime, server, policy, state, tracker
         self.timing, self.publish_state = timing, publish_state
         self.decoder = decoder  # results then come in the frames their round travelled in, where kept
         self.downloads = 0  # whole states taken
@@ -110,7 +111,7 @@ class CatchUp:
     async def replay(self, donors: list[str]) -> int:
         """Apply, one by one, the results of the rounds from this peer's epoch up to the swarm's (at
         most ``KEPT_RESULTS`` behind: further, the state is the way). Returns how many it applied."""
-        assert self.runtime.transport is not None and self.runtime.state_server is not None
+        assert self.runtime.transport is not None and self.server is not None
         behind = self.tracker.fresh().epoch - self.epoch
         if not (self.policy.synchronous and self.in_step and donors and 0 < behind <= KEPT_RESULTS):
             return 0
@@ -124,7 +125,7 @@ class CatchUp:
                 logger.info("could not replay round %d: %s", epoch, error)
                 break
             self.policy.apply(result)
-            self.runtime.state_server.publish_result(epoch, result)  # a peer behind this one may replay it here
+            self.server.publish_result(epoch, result)  # a peer behind this one may replay it here
             self.tracker.next_epoch(epoch + 1)
             applied += 1
             donors = self.tracker.ahead_of(epoch + 1)
@@ -150,7 +151,7 @@ class CatchUp:
                 return agreed
         seconds = self.replay_seconds(len(asked))
         outcomes = await asyncio.gather(*(download_result(
-            self.runtime.transport, self.runtime.state_protocol, [donor], epoch, self.policy.layout.total,
+            self.runtime.transport, self.server.protocol, [donor], epoch, self.policy.layout.total,
             seconds=seconds, decoder=self.decoder) for donor in asked), return_exceptions=True)
         served = [(donor, outcome) for donor, outcome in zip(asked, outcomes) if isinstance(outcome, torch.Tensor)]
         results = [result for _, result in served]
@@ -180,7 +181,7 @@ class CatchUp:
         try:
             async with timeout(self.timing.control_timeout):
                 named = await asyncio.gather(*(download_result_digest(
-                    self.runtime.transport, self.runtime.state_protocol, donor, epoch) for donor in asked),
+                    self.runtime.transport, self.server.protocol, donor, epoch) for donor in asked),
                     return_exceptions=True)
         except asyncio.TimeoutError:
             return None
@@ -190,7 +191,7 @@ class CatchUp:
         digest = counts.most_common(1)[0][0]
         holders = [donor for donor, named_digest in zip(asked, named) if named_digest == digest]
         try:
-            return await download_result(self.runtime.transport, self.runtime.state_protocol, holders, epoch,
+            return await download_result(self.runtime.transport, self.server.protocol, holders, epoch,
                                          self.policy.layout.total, seconds=self.replay_seconds(1), digest=digest,
                                          decoder=self.decoder)
         except StateTransferError as error:
@@ -205,7 +206,7 @@ class CatchUp:
         assert self.runtime.transport is not None
         keep_optimizer = self.policy.local_optimizer and bool(self.state.optimizer.state)
         donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
-        snapshot = await download_state(self.runtime.transport, self.runtime.state_protocol, donors,
+        snapshot = await download_state(self.runtime.transport, self.server.protocol, donors,
                                         seconds=self.timing.join_timeout, min_version=min_version,
                                         keep=not_optimizer if keep_optimizer else None)
         self.state.restore(snapshot, keep_optimizer=keep_optimizer)

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_snapshot import StateSnapshot, layout
 from swarmgrad.errors import ConfigError
+from swarmgrad.state.snapshot import StateSnapshot, layout
 from swarmgrad.version import __version__
 
 CHECKPOINT_FILE = "checkpoint.pt"

@@ -36,18 +36,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from swarmgrad.averaging import Averager, GossipAverager, NetworkRuntime
-from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability
+from swarmgrad.averaging import Averager, GossipAverager
 from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
-from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.averaging.settings import Aggregator, Averaging
-from swarmgrad.averaging.state_snapshot import StateTransferError
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
 from swarmgrad.dht.membership import TrainingStats, check_run_id, reachability
 from swarmgrad.dht.node import NodeConfig
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
+from swarmgrad.eventloop import BackgroundLoop
+from swarmgrad.net.accountability import DEFAULT_ACCOUNTABILITY, Accountability
+from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
 from swarmgrad.peer.config import RunConfig, Strategy, resolve_against_run
@@ -56,7 +57,8 @@ from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, check_admission, 
 from swarmgrad.peer.progress import ProgressTracker
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies import Policy, make_policy
-from swarmgrad.runtime import BackgroundLoop
+from swarmgrad.state.server import StateServer, state_protocol
+from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.timing import DEFAULT_TIMING, Timing
 
 logger = logging.getLogger(__name__)
@@ -177,6 +179,7 @@ class Peer:
                                       download_limit_mbps=download_limit_mbps, ticket=ticket,
                                       accountability=accountability)
         self.node = self.runtime.node
+        self.state_server: StateServer | None = None  # what joiners download from this peer, once it runs
         self.tracker = ProgressTracker(self.runtime.presence, epsilon=lambda: self.epsilon, stats=self._stats,
                                        blame=self.runtime.admission.blame)
         self.evaluations = EvaluationLog(self.node, self.run_id, task=self.requested.task or "")
@@ -271,6 +274,7 @@ class Peer:
     async def __aenter__(self) -> Peer:
         try:
             await self.runtime.__aenter__()
+            await self._serve_state()
             await self._settle_config()
             await self._open_training()
             await self._join()
@@ -407,9 +411,9 @@ class Peer:
         that phase's steps on one shard: held-out evaluations score this instead, as they score the
         fresh outer step where rounds run in turn. None for the other strategies, and until this
         epoch's state is published."""
-        if self.policy is None or self.policy.averages != "delta" or self.runtime.state_server is None:
+        if self.policy is None or self.policy.averages != "delta" or self.state_server is None:
             return None
-        latest = self.runtime.state_server.latest
+        latest = self.state_server.latest
         if latest is None or latest.version != self.epoch:
             return None
         return {name.removeprefix("model/"): tensor for name, tensor in latest.tensors().items()
@@ -460,6 +464,11 @@ class Peer:
 
     # ---- opening ----------------------------------------------------------------------------------
 
+    async def _serve_state(self) -> None:
+        server = StateServer(self.runtime.transport, state_protocol(self.run_id), idle_seconds=self.timing.join_timeout)
+        await server.__aenter__()
+        self.state_server = server
+
     async def _settle_config(self) -> None:
         """Take the run's settings from its manifest; refuse settings given here that differ (issue:
         two peers whose settings differ never share a round key, and would train alone silently)."""
@@ -504,10 +513,11 @@ class Peer:
         schema = getattr(self._averager, "schema", None)
         self.tracker.settings = f"{config.digest}.{schema.digest[:8]}" if schema is not None else config.digest
         self.tracker.next_epoch(self.tracker.local.epoch)
-        self.catch_up = CatchUp(self.runtime, self.policy, self.state, self.tracker, self.timing, self._publish_state,
-                                decoder=getattr(self._averager, "result_decoder", None))
+        assert self.state_server is not None
+        self.catch_up = CatchUp(self.runtime, self.state_server, self.policy, self.state, self.tracker, self.timing,
+                                self._publish_state, decoder=getattr(self._averager, "result_decoder", None))
         self.driver = RoundDriver(self.policy, backend, self.tracker, self.timing, self.catch_up, self._record,
-                                  run_id=self.run_id, keep_result=self.runtime.state_server.publish_result,
+                                  run_id=self.run_id, keep_result=self.state_server.publish_result,
                                   overlap=getattr(self.config.strategy, "overlap", "off"))
 
     async def _join(self) -> None:
@@ -590,9 +600,9 @@ class Peer:
         return await self.driver.swarm_step(), None
 
     def _publish_state(self) -> None:
-        assert self.runtime.state_server is not None
+        assert self.state_server is not None
         epoch = self.tracker.local.epoch
-        self.runtime.state_server.publish(self.state.capture(epoch, {"settings": self.config.settings_json()}))
+        self.state_server.publish(self.state.capture(epoch, {"settings": self.config.settings_json()}))
 
     def _stats(self) -> TrainingStats:
         """The totals this peer's presence record carries (for dashboards)."""
@@ -651,7 +661,7 @@ class Peer:
 
     async def _save_checkpoint(self) -> None:
         assert self.checkpoint_dir is not None
-        snapshot = self.runtime.state_server.latest if self.runtime.state_server is not None else None
+        snapshot = self.state_server.latest if self.state_server is not None else None
         if snapshot is None:
             return
         extra = {"privacy": self._privacy_state(),
@@ -684,6 +694,12 @@ class Peer:
                 await asyncio.wait_for(self._averager.__aexit__(None, None, None), self.timing.close_part)
             except Exception as error:  # keep leaving: the runtime closes the rest
                 logger.warning("while closing the peer's averager: %s: %s", type(error).__name__, error)
+        if self.state_server is not None:
+            try:
+                await asyncio.wait_for(self.state_server.__aexit__(None, None, None), self.timing.close_part)
+            except Exception as error:  # keep leaving
+                logger.warning("while closing the state server: %s: %s", type(error).__name__, error)
+            self.state_server = None
         await self.runtime.__aexit__(None, None, None)
         self._opened = False
 

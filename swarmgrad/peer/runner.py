@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability
-from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
+from swarmgrad.eventloop import run
+from swarmgrad.net.accountability import DEFAULT_ACCOUNTABILITY, Accountability
+from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, settle_run, wait_for_manifest
-from swarmgrad.runtime import run
 from swarmgrad.tasks import Task, get_task
 from swarmgrad.tasks.base import endless_batches
 from swarmgrad.tasks.train import make_optimizer

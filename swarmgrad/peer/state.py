@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
-from swarmgrad.averaging.state_snapshot import StateSnapshot
 from swarmgrad.errors import ConfigError
+from swarmgrad.state.snapshot import StateSnapshot
 
 
 class StatefulStrategy(Protocol):

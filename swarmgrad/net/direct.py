@@ -27,14 +27,15 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from swarmgrad.averaging.admission import REFUSALS, Admission
-from swarmgrad.averaging.framestream import FastChannel
-from swarmgrad.averaging.ratelimit import UNLIMITED, RateLimits
-from swarmgrad.averaging.secure import KEY_BYTES, EncryptedChannel, FrameCipher
-from swarmgrad.averaging.transport import Channel, ChannelHandler, Libp2pTransport, Transport
-from swarmgrad.averaging.wire import FrameError, RemoteError, expect_kind, field
 from swarmgrad.dht.node import SwarmNode
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.admission import REFUSALS, Admission
+from swarmgrad.net.channel import Channel, ChannelHandler
+from swarmgrad.net.framestream import FastChannel
+from swarmgrad.net.ratelimit import UNLIMITED, RateLimits
+from swarmgrad.net.secure import KEY_BYTES, EncryptedChannel, FrameCipher
+from swarmgrad.net.transport import Libp2pTransport, Transport
+from swarmgrad.net.wire import FrameError, RemoteError, expect_kind, field
 from swarmgrad.timing import DEFAULT_TIMING, Timing
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """A round's result, kept by the peers that applied it, for a peer that missed the round to replay on
 its own state (peer/catch_up.py) instead of downloading the whole state again: a fraction of the
-bytes. A donor (state_server.py) keeps each result as bfloat16, names its sha256, and keeps the
+bytes. A donor (state/server.py) keeps each result as bfloat16, names its sha256, and keeps the
 frames it travelled in where it has them (averaging/result_frames.py): those decode to exactly the
 float32 values it applied.
 """
@@ -13,10 +13,10 @@ from typing import Protocol, Sequence
 
 import torch
 
-from swarmgrad.averaging.state_snapshot import StateTransferError
-from swarmgrad.averaging.transport import Transport
-from swarmgrad.averaging.wire import FrameError, RemoteError, expect_kind, field, int_field
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.transport import Transport
+from swarmgrad.net.wire import FrameError, RemoteError, expect_kind, field, int_field
+from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.timing import DEFAULT_TIMING
 
 # a round's result travels as bfloat16: half the bytes, and its rounding (2^-8 relative) is below

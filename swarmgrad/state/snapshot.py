@@ -1,8 +1,8 @@
 """A peer's whole state as one byte buffer: named CPU tensors laid out at 8-byte offsets, a version
 and small metadata (``StateSnapshot``), and the ``PART_BYTES`` parts it travels in.
 
-A donor serves its snapshots (state_server.py); a joiner fetches one in parts and checks it
-(state_transfer.py).
+A donor serves its snapshots (state/server.py); a joiner fetches one in parts and checks it
+(state/transfer.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 import msgpack
 import torch
 
-from swarmgrad.averaging.wire import FrameError
 from swarmgrad.errors import SwarmgradError
+from swarmgrad.net.wire import FrameError
 
 # small enough that a peer keeping its optimizer state skips the parts holding it even in a state
 # of a few MB, large enough that a part's round trip is a small share of its transfer

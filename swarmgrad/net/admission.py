@@ -21,9 +21,9 @@ import math
 import time
 from typing import Awaitable, Callable
 
-from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability, Misbehaviour
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
+from swarmgrad.net.accountability import DEFAULT_ACCOUNTABILITY, Accountability, Misbehaviour
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from swarmgrad.averaging.framestream import FastChannel
-from swarmgrad.averaging.wire import (
+from swarmgrad.net.framestream import FastChannel
+from swarmgrad.net.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_HEADER_BYTES,
     PREFIX,

@@ -1,4 +1,4 @@
-"""One network runtime per peer: the node, one transport, the state server, one presence record.
+"""One network runtime per peer: the node, one transport, one presence record.
 
     async with NetworkRuntime("my-run", NodeConfig(initial_peers=[...])) as runtime:
         async with Averager(runtime, [tensor], name="delta") as averager:
@@ -6,8 +6,8 @@
 
 Everything that talks to other peers shares what the runtime owns: averagers and gossip register
 their protocols on its transport (direct TCP with the libp2p fallback), so any number of them can
-run on one node; joiners download state from its state server over the same data plane; and the
-peer's membership and training progress travel in one presence record with one TTL.
+run on one node (the state server too: state/server.py); and the peer's membership and training
+progress travel in one presence record with one TTL.
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ import asyncio
 import logging
 from typing import Callable
 
-from swarmgrad.averaging.accountability import DEFAULT_ACCOUNTABILITY, Accountability
-from swarmgrad.averaging.admission import DEFAULT_LOOKUP_INTERVAL, Admission
-from swarmgrad.averaging.direct import default_transport
-from swarmgrad.averaging.ratelimit import DEFAULT_LIMIT_MBPS, RateLimits
-from swarmgrad.averaging.state_server import StateServer
-from swarmgrad.averaging.transport import Transport
 from swarmgrad.dht.membership import Member, Membership, Role, _read_listing, check_run_id
 from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.dht.tickets import Ticket
+from swarmgrad.net.accountability import DEFAULT_ACCOUNTABILITY, Accountability
+from swarmgrad.net.admission import DEFAULT_LOOKUP_INTERVAL, Admission
+from swarmgrad.net.direct import default_transport
+from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS, RateLimits
+from swarmgrad.net.transport import Transport
 from swarmgrad.timing import DEFAULT_TIMING, Timing
 
 logger = logging.getLogger(__name__)
@@ -64,8 +63,6 @@ class NetworkRuntime:
         self.role: Role = role or ("client" if self.node.config.client_mode else "peer")
         self.direct, self.trusted_network = direct, trusted_network
         self.transport: Transport | None = None
-        self.state_protocol = f"swarmgrad/{self.run_id}/state"
-        self.state_server: StateServer | None = None
         self.presence = Membership(self.node, self.run_id, role=self.role, ttl=timing.presence_ttl,
                                    refresh=timing.presence_refresh, watch=True,
                                    members_per_read=timing.members_per_read, before_publish=before_publish,
@@ -113,9 +110,6 @@ class NetworkRuntime:
                                                self.admission)
             await self.transport.start()
             self._entered.append(("transport", self.transport.stop))
-            self.state_server = StateServer(self.transport, self.state_protocol, idle_seconds=self.timing.join_timeout)
-            await self.state_server.__aenter__()
-            self._entered.append(("state server", lambda: self.state_server.__aexit__(None, None, None)))
             await self.presence.__aenter__()
             self._entered.append(("presence", lambda: self.presence.__aexit__(None, None, None)))
         except BaseException:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Sequence
 
-from swarmgrad.averaging.ratelimit import CHUNK_BYTES, RateLimits, TokenBucket
-from swarmgrad.averaging.transport import Channel
-from swarmgrad.averaging.wire import (
+from swarmgrad.net.channel import Channel
+from swarmgrad.net.ratelimit import CHUNK_BYTES, RateLimits, TokenBucket
+from swarmgrad.net.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     PREFIX,
     FrameError,

@@ -1,7 +1,7 @@
 """The donor's side of handing over a state: a peer's latest snapshots (and the one before, so a
 download that started just before the donor moved on can finish, and any a download under way still
-reads) and the results of its last rounds, served to joiners (state_transfer.py) and to peers that
-missed a round and replay it (state_results.py, peer/catch_up.py).
+reads) and the results of its last rounds, served to joiners (state/transfer.py) and to peers that
+missed a round and replay it (state/results.py, peer/catch_up.py).
 
 Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
 plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
@@ -28,13 +28,14 @@ from collections import Counter
 
 import torch
 
-from swarmgrad.averaging import state_snapshot
-from swarmgrad.averaging.state_results import RESULT_DTYPE, result_digest
-from swarmgrad.averaging.state_sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
-from swarmgrad.averaging.state_snapshot import StateSnapshot, part_count
-from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import FrameError, field, int_field
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.channel import Channel
+from swarmgrad.net.transport import Transport
+from swarmgrad.net.wire import FrameError, field, int_field
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.results import RESULT_DTYPE, result_digest
+from swarmgrad.state.sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
+from swarmgrad.state.snapshot import StateSnapshot, part_count
 from swarmgrad.timing import DEFAULT_TIMING
 
 KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or two rounds behind
@@ -44,6 +45,11 @@ KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or
 # held snapshot is a copy of the whole state and any peer may open a channel
 PINNED_SNAPSHOTS = 2
 SKETCH_CACHE = 4  # sketches a donor keeps, by (version, seed)
+
+
+def state_protocol(run_id: str) -> str:
+    """The protocol a run's donors serve their state on."""
+    return f"swarmgrad/{run_id}/state"
 
 
 class StateServer:

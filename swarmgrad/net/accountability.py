@@ -12,7 +12,7 @@ Whatever this peer catches another peer doing wrong adds that kind's weight to t
                                    or parts it served failed the check against the donors' sketches
     implausible progress   1       its record claimed an epoch over one past the swarm's (peer/progress.py), once per claim
     digest disagreement    2       a donor's state (layout or sketch) lay outside the tolerance of the
-                                   majority of the donors a joiner asked (state_transfer.py)
+                                   majority of the donors a joiner asked (state/transfer.py)
 
 A kind not in the table weighs 1.
 

@@ -1,4 +1,4 @@
-"""A joiner's download of a peer's whole state (state_snapshot.py) from donors (state_server.py).
+"""A joiner's download of a peer's whole state (state/snapshot.py) from donors (state/server.py).
 
 A joiner takes a state only when a majority of the donors it asked agree on it (issue 15, item 4),
 since any donor may lie:
@@ -40,15 +40,34 @@ from typing import Awaitable, Callable, Sequence
 
 import torch
 
-from swarmgrad.averaging import state_snapshot
-from swarmgrad.averaging.state_sketch import (CLASSES, SKETCH_PROJECTIONS, VERIFY_PASSES, agreeing, compared_values,
-                                              majority_version, parts_within, reference_sketch, sketch)
-from swarmgrad.averaging.state_snapshot import (DTYPES, MAX_DESCRIPTION_BYTES, MAX_STATE_BYTES, StateSnapshot,
-                                                StateTransferError, layout, names_in, parse_description,
-                                                part_count, parts_holding)
-from swarmgrad.averaging.transport import Channel, Transport
-from swarmgrad.averaging.wire import FrameError, RemoteError, expect_kind, field, int_field
-from swarmgrad.runtime import timeout
+from swarmgrad.eventloop import timeout
+from swarmgrad.net.channel import Channel
+from swarmgrad.net.transport import Transport
+from swarmgrad.net.wire import FrameError, RemoteError, expect_kind, field, int_field
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.sketch import (
+    CLASSES,
+    SKETCH_PROJECTIONS,
+    VERIFY_PASSES,
+    agreeing,
+    compared_values,
+    majority_version,
+    parts_within,
+    reference_sketch,
+    sketch,
+)
+from swarmgrad.state.snapshot import (
+    DTYPES,
+    MAX_DESCRIPTION_BYTES,
+    MAX_STATE_BYTES,
+    StateSnapshot,
+    StateTransferError,
+    layout,
+    names_in,
+    parse_description,
+    part_count,
+    parts_holding,
+)
 from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)

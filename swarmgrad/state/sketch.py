@@ -3,7 +3,7 @@ each tolerance class's values, drawn from a nonce the joiner picks, so a donor c
 serves to what it will be checked with. Honest donors never hold identical bytes (each peer's
 optimizer moments are its own, and moshpit groups leave parameters a little apart), so the
 coordinate-wise median of the donors' sketches is the reference and a donor agrees when each of its
-parts lies within its class's tolerance of it. The rules of a download: state_transfer.py.
+parts lies within its class's tolerance of it. The rules of a download: state/transfer.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from swarmgrad.averaging import state_snapshot
-from swarmgrad.averaging.state_snapshot import DTYPES, element_size, layout
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.snapshot import DTYPES, element_size, layout
 
 # How far a donor's tensors may lie from the donors' median and still agree, relative to the
 # median's norm, per part; the first prefix a tensor's name starts with decides (peer/state.py names
