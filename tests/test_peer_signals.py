@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 import signal
+import time
 
 import pytest
 from peer_processes import Swarm
@@ -73,3 +74,32 @@ def test_sigusr1_pauses_and_sigusr2_resumes_a_cli_peer(swarm):
         assert peer.wait_exit(30) == 0, peer.describe()
     kinds = [event["event"] for event in volunteer.events]
     assert kinds.count("paused") == 1 and kinds.count("resumed") == 1
+
+
+def test_sigterm_leaves_a_round_that_waits_for_a_member_that_vanished(swarm):
+    """A peer whose round waits for a member that was killed (its presence record outlives it) stops
+    on SIGTERM at once, not when the round's matchmaking gives up: a supervisor's grace period
+    (the demo's 10 s) would otherwise kill it before it reports (the demo's flaky test)."""
+    common = ["--inner-steps", "20", "--eval-every", "0", "--no-final-eval", "--max-seconds", "150",
+              "--num-shards", "2", "--wait", "90", "--wait-peers", "2"]
+    creator = swarm.peer("--create", "--shard", "0", *common, name="creator")
+    volunteer = swarm.peer("--shard", "1", *common, task=None, name="volunteer")
+    creator.ready(90)
+    volunteer.ready(90)
+    for peer in (creator, volunteer):
+        peer.wait_event("progress", 90, lambda event: event["rounds_ok"] >= 1)
+
+    creator.signal(signal.SIGKILL)  # gone without leaving: the volunteer still lists it for a while
+
+    def blocked() -> bool:  # no progress line for a while: the training loop waits on a round
+        last = volunteer.last("progress")
+        return last is not None and time.time() - last["t"] > 2.5
+
+    volunteer.wait_until(blocked, 60, "a round that waits for the vanished member")
+    signalled = time.time()
+    volunteer.signal(signal.SIGTERM)
+    last = volunteer.wait_event("progress", 30, lambda event: event["t"] > signalled)
+    assert last["t"] - signalled < 2.0, volunteer.describe()  # the round was left at once
+    done = volunteer.done(60)
+    assert done["reason"] == "signal SIGTERM" and not done["status"]["paused"], done
+    assert volunteer.wait_exit(30) == 0, volunteer.describe()

@@ -157,6 +157,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     reason, final = "stopped", None
     with stop, pauses, peer, BackgroundEvaluator(task, model, local.eval_batches) as evaluator:
         pauses.attach(peer)
+        stop.attach(peer)
         if announce is not None:
             announce(peer.maddrs)
         if local.wait_peers > 1:
@@ -293,11 +294,21 @@ def _shard(local: LocalOptions, network: NodeConfig) -> tuple[int, int]:
 
 
 class _StopSignal:
-    """SIGTERM/SIGINT end the training loop between steps, so the peer leaves and checkpoints cleanly."""
+    """SIGTERM/SIGINT end the training loop between steps, so the peer leaves and checkpoints cleanly.
+    A swarm step under way is left at once (``Peer.interrupt``): its matchmaking may wait for a
+    member that already left (up to a window), and the training loop would only see the signal
+    after it, too late for a supervisor's grace period (the demo killed such a peer before it
+    reported its last progress)."""
 
     def __init__(self) -> None:
         self.received: str | None = None
         self._previous: dict[int, Any] = {}
+        self._peer: Peer | None = None
+
+    def attach(self, peer: Peer) -> None:
+        self._peer = peer
+        if self.received is not None:
+            peer.interrupt()
 
     def __enter__(self) -> _StopSignal:
         if threading.current_thread() is threading.main_thread():
@@ -308,9 +319,13 @@ class _StopSignal:
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._peer = None
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        first = self.received is None
         self.received = signal.Signals(signum).name
+        if first and self._peer is not None:
+            self._peer.interrupt()  # returns at once; the round's task is cancelled on the peer's loop
 
 
 class _PauseSignal:
