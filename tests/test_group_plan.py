@@ -10,7 +10,7 @@ import pytest
 from swarmgrad.averaging import Moshpit
 from swarmgrad.averaging.allreduce import GroupPlan
 from swarmgrad.averaging.settings import MAX_GROUP
-from swarmgrad.net.wire import FrameError, PREFIX, pack_prefix_and_header, parse_header
+from swarmgrad.net.wire import PREFIX, FrameError, pack_prefix_and_header, parse_header
 
 
 def plan_of(members: int) -> GroupPlan:

@@ -15,10 +15,10 @@ the report's ``suspicions``; a claim over twice the median but under the cap is 
 peers differ that much in speed, and blaming it banned a fast honest peer in 5 rounds).
 
 A member's tensors are written only once every part has arrived and been checked, so a round
-that fails (deadline, crash, bad frame) changes nothing (DESIGN invariant 2). Peers that missed
-the group's deadline were already left out when the group was agreed (invariant 3); a failure
-*inside* the agreed group aborts the round for everyone, because a missing owner's part cannot
-be recovered.
+that fails (deadline, crash, bad frame) changes nothing (architecture.md, invariant 'a failed round changes nothing').
+Peers that missed the group's deadline were already left out when the group was agreed (architecture.md, invariant
+'stragglers are dropped'); a failure *inside* the agreed group aborts the round for everyone, because a missing owner's
+part cannot be recovered.
 """
 
 from __future__ import annotations

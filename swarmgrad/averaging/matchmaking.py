@@ -9,7 +9,7 @@
 3. A leader invites its group over the control protocol. A peer accepts the first invitation it
    gets (so two leaders with different views never share a member), declines the rest, and a
    leader declines every invitation. Members that do not answer within the deadline are left out:
-   stragglers are dropped, not waited for (DESIGN invariant 3).
+   stragglers are dropped, not waited for (architecture.md, invariant 'stragglers are dropped').
 4. The leader sends ``begin`` with the final plan (members, shares, codec, schema) to those who
    accepted, or ``cancel`` if fewer than ``min_group_size`` did. Everyone then runs the all-reduce
    on exactly the same plan.
