@@ -224,3 +224,30 @@ def test_example_embedded_peer_joins_a_running_swarm(tmp_path: Path) -> None:
             out = run_script([sys.executable, str(EXAMPLES / "embedded_peer.py"), "--run-id", "docs-digits",
                               "--initial-peers", maddr, "--seconds", "5"], tmp_path)
     assert "(client mode)" in out and "[heartbeat]" in out and "test accuracy" in out, out
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+CITED_INVARIANT = re.compile(r"invariant\s+'([^']+)'")
+
+
+def documented_invariants() -> set[str]:
+    """The names in docs/architecture.md's Invariants section: each item's anchor and bold name."""
+    section = ARCHITECTURE.read_text().partition("\n## Invariants\n")[2].partition("\n## ")[0]
+    items = re.findall(r'<a id="invariant-([a-z-]+)"></a>\*\*([^*]+?)\.\*\*', section)
+    for anchor, name in items:
+        assert anchor == re.sub(r"[^a-z]+", "-", name).strip("-"), f"anchor {anchor!r} does not spell {name!r}"
+    return {name for _, name in items}
+
+
+def test_every_invariant_the_code_cites_is_in_the_architecture_document() -> None:
+    documented = documented_invariants()
+    assert len(documented) >= 8, documented
+    cited: dict[str, list[str]] = {}
+    for path in [*sorted((ROOT / "swarmgrad").rglob("*.py")), ARCHITECTURE]:
+        text = path.read_text()
+        assert not re.search(r"\binvariant\s+\d", text), f"{path.relative_to(ROOT)} cites an invariant by number"
+        for name in CITED_INVARIANT.findall(text):
+            cited.setdefault(" ".join(name.split()), []).append(str(path.relative_to(ROOT)))
+    assert cited, "no invariant cited by name: has the citation form changed?"
+    missing = {name: where for name, where in cited.items() if name not in documented}
+    assert not missing, f"invariants cited but not in docs/architecture.md's Invariants section: {missing}"

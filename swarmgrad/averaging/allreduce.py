@@ -15,10 +15,10 @@ the report's ``suspicions``; a claim over twice the median but under the cap is 
 peers differ that much in speed, and blaming it banned a fast honest peer in 5 rounds).
 
 A member's tensors are written only once every part has arrived and been checked, so a round
-that fails (deadline, crash, bad frame) changes nothing (DESIGN invariant 2). Peers that missed
-the group's deadline were already left out when the group was agreed (invariant 3); a failure
-*inside* the agreed group aborts the round for everyone, because a missing owner's part cannot
-be recovered.
+that fails (deadline, crash, bad frame) changes nothing (architecture.md, invariant 'a failed round changes nothing').
+Peers that missed the group's deadline were already left out when the group was agreed (architecture.md, invariant
+'stragglers are dropped'); a failure *inside* the agreed group aborts the round for everyone, because a missing owner's
+part cannot be recovered.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
 from swarmgrad.averaging.robust import Aggregate, bound_weights, robust_aggregate
-from swarmgrad.averaging.settings import AGGREGATORS
+from swarmgrad.averaging.settings import AGGREGATORS, MAX_GROUP
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
@@ -77,12 +77,12 @@ class GroupPlan:
                 "codec": self.codec, "schema": self.schema_digest, "aggregator": self.aggregator}
 
     @classmethod
-    def from_wire(cls, data: Any, max_members: int = 256) -> GroupPlan:
+    def from_wire(cls, data: Any) -> GroupPlan:
         if not isinstance(data, dict):
             raise FrameError("group plan must be a map")
         members = frame_field(data, "members", list)
         shares = frame_field(data, "shares", list)
-        if not 1 <= len(members) <= max_members or len(shares) != len(members) or len(set(members)) != len(members):
+        if not 1 <= len(members) <= MAX_GROUP or len(shares) != len(members) or len(set(members)) != len(members):
             raise FrameError("group plan has a bad member list")
         if not all(isinstance(m, str) and len(m) < 100 for m in members):
             raise FrameError("group plan members must be peer ids")

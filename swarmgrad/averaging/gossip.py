@@ -7,8 +7,8 @@ i + 1, i + 2, i + 4, ... in turn). The receiver checks the push completely, queu
 everything queued at its next ``step``: x <- (w x + sum w_k x_k) / (w + sum w_k), w <- w + sum w_k.
 
 Why push-sum and not pairwise averaging: a push needs no reply from the receiver's training loop,
-so a slow peer never holds up a fast one, and weights make uneven peers mix fairly (DESIGN
-invariant 5).
+so a slow peer never holds up a fast one, and weights make uneven peers mix fairly (architecture.md,
+invariant 'weights are samples, bounded').
 
 Mass accounting (DESIGN "Gossip"): the sender gives its half away *before* sending, so a push that
 may have arrived is never counted twice; only an explicit refusal from the receiver gives it back.
@@ -240,7 +240,8 @@ class GossipAverager:
         given = self.weight / (neighbors + 1)
         version, reference = self._sent_refs.get(peer, (0, None))
         difference = self._values if reference is None else self._values - reference
-        if self.releaser is not None:  # what leaves is the clipped, noised difference (DESIGN invariant 6)
+        # what leaves is the clipped, noised difference (architecture.md, invariant 'privacy before anything leaves')
+        if self.releaser is not None:
             difference = self.releaser.release([difference])[0]
         frames = [encode_chunk(self.codec, difference[c.start : c.start + c.length].view(c.view))
                   for c in self.schema.chunks]

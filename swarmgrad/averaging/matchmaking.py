@@ -9,7 +9,7 @@
 3. A leader invites its group over the control protocol. A peer accepts the first invitation it
    gets (so two leaders with different views never share a member), declines the rest, and a
    leader declines every invitation. Members that do not answer within the deadline are left out:
-   stragglers are dropped, not waited for (DESIGN invariant 3).
+   stragglers are dropped, not waited for (architecture.md, invariant 'stragglers are dropped').
 4. The leader sends ``begin`` with the final plan (members, shares, codec, schema) to those who
    accepted, or ``cancel`` if fewer than ``min_group_size`` did. Everyone then runs the all-reduce
    on exactly the same plan.
@@ -37,6 +37,7 @@ from typing import Annotated
 import pydantic
 
 from swarmgrad.averaging.allreduce import GroupPlan
+from swarmgrad.averaging.settings import MAX_GROUP
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.eventloop import timeout
@@ -60,7 +61,6 @@ GRACE_LATENCIES = 3
 # DHT request, never less than reply_timeout nor more than this many times it: a peer that does not
 # answer is still dropped, not waited for.
 REPLY_STRETCH = 4
-MAX_GROUP = 1024  # the most members an invitation may name (moshpit's group_size bound)
 MAX_PEER_ID = 128  # characters: libp2p's base58 peer ids are 52
 
 

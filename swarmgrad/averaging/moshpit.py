@@ -197,13 +197,13 @@ class Averager:
     ) -> AveragingReport:
         """Meet this round's group, average, and write the result into the tensors.
 
-        ``weight`` is the number of samples behind this peer's tensors (DESIGN invariant 5).
-        ``round_index`` lets peers that agree on a global step meet in the same round; by default
-        a local counter. ``expected_peers``: how many peers the caller expects in this round (from
-        swarm progress), so matchmaking ends as soon as they are all there. With ``privacy`` the tensors must be an *update* (a gradient or
-        pseudo-gradient): it is clipped and noised before it leaves; past the budget the peer stops
-        releasing and the report says so. The tensors are changed only when the round succeeds, and must not be
-        changed by anyone else while the step runs.
+        ``weight`` is the number of samples behind this peer's tensors (architecture.md, invariant
+        'weights are samples, bounded'). ``round_index`` lets peers that agree on a global step meet in the same round;
+        by default a local counter. ``expected_peers``: how many peers the caller expects in this round (from swarm
+        progress), so matchmaking ends as soon as they are all there. With ``privacy`` the tensors must be an *update*
+        (a gradient or pseudo-gradient): it is clipped and noised before it leaves; past the budget the peer stops
+        releasing and the report says so. The tensors are changed only when the round succeeds, and must not be changed
+        by anyone else while the step runs.
         """
         if self.matchmaker is None:
             raise RuntimeError("use `async with Averager(...)` before calling step()")
@@ -239,7 +239,8 @@ class Averager:
         return report
 
     def _prepare_contribution(self, report: AveragingReport) -> bool:
-        """Fill the contribution buffer: the tensors, or their private release (DESIGN invariant 6)."""
+        """Fill the contribution buffer: the tensors, or their private release (architecture.md, invariant
+        'privacy before anything leaves')."""
         tensors = self.tensors
         if self.releaser is not None:
             try:

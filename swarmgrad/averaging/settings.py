@@ -13,6 +13,8 @@ import pydantic
 from swarmgrad.errors import ConfigError
 from swarmgrad.settings import SettingsModel
 
+# The most members a group may have: group_size, an invitation and a group plan all read this one bound.
+MAX_GROUP = 1024
 DEFAULT_COMPRESSION = "int8"  # ~4x smaller than fp32 at a tiny error, with error feedback where lossy
 # how a part's owner combines the contributions it received (robust.py has the rules). Any peer of a
 # public run may lie, so the default bounds what one contribution can do; gossip's counterpart of
@@ -28,8 +30,8 @@ class Moshpit(SettingsModel):
     ``group_size``; with fewer peers than that, everyone meets in one group)."""
 
     kind: Literal["moshpit"] = "moshpit"
-    group_size: Annotated[int, pydantic.Field(ge=2, le=1024)] = 16
-    min_group_size: Annotated[int, pydantic.Field(ge=2, le=1024)] = 2
+    group_size: Annotated[int, pydantic.Field(ge=2, le=MAX_GROUP)] = 16
+    min_group_size: Annotated[int, pydantic.Field(ge=2, le=MAX_GROUP)] = 2
     matchmaking_seconds: Annotated[float, pydantic.Field(ge=0.05, le=600)] = 2.0
     round_timeout: Optional[Annotated[float, pydantic.Field(ge=1, le=3600)]] = None  # None: from measured rounds
 

@@ -5,17 +5,46 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmgrad.console import short_id, stdout
 from swarmgrad.demo.summary import TARGETS, summarize
 
 if TYPE_CHECKING:
-    from swarmgrad.lab.driver import Lab
+    from swarmgrad.demo.events import RunLog
+    from swarmgrad.lab.network import EmulatedNetwork
     from swarmgrad.lab.peers import LabPeer
+    from swarmgrad.lab.scenario import ChurnEvent, PeerSpec, Scenario
 
 CAUGHT_UP_EPOCHS = 1
 START_MARK = "--- start "  # in a peer's log: one section per start
+
+
+class Lab(Protocol):
+    """What the report reads of a running lab (driver.py's ``Lab``): named here so that the driver,
+    which calls the report, is not imported back by it."""
+
+    scenario: Scenario
+    title: str
+    run_id: str
+    run_dir: Path
+    specs: list[PeerSpec]
+    schedule: list[ChurnEvent]
+    created: float
+    t0: float | None
+    done_index: int | None
+    ended_at: float | None
+    ended_by: str
+    log: RunLog
+    peers: list[LabPeer]
+    faults: list[dict]
+    nan_reports: list[dict]
+    hangs: list[dict]
+    net: EmulatedNetwork | None
+
+    def elapsed(self, now: float | None = None) -> float: ...
+
+    def judge_faults(self) -> None: ...
 
 
 def render_lab(lab: Lab) -> Any:

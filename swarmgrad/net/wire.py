@@ -4,8 +4,8 @@
 
 The header says what the frame is (``"t"``) and carries small fields; bulk tensor bytes travel
 in the payload, so they are never copied through msgpack. Both lengths are checked against the
-reader's limits *before* anything is read or allocated (DESIGN invariant 4): a peer that claims a
-terabyte gets an error, not an allocation.
+reader's limits *before* anything is read or allocated (architecture.md, invariant 'bad input touches no state'): a peer
+that claims a terabyte gets an error, not an allocation.
 """
 
 from __future__ import annotations

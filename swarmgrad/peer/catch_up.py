@@ -1,4 +1,4 @@
-"""How a peer that fell behind the swarm gets back in step (DESIGN invariant 8).
+"""How a peer that fell behind the swarm gets back in step (architecture.md, invariant 'joining is cheap').
 
 A peer a round or two behind (its round failed while the others' succeeded, it was paused for a
 moment, or its state download ended with the swarm a round further) replays the rounds it missed:

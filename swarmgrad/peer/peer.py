@@ -319,7 +319,8 @@ class Peer:
             return
         self._paused = True
         if self._round is not None:
-            self._round.cancel()  # leave now: the group's deadline drops this peer (invariant 3)
+            # leave now: the group's deadline drops this peer (architecture.md, invariant 'stragglers are dropped')
+            self._round.cancel()
             await asyncio.gather(self._round, return_exceptions=True)
         if self.driver is not None:
             self.driver.cancel_flight()  # a round in flight too: withdrawn by the first step after resuming
@@ -536,7 +537,8 @@ class Peer:
                                   overlap=getattr(self.config.strategy, "overlap", "off"))
 
     async def _join(self) -> None:
-        """Resume from the checkpoint, then take the swarm's state if it is further along (invariant 8)."""
+        """Resume from the checkpoint, then take the swarm's state if it is further along (architecture.md, invariant
+        'joining is cheap')."""
         assert self.policy is not None
         fresh = True
         if self.checkpoint_dir is not None:
@@ -600,7 +602,9 @@ class Peer:
             cancelling = getattr(current, "cancelling", lambda: 0)()  # Python 3.11+: is the caller cancelled too?
             if not ((self._paused or self._interrupted) and self._round.cancelled()) or cancelling:
                 raise
-            return  # paused or interrupted mid-round: the epoch stays as it was, nothing was applied (invariant 2)
+            # paused or interrupted mid-round: the epoch stays as it was, nothing was applied
+            # (architecture.md, invariant 'a failed round changes nothing')
+            return
         finally:
             self._round = None
         if advanced:  # the parameters are the swarm's now (the new start): the state joiners take

@@ -14,8 +14,8 @@ since any donor may lie:
    class's tolerance of it (``agreeing``). Fewer agreeing donors than a strict majority of those that
    answered: StateTransferError ("the donors disagree on the state"); with a majority, the others are
    blamed ("digest disagreement"). Parts are fetched only from agreeing donors, spread over them
-   (DESIGN invariant 8): each serves a share, and one that fails mid-way has its parts fetched from
-   the others.
+   (architecture.md, invariant 'joining is cheap'): each serves a share, and one that fails mid-way has its parts
+   fetched from the others.
 3. Verification with a second nonce, drawn once the bytes are in (so no donor could shape what it
    served to the projections it would be checked with): the agreeing donors sketch again, and each
    part of the assembled state must lie within tolerance of their median. A part that does not is

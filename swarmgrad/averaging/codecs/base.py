@@ -1,7 +1,8 @@
 """The codec interface: `Encoded` (what goes on the wire), `Codec` (encode/decode), `CodecError`.
 
 Every decode validates the whole `Encoded` against the shape it declares *before* allocating the
-output (DESIGN invariant 4): a peer can send us garbage, never make us allocate a terabyte.
+output (architecture.md, invariant 'bad input touches no state'): a peer can send us garbage, never make us allocate a
+terabyte.
 """
 
 from __future__ import annotations

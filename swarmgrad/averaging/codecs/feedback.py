@@ -1,8 +1,9 @@
-"""Error feedback: what a lossy codec drops from one update is added back into the next (invariant 7).
+"""Error feedback: what a lossy codec drops from one update is added back into the next (architecture.md, invariant
+'lossy codecs keep error feedback').
 
-Two-phase, so a failed round changes nothing (invariant 2): `encode` only *stages* the new
-residual (and the codec's warm start, e.g. PowerSGD's Q); `commit` applies everything staged
-once the round that carried those encodings succeeded, `discard` drops it when it failed.
+Two-phase, so a failed round changes nothing (architecture.md, invariant 'a failed round changes nothing'): `encode`
+only *stages* the new residual (and the codec's warm start, e.g. PowerSGD's Q); `commit` applies everything staged once
+the round that carried those encodings succeeded, `discard` drops it when it failed.
 
 Over rounds t = 1..T with committed residuals e_t = y_t - decoded_t and y_t = u_t + e_{t-1}:
 

@@ -10,7 +10,7 @@ codes ±s, the one with the least squared error, which over a block is exactly
 so a block of equal magnitudes is exact and an all-zero block decodes to zeros. A zero decodes
 to +s. Payload: 1/8 byte an element + 4 bytes a block; at the default block of 64, 0.1875 bytes
 (21.3x fewer than fp32, 1.67x fewer than `q2`). What a block loses, error feedback carries into
-the next round (invariant 7).
+the next round (architecture.md, invariant 'lossy codecs keep error feedback').
 """
 
 from __future__ import annotations

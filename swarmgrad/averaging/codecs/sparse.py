@@ -11,7 +11,8 @@ decode to the centre of their cell, so for every kept element
 
 except in a group that kept an exact zero (a chunk with fewer than k nonzero elements): there
 lo = 0 and the lowest cell decodes to 0, so zeros stay zeros and |x - decoded| < (hi - lo) / M.
-Every element not kept decodes to 0: what error feedback keeps (DESIGN invariant 7). Payload:
+Every element not kept decodes to 0: what error feedback keeps (architecture.md, invariant
+'lossy codecs keep error feedback'). Payload:
 1 + bits/8 bytes a kept element + 8 bytes a group; at the default 2 of 256 (0.78%) and 2 bits,
 4 bytes of fp32 become 0.0117: 341x.
 

@@ -2,8 +2,8 @@
 
 Payload: int32 indices (sorted ascending) + float32 values, 8 bytes per kept element, so the
 ratio is 1 / (2 * fraction), e.g. 50x at 1%. Kept elements decode exactly, all others to zero;
-what is dropped is the error feedback's job (DESIGN invariant 7). Tensors are limited to
-2^31 - 1 elements by the int32 indices.
+what is dropped is the error feedback's job (architecture.md, invariant 'lossy codecs keep error feedback'). Tensors are
+limited to 2^31 - 1 elements by the int32 indices.
 """
 
 from __future__ import annotations

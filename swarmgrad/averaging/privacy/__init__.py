@@ -1,4 +1,5 @@
-"""Differential privacy of what leaves a peer (DESIGN invariant 6), with Opacus's accountants.
+"""Differential privacy of what leaves a peer (architecture.md, invariant 'privacy before anything leaves'), with
+Opacus's accountants.
 
     privacy = Privacy(clip_norm=1.0, noise_multiplier=1.1, max_epsilon=8.0)
     releaser = PrivateReleaser(privacy)             # one per peer, for the peer's lifetime

@@ -37,7 +37,8 @@ def add_gaussian_noise(tensor: torch.Tensor, std: float, generator: torch.Genera
 
 
 class PrivateReleaser(Accounted):
-    """Applies the privacy setting to every update that leaves the peer and keeps the budget (DESIGN invariant 6).
+    """Applies the privacy setting to every update that leaves the peer and keeps the budget (architecture.md, invariant
+    'privacy before anything leaves').
 
     Call ``release`` once per update that leaves the peer, before compression; send its result to every
     receiver of that round or push (one release, many copies: copies are post-processing, extra releases spend budget).

@@ -17,7 +17,7 @@ class PrivacyError(ConfigError):
 
 
 class Privacy(BaseModel):
-    """Differential privacy of what leaves a peer (DESIGN invariant 6).
+    """Differential privacy of what leaves a peer (architecture.md, invariant 'privacy before anything leaves').
 
     ``level="update"``: every released update is clipped to ``clip_norm`` (L2, all tensors together) and gets
     Gaussian noise of std ``noise_multiplier * clip_norm``: peer-level DP of each release (PrivateReleaser).

@@ -70,7 +70,7 @@ class Policy(ABC):
         """Local work after the user's backward pass (runs in the training thread). True when a swarm step is due."""
 
     def weight(self) -> float:
-        """The samples behind this peer's contribution (DESIGN invariant 5)."""
+        """The samples behind this peer's contribution (architecture.md, invariant 'weights are samples, bounded')."""
         return float(self.progress.local.samples)  # type: ignore[attr-defined]
 
     def weight_cap(self, batch_size: int | None) -> float | None:
