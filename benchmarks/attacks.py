@@ -8,9 +8,10 @@ processes (DiLoCo, moshpit, int8), ``--attackers`` of them the real peer with on
 (benchmarks/_attacker.py, which lists the attacks). Each attack runs once per ``--aggregators``
 entry, next to a clean run of each: by default with ``--aggregator mean`` (what the attack does) and
 with the run's defaults (centered-clip, weight caps, bans: what the defences do); any aggregation
-rule (swarmgrad/averaging/rules/) can be named instead, and its rows run with ``--aggregator NAME``. The poisoned-state rows add a joiner: one of the honest
-peers starts a quarter of the training time late, takes the swarm's state (attackers serve it too)
-and trains at least that long (the row runs longer if it must); its final accuracy is reported apart.
+rule (swarmgrad/averaging/rules/) can be named instead, and its rows run with ``--aggregator NAME``.
+The poisoned-state rows add a joiner: one of the honest peers starts a quarter of the training time
+late, takes the swarm's state (attackers serve it too) and trains at least that long (the row runs
+longer if it must); its final accuracy is reported apart.
 
 Reported per row: the honest peers' held-out accuracy when the row stops them (median and min;
 their final evaluations after leaving are in the JSON too), seconds to
@@ -526,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, from {', '.join(ATTACKS)} (default: all; --quick: scaled)")
     parser.add_argument("--aggregators", default=None,
                         help=f"rows per attack, comma-separated: {DEFAULTS} (the run's defaults) and/or aggregation "
-                             f"rules by name, from {', '.join(RULE_NAMES)} (default mean,{DEFAULTS}; --quick: {DEFAULTS})")
+                             f"rules by name, from {', '.join(RULE_NAMES)} (default mean,{DEFAULTS}; "
+                             f"--quick: {DEFAULTS})")
     parser.add_argument("--no-clean", action="store_true", help="leave out the clean rows")
     parser.add_argument("--peers", type=int, default=None, help="peers per row, attackers included (default 8; --quick 4)")
     parser.add_argument("--attackers", type=int, default=None, help="attackers per attack row (default 2; --quick 1)")

@@ -69,7 +69,8 @@ def check_aggregator(name: str, averaging: str = "moshpit") -> str:
     allowed = _gossip_rules() if averaging == "gossip" else RULE_NAMES
     if name not in allowed:
         why = " (it needs a group: gossip has none)" if name in RULE_NAMES else ""
-        raise ConfigError(f"aggregator must be one of {', '.join(allowed)} for {averaging} averaging, got {name!r}{why}")
+        raise ConfigError(f"aggregator must be one of {', '.join(allowed)} for {averaging} averaging, "
+                          f"got {name!r}{why}")
     return name
 
 

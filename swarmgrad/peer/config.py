@@ -77,9 +77,13 @@ class RunConfig(SettingsModel):
     task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
     strategy: Strategy = DiLoCo()
     averaging: Optional[Averaging] = None
-    compression: str = DEFAULT_COMPRESSION
-    aggregator: Annotated[str, pydantic.Field(description=f"How contributions are combined: {', '.join(RULE_NAMES)} "
-                                                         "(averaging/rules/).")] = DEFAULT_AGGREGATOR
+    # listing the codec names needs torch (codecs/): the help points at them
+    compression: Annotated[str, pydantic.Field(
+        description="Codec of the averaged tensors, NAME or NAME:PARAMETER: a codec of averaging/codecs/ "
+                    "(CODEC_NAMES).")] = DEFAULT_COMPRESSION
+    aggregator: Annotated[str, pydantic.Field(
+        description=f"How contributions are combined: {', '.join(RULE_NAMES)} (averaging/rules/).",
+    )] = DEFAULT_AGGREGATOR
     privacy: Optional[Privacy] = None
     hparams: dict[str, Hyperparameter] = {}  # the task's hyperparameters (lr, batch_size), for `swarmgrad peer`
     seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = 0  # the model's initial weights, for `swarmgrad peer`
