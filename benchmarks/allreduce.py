@@ -2,7 +2,7 @@
 
     python benchmarks/allreduce.py [--json] [--peers 4] [--size-mb 100] [--rounds 5]
                                    [--codecs none,fp16,int8] [--systems hivemind,raw-p2pd,raw-tcp,swarmgrad]
-                                   [--aggregator mean|centered-clip|trimmed-mean]
+                                   [--aggregator RULE]
 
 Every system runs in --peers fresh processes (one per peer, spawn), each holding one float32 tensor
 of --size-mb. A round starts on a barrier; its time is the slowest peer's; we report the median of
@@ -15,8 +15,9 @@ round, so every round is a real average, checked against the mean of the initial
   at once (what a butterfly all-reduce sends: reduce-scatter + all-gather), over hivemind P2P binary
   streams through p2pd, or over plain asyncio TCP; the upper bounds for the two data planes.
 - swarmgrad: swarmgrad.averaging.Averager on a NetworkRuntime (around a SwarmNode) per peer, one group of
-  all peers; skipped if it cannot be imported. ``--aggregator`` (default mean, hivemind's) picks how
-  its owners combine contributions: a robust one holds every member's chunk and aggregates it.
+  all peers; skipped if it cannot be imported. ``--aggregator`` (a rule of swarmgrad/averaging/rules/;
+  default mean, hivemind's) picks how its owners combine contributions: a rule that needs all rows
+  holds every member's chunk and aggregates it.
 """
 
 from __future__ import annotations
@@ -125,13 +126,13 @@ def peer_tensor(rank: int, numel: int) -> torch.Tensor:
 
 def expected_result(peers: int, numel: int, aggregator: str) -> torch.Tensor:
     """What a correct swarmgrad round holds: the mean, which centered-clip is on these honest tensors
-    (none is farther than τ); the trimmed mean is per coordinate, so the whole tensor's is each chunk's."""
-    if aggregator != "trimmed-mean":
+    (none is farther than τ); the other rules work per coordinate, so the whole tensor's is each chunk's."""
+    if aggregator in ("mean", "centered-clip"):
         return expected_mean(peers, numel)
-    from swarmgrad.averaging.robust import trim_for, trimmed_mean
+    from swarmgrad.averaging.rules import get_rule
 
     stack = torch.stack([peer_tensor(rank, numel) for rank in range(peers)])
-    return trimmed_mean(stack, torch.ones(peers, dtype=torch.float64), trim_for(peers))
+    return get_rule(aggregator).aggregate(stack, torch.ones(peers, dtype=torch.float64)).value
 
 
 def expected_mean(peers: int, numel: int) -> torch.Tensor:
@@ -212,7 +213,7 @@ def swarmgrad_peer(ctx: PeerContext, cfg: BenchConfig) -> dict:
 
 
 async def _swarmgrad_rounds(ctx: PeerContext, cfg: BenchConfig) -> dict:
-    from swarmgrad.averaging import Averager, Moshpit
+    from swarmgrad.averaging import Aggregation, Averager, Moshpit
     from swarmgrad.net.network_runtime import NetworkRuntime
 
     initial, expected = peer_tensor(ctx.rank, cfg.numel), expected_result(cfg.peers, cfg.numel, cfg.aggregator)
@@ -225,7 +226,8 @@ async def _swarmgrad_rounds(ctx: PeerContext, cfg: BenchConfig) -> dict:
         # before the runtime refactor, is only waited out when some are missing)
         settings = Moshpit(group_size=cfg.peers, min_group_size=cfg.peers, matchmaking_seconds=1.0)
         averager = await stack.enter_async_context(
-            Averager(runtime, [tensor], settings=settings, codec=cfg.codec, swap_storage=True, aggregator=cfg.aggregator)
+            Averager(runtime, [tensor], settings=settings, codec=cfg.codec, swap_storage=True,
+                     aggregation=Aggregation(rule=cfg.aggregator))
         )  # fmt: skip  (swap_storage: the average becomes the tensor's storage, no 100 MB copy per round)
         deadline = time.monotonic() + 30  # groups are laid out from the membership: wait until it lists everyone
         while len(runtime.members()) < cfg.peers and time.monotonic() < deadline:
@@ -401,6 +403,8 @@ def _error_note(row: Row) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from swarmgrad.averaging.rules import RULE_NAMES  # the names only (no import of the rules)
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     parser.add_argument("--peers", type=int, default=4)
@@ -412,7 +416,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="swarmgrad data planes to measure, comma-separated: " + ", ".join(TRANSPORTS))
     parser.add_argument("--chunk-mib", type=float, default=2.0, help="write size of the raw references")
     parser.add_argument("--round-timeout", type=float, default=None, help="seconds; default 30 + 0.6 s per MB")
-    parser.add_argument("--aggregator", default="mean", choices=["mean", "centered-clip", "trimmed-mean"],
+    parser.add_argument("--aggregator", default="mean", choices=RULE_NAMES,
                         help="how swarmgrad's owners combine contributions")
     args = parser.parse_args(argv)
     args.codecs = [codec for codec in args.codecs.split(",") if codec]

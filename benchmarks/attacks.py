@@ -1,15 +1,17 @@
 """Attack benchmark: honest peers' accuracy with Byzantine peers in the swarm, without and with the defences.
 
-    .venv/bin/python benchmarks/attacks.py [--attacks scaled,weight,...] [--peers 8] [--attackers 2]
-        [--seconds S] [--task digits] [--target A] [--repeats N] [--quick] [--json]
+    .venv/bin/python benchmarks/attacks.py [--attacks scaled,weight,...] [--aggregators mean,defaults,median,...]
+        [--peers 8] [--attackers 2] [--seconds S] [--task digits] [--target A] [--repeats N] [--quick] [--json]
 
 Every row is one fresh run on loopback: a bootstrap node and ``--peers`` real ``swarmgrad peer``
 processes (DiLoCo, moshpit, int8), ``--attackers`` of them the real peer with one behaviour changed
-(benchmarks/_attacker.py, which lists the attacks). Each attack runs twice: with ``--aggregator
-mean`` (what the attack does) and with the run's defaults (centered-clip, weight caps, bans: what the
-defences do), next to a clean run of each. The poisoned-state rows add a joiner: one of the honest
-peers starts a quarter of the training time late, takes the swarm's state (attackers serve it too)
-and trains at least that long (the row runs longer if it must); its final accuracy is reported apart.
+(benchmarks/_attacker.py, which lists the attacks). Each attack runs once per ``--aggregators``
+entry, next to a clean run of each: by default with ``--aggregator mean`` (what the attack does) and
+with the run's defaults (centered-clip, weight caps, bans: what the defences do); any aggregation
+rule (swarmgrad/averaging/rules/) can be named instead, and its rows run with ``--aggregator NAME``.
+The poisoned-state rows add a joiner: one of the honest peers starts a quarter of the training time
+late, takes the swarm's state (attackers serve it too) and trains at least that long (the row runs
+longer if it must); its final accuracy is reported apart.
 
 Reported per row: the honest peers' held-out accuracy when the row stops them (median and min;
 their final evaluations after leaving are in the JSON too), seconds to
@@ -61,11 +63,13 @@ from _harness import checks_table, fmt, log
 from rich.console import Console
 from rich.table import Table
 
+from swarmgrad.averaging.rules import RULE_NAMES
+
 BENCHMARKS = Path(__file__).resolve().parent
 SWARMGRAD = [sys.executable, "-m", "swarmgrad"]
 ATTACKER = [sys.executable, str(BENCHMARKS / "_attacker.py")]
 DEFAULTS = "defaults"  # the aggregator column of rows that leave the run's defaults alone
-AGGREGATORS = ("mean", DEFAULTS)
+AGGREGATORS = ("mean", DEFAULTS)  # the rows per attack unless --aggregators names others
 JOINER_ATTACKS = {"poisoned-state"}  # rows that need a late honest peer to show anything
 # honest peers' log lines (-v) that name a peer whose contribution their aggregation bounded
 CLIPPED = re.compile(r"round \S+: (\S+)'s contribution was ")
@@ -94,7 +98,7 @@ class Layout:
 @dataclass(frozen=True)
 class Row:
     attack: str | None  # None: the clean run
-    aggregator: str  # "mean" or DEFAULTS
+    aggregator: str  # a rule's name (--aggregator NAME), or DEFAULTS
 
     @property
     def label(self) -> str:
@@ -411,7 +415,7 @@ def clean_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per aggregator, the clean rows' medians (one row, or ``--repeats`` of them) of what the bars
     judge on: accuracy, time to target (rows that never reached it left out) and round time."""
     found: dict[str, dict[str, Any]] = {}
-    for aggregator in AGGREGATORS:
+    for aggregator in dict.fromkeys(row["aggregator"] for row in rows):
         clean = [row for row in rows if row["attack"] == "clean" and row["aggregator"] == aggregator
                  and "error" not in row]
         if clean:
@@ -425,7 +429,7 @@ def overhead(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The defaults against mean without attackers (medians over the clean rows): time to target and
     round time, as ratios."""
     clean = clean_medians(rows)
-    if set(clean) != set(AGGREGATORS):
+    if not set(AGGREGATORS) <= set(clean):
         return None
     mean, defaults = clean["mean"], clean[DEFAULTS]
 
@@ -501,6 +505,14 @@ def parse_attacks(text: str) -> list[str | None]:
     return [None if name == "clean" else name for name in names]
 
 
+def parse_aggregators(text: str) -> list[str]:
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name != DEFAULTS and name not in RULE_NAMES]
+    if not names or unknown:
+        raise ValueError(f"--aggregators must name {DEFAULTS} and/or rules from {', '.join(RULE_NAMES)}, got {text!r}")
+    return names
+
+
 def plan(attacks: list[str | None], aggregators: list[str], clean: list[str], repeats: int = 1) -> list[Row]:
     """The clean rows (one per aggregator in ``clean``, ``repeats`` rounds of them) first, then each
     attack with each aggregator."""
@@ -514,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attacks", default=None,
                         help=f"comma-separated, from {', '.join(ATTACKS)} (default: all; --quick: scaled)")
     parser.add_argument("--aggregators", default=None,
-                        help="rows per attack: mean and/or defaults (default both; --quick: defaults)")
+                        help=f"rows per attack, comma-separated: {DEFAULTS} (the run's defaults) and/or aggregation "
+                             f"rules by name, from {', '.join(RULE_NAMES)} (default mean,{DEFAULTS}; "
+                             f"--quick: {DEFAULTS})")
     parser.add_argument("--no-clean", action="store_true", help="leave out the clean rows")
     parser.add_argument("--peers", type=int, default=None, help="peers per row, attackers included (default 8; --quick 4)")
     parser.add_argument("--attackers", type=int, default=None, help="attackers per attack row (default 2; --quick 1)")
@@ -535,9 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         attacks = parse_attacks(args.attacks or ("scaled" if quick else ",".join(ATTACKS)))
         text = args.aggregators or (DEFAULTS if quick else ",".join(AGGREGATORS))
-        aggregators = [name.strip() for name in text.split(",") if name.strip()]
-        if not aggregators or any(name not in AGGREGATORS for name in aggregators):
-            raise ValueError(f"--aggregators must name mean and/or {DEFAULTS}, got {text!r}")
+        aggregators = parse_aggregators(text)
         peers = args.peers or (4 if quick else 8)
         attackers = args.attackers if args.attackers is not None else (1 if quick else 2)
         if not 0 < attackers < peers - 1:

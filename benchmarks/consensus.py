@@ -160,13 +160,14 @@ async def gossip_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, 
 
 
 async def moshpit_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int, job: Job, mean: torch.Tensor) -> dict:
-    from swarmgrad.averaging import Averager, Moshpit
+    from swarmgrad.averaging import Aggregation, Averager, Moshpit
     from swarmgrad.net.network_runtime import NetworkRuntime
 
     run_id, tensor = f"consensus-{index}-moshpit-{job.codec.replace(':', '_')}", peer_tensor(ctx.rank, cfg.numel)
     settings = Moshpit(group_size=GROUP_SIZE, min_group_size=2, matchmaking_seconds=WINDOW)
     async with NetworkRuntime(run_id, node=node) as runtime, \
-            Averager(runtime, [tensor], settings=settings, codec=job.codec, aggregator=AGGREGATOR) as averager:
+            Averager(runtime, [tensor], settings=settings, codec=job.codec,
+                     aggregation=Aggregation(rule=AGGREGATOR)) as averager:
         await wait_for_members(runtime, cfg.peers, 60.0)  # the grid's dimensions come from the member count
         await ctx.async_sync()
         start, sent, failed, history = time.monotonic(), 0, 0, []
@@ -206,7 +207,7 @@ async def privacy_job(ctx: PeerContext, cfg: GroupConfig, node: Any, index: int)
 async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: str, tensor: torch.Tensor,
                          privacy: Any) -> list[float]:
     """PRIVACY_ROUNDS steps of one 4-peer group; rank 0's seconds. Every rank syncs alike."""
-    from swarmgrad.averaging import Averager, Moshpit
+    from swarmgrad.averaging import Aggregation, Averager, Moshpit
     from swarmgrad.net.network_runtime import NetworkRuntime
 
     active = ctx.rank < PRIVACY_PEERS
@@ -216,7 +217,8 @@ async def _timed_moshpit(ctx: PeerContext, cfg: GroupConfig, node: Any, run_id: 
             runtime = await stack.enter_async_context(NetworkRuntime(run_id, node=node))
             settings = Moshpit(group_size=PRIVACY_PEERS, min_group_size=PRIVACY_PEERS, matchmaking_seconds=WINDOW)
             averager = await stack.enter_async_context(
-                Averager(runtime, [tensor], settings=settings, codec="none", privacy=privacy, aggregator=AGGREGATOR))
+                Averager(runtime, [tensor], settings=settings, codec="none", privacy=privacy,
+                         aggregation=Aggregation(rule=AGGREGATOR)))
             await wait_for_members(runtime, PRIVACY_PEERS, 60.0)
         for round_index in range(PRIVACY_ROUNDS):
             await ctx.async_sync()

@@ -289,7 +289,7 @@ async def dht_phase(cfg: ScaleConfig, peers: list[Peer]) -> dict:
 
 
 async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], mean: Any, say: Any) -> dict:
-    from swarmgrad.averaging import Averager, Moshpit
+    from swarmgrad.averaging import Aggregation, Averager, Moshpit
 
     settings = Moshpit(group_size=GROUP_SIZE, min_group_size=MIN_GROUP_SIZE, matchmaking_seconds=WINDOW)
     tensors = [peer_tensor(peer.rank, cfg.numel) for peer in peers]
@@ -297,7 +297,7 @@ async def moshpit_phase(ctx: PeerContext, cfg: ScaleConfig, peers: list[Peer], m
     sizes_per_round: list[dict[int, int]] = []  # group size -> peer-rounds: a full grid meets in 4s only
     async with contextlib.AsyncExitStack() as stack:
         averagers = [await stack.enter_async_context(Averager(peer.runtime, [tensor], settings=settings, codec="none",
-                                                                      aggregator=AGGREGATOR))
+                                                              aggregation=Aggregation(rule=AGGREGATOR)))
                      for peer, tensor in zip(peers, tensors)]
         await ctx.async_sync()  # every averager serves before anyone's first round
         for round_index in range(cfg.rounds):

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from swarmgrad.averaging import Averager, Moshpit
+from swarmgrad.averaging import Aggregation, Averager, Moshpit
 from swarmgrad.dht import NodeConfig
 from swarmgrad.eventloop import run
 from swarmgrad.net.network_runtime import NetworkRuntime
@@ -29,7 +29,7 @@ async def main(args: argparse.Namespace) -> None:
     network = NodeConfig(initial_peers=args.initial_peer.split(","), host=args.host)
     async with NetworkRuntime(args.run_id, network) as runtime, \
             Averager(runtime, [tensor], settings=settings, grid_dims=args.grid_dims or None, codec=args.codec,
-                     aggregator=args.aggregator) as averager:
+                     aggregation=Aggregation(rule=args.aggregator)) as averager:
         print(json.dumps({"ready": runtime.peer_id}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # the test says when to start the round
         if args.wait_direct:

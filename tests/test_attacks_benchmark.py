@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "attacks.py"
 # ~10 rounds in 10 s on a loaded machine: the defended row measured 0 to 7 points under clean over
 # 9 runs, then 11 in a CI run (a round of two, the attacker and one honest peer, cannot out-vote it:
@@ -97,3 +99,25 @@ def test_repeated_clean_rows_are_judged_on_their_medians():
     results.append(clean("defaults", 0.90, None, 1.0))  # a run that never reached the target counts for accuracy
     assert attacks.clean_medians(results)["defaults"] == {"accuracy_median": 0.965, "time_to_target": 4.2,
                                                           "round_seconds": 1.05, "runs": 4}
+
+
+def test_rows_take_any_registered_rule_by_name():
+    """``--aggregators`` names rules from the registry, each row's peers then run ``--aggregator NAME``:
+    no rule is known to the benchmark by itself."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    import attacks
+
+    from swarmgrad.averaging.rules import RULE_NAMES
+
+    assert attacks.parse_aggregators(f"{attacks.DEFAULTS}, {','.join(RULE_NAMES)}") == [attacks.DEFAULTS, *RULE_NAMES]
+    for bad in ("krum", "", "defaults,krum"):
+        with pytest.raises(ValueError, match="--aggregators must name defaults and/or rules from centered-clip, mean"):
+            attacks.parse_aggregators(bad)
+    layout = attacks.Layout(task="digits", peers=4, attackers=1, seconds=10.0, inner_steps=10, eval_every=0.5,
+                            target=0.9, join_after=2.5)
+    rows = attacks.plan(["scaled"], ["median"], ["median"])
+    assert [(row.attack, row.aggregator) for row in rows] == [(None, "median"), ("scaled", "median")]
+    argv = attacks.peer_argv(layout, rows[1], "run", "/ip4/127.0.0.1/tcp/1", 0, 4, "scaled")
+    assert argv[argv.index("--aggregator") + 1] == "median"
+    defaults = attacks.peer_argv(layout, attacks.Row(None, attacks.DEFAULTS), "run", "/ip4/127.0.0.1/tcp/1", 0, 4, None)
+    assert "--aggregator" not in defaults

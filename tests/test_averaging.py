@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import eventually, run_async
 
-from swarmgrad.averaging import Averager, Moshpit
+from swarmgrad.averaging import Aggregation, Averager, Moshpit
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.network_runtime import NetworkRuntime
@@ -62,7 +62,7 @@ def test_four_peers_reach_exact_weighted_mean():
             weights = [1.0, 2.0, 3.0, 10.0]
             expected = weighted_mean(tensors, weights)
             averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec="none", aggregator="mean"))
+                Averager(runtime, ts, settings=moshpit(4), grid_dims=1, codec="none", aggregation=Aggregation(rule="mean")))
                 for runtime, ts in zip(runtimes, tensors)]
             reports = await asyncio.gather(*(a.step(weight=w) for a, w in zip(averagers, weights)))
             for report in reports:
@@ -155,10 +155,10 @@ def test_two_averagers_of_one_peer_step_at_once_in_the_same_round():
             delta_weights, param_weights = [1.0, 2.0, 3.0], [5.0, 1.0, 1.0]
             settings = moshpit(4)
             delta_averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, name="delta", settings=settings, grid_dims=1, codec="none", aggregator="mean"))
+                Averager(runtime, ts, name="delta", settings=settings, grid_dims=1, codec="none", aggregation=Aggregation(rule="mean")))
                 for runtime, ts in zip(runtimes, deltas)]
             param_averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, name="params", settings=settings, grid_dims=1, codec="none", aggregator="mean"))
+                Averager(runtime, ts, name="params", settings=settings, grid_dims=1, codec="none", aggregation=Aggregation(rule="mean")))
                 for runtime, ts in zip(runtimes, params)]
             for averager, flat in zip(delta_averagers, flats):  # the views' own buffer is what is sent
                 assert averager._buffer.data_ptr() == flat.data_ptr()
@@ -302,7 +302,7 @@ def test_sigkill_mid_round_leaves_survivors_correct_or_unchanged():
                 tensors = [[torch.full((numel,), float(i))] for i in range(3)]
                 averagers = [await stack.enter_async_context(
                     Averager(runtime, ts, settings=moshpit(4, window=window, round_timeout=20), grid_dims=1,
-                             codec="none", aggregator="mean"))
+                             codec="none", aggregation=Aggregation(rule="mean")))
                     for runtime, ts in zip(runtimes, tensors)]
                 child.stdin.write("go\n")
                 child.stdin.flush()
@@ -348,7 +348,7 @@ def _grid_scenario(count: int, rounds: int, fixed: bool = False):
             initial_distance = max(float((ts[0] - mean).norm()) for ts in tensors)
             averagers = [await stack.enter_async_context(
                 Averager(runtime, ts, settings=moshpit(4, window=GRID_WINDOW, min_group_size=2),
-                         coordinates=[i % 4, i // 4] if fixed else None, codec="none", aggregator="mean"))
+                         coordinates=[i % 4, i // 4] if fixed else None, codec="none", aggregation=Aggregation(rule="mean")))
                 for i, (runtime, ts) in enumerate(zip(runtimes, tensors))]
 
             async def everyone_listed():  # the grid is laid out from each peer's view of the membership,

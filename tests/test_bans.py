@@ -102,7 +102,7 @@ def test_a_peer_whose_contributions_are_clipped_round_after_round_is_banned_and_
     "expected a 'avg' frame, got 'end'")."""
     from test_robust_averaging import GROUP, NUMEL, ScalingLiar, start_runtimes
 
-    from swarmgrad.averaging import Averager
+    from swarmgrad.averaging import Aggregation, Averager
 
     rule = Accountability(ban_threshold=2, ban_seconds=600, half_life=600, far_rows=0.5)
 
@@ -114,7 +114,8 @@ def test_a_peer_whose_contributions_are_clipped_round_after_round_is_banned_and_
             generator = torch.Generator().manual_seed(1)
             tensors = [torch.zeros(NUMEL) for _ in runtimes]
             averagers = [await stack.enter_async_context((ScalingLiar if i == 0 else Averager)(
-                runtime, [tensor], settings=GROUP, grid_dims=1, codec="none", aggregator="centered-clip"))
+                runtime, [tensor], settings=GROUP, grid_dims=1, codec="none",
+                aggregation=Aggregation(rule="centered-clip")))
                 for i, (runtime, tensor) in enumerate(zip(runtimes, tensors))]
             liar, honest = runtimes[0].peer_id, [runtime.peer_id for runtime in runtimes[1:]]
             for round_index in range(12):  # until someone bans (the liar's next round would fail)

@@ -11,6 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from swarmgrad.averaging.privacy import Privacy
+from swarmgrad.averaging.rules import RULE_NAMES
 from swarmgrad.cli import app
 from swarmgrad.commands.options import PeerOptions, env_name, load_options
 from swarmgrad.commands.run_options import key_name, run_config_from, run_flags, run_values
@@ -128,8 +129,7 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path):
     ("max-seconds = [1]", "Input should be a valid number"),
     ("inner-steps = 0", "Input should be greater than or equal to 1 (got 0)"),  # RunConfig's bound
     ('compression = "zip"', "unknown codec 'zip'"),
-    ('aggregator = "median"', "aggregator must be one of mean, centered-clip, trimmed-mean for moshpit averaging, "
-                              "got 'median'"),
+    ('aggregator = "krum"', f"aggregator must be one of {', '.join(RULE_NAMES)} for moshpit averaging, got 'krum'"),
     ('run-id = "no spaces"', "run id 'no spaces' is invalid"),
     ("port = 70000", "Input should be less than or equal to 65535 (got 70000)"),  # NodeConfig's bound
 ])
@@ -161,8 +161,8 @@ def test_flags_and_settings_that_do_not_fit_together_are_one_line():
     assert one_error(cli("peer", "digits", "-r", "r", "--privacy-clip", "1")) == \
         "error: --privacy-clip: differential privacy needs both --privacy-clip and --privacy-noise"
     assert one_error(cli("peer", "digits", "-r", "r", "--strategy", "gossip", "--aggregator", "trimmed-mean")) == \
-        "error: --aggregator: aggregator must be one of mean, centered-clip for gossip averaging, got 'trimmed-mean' " \
-        "(gossip has no group to trim: centered-clip is clipped gossip there)"
+        "error: --aggregator: aggregator must be one of centered-clip, mean for gossip averaging, got 'trimmed-mean' " \
+        "(it needs a group: gossip has none)"
     assert one_error(cli("peer", "digits", "-r", "r", "--target-accuracy", "0.9", "--eval-every", "0")) == \
         "error: --target-accuracy needs evaluations: set --eval-every > 0"
 
@@ -272,7 +272,7 @@ def test_manifest_round_trip():
 
 
 @pytest.mark.parametrize("settings", ['{"strategy": {"name": "adam"}}', '{"compression": "zip"}',
-                                      '{"aggregator": "median"}', '{"surprise": 1}', "not json", "[1]"])
+                                      '{"aggregator": "krum"}', '{"surprise": 1}', "not json", "[1]"])
 def test_bad_manifest_settings_are_config_errors(settings):
     manifest = RunManifest.create(RunConfig(task="digits"), None).model_copy(update={"settings": settings})
     with pytest.raises(ConfigError):

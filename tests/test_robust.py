@@ -1,4 +1,4 @@
-"""The robust aggregators (averaging/robust.py) and clipped gossip's arithmetic (pushsum.py) against
+"""The aggregation rules (averaging/rules/) and clipped gossip's arithmetic (rules/centered_clip.py) against
 plain reference implementations written here as numpy loops, on seeded random data, plus their
 properties. Tolerance: the torch versions compute in float32 where the references use float64, so
 results agree to 1e-5 of the data's scale (2e-5 relative for centered-clip, whose stopping rule
@@ -12,23 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from swarmgrad.averaging import robust
-from swarmgrad.averaging.pushsum import ClipScale, Push, clip_pushes, merge
-from swarmgrad.averaging.robust import (
+from swarmgrad.averaging.pushsum import Push, merge
+from swarmgrad.averaging.rules import UnknownRule, get_rule
+from swarmgrad.averaging.rules import centered_clip as centered_clip_rule
+from swarmgrad.averaging.rules.base import Aggregate, bound_weights, median, weighted_mean
+from swarmgrad.averaging.rules.centered_clip import (
     REJECT_FACTOR,
     TAU_FACTOR,
     TOLERANCE,
-    bound_weights,
+    ClipScale,
     centered_clip,
     choose_tau,
+    clip_pushes,
     clip_toward,
     pairwise_distances,
-    robust_aggregate,
-    trim_for,
-    trimmed_mean,
-    weighted_mean,
     weighted_medoid,
 )
+from swarmgrad.averaging.rules.trimmed_mean import trim_for, trimmed_mean
 
 SHAPES = [(1, 7), (2, 5), (3, 40), (4, 300), (5, 64), (7, 129), (16, 33)]
 
@@ -38,6 +38,10 @@ def random_case(seed: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Te
     stack = torch.randn(rows, cols, generator=generator) * 3 + torch.randn(cols, generator=generator)
     weights = torch.rand(rows, generator=generator, dtype=torch.float64) * 9 + 1
     return stack, weights
+
+
+def aggregate(rule: str, stack: torch.Tensor, weights: torch.Tensor) -> Aggregate:
+    return get_rule(rule).aggregate(stack, weights)
 
 
 # ---- references: one coordinate, one row at a time -------------------------------------------
@@ -134,7 +138,7 @@ def test_centered_clip_with_rejection_matches_the_reference(seed, rows, cols, li
     stack, weights = random_case(seed, rows, cols)
     stack[: min(liars, rows)] *= -10
     expected, far = ref_robust_centered_clip(stack.double().numpy(), weights.numpy())
-    outcome = robust_aggregate("centered-clip", stack, weights)
+    outcome = aggregate("centered-clip", stack, weights)
     close(outcome.value, expected, float(stack.abs().max()), rel=2e-5)
     assert outcome.rejected == far and not set(far) & set(outcome.clipped)
     assert len(far) < rows / 2
@@ -157,11 +161,11 @@ def test_two_sign_flipped_rows_of_eight_are_rejected_where_clipping_alone_lets_t
     def along_update(value: torch.Tensor) -> float:
         return float((value - honest_mean) @ update / update.norm() ** 2)  # in units of ||u||
 
-    outcome = robust_aggregate("centered-clip", stack, weights)
+    outcome = aggregate("centered-clip", stack, weights)
     assert outcome.rejected == [0, 1] and outcome.clipped == []
     assert abs(along_update(outcome.value)) < 0.1
-    monkeypatch.setattr(robust, "REJECT_FACTOR", math.inf)  # clipping alone: each liar pulls τ / 8
-    clipped = robust_aggregate("centered-clip", stack, weights)
+    monkeypatch.setattr(centered_clip_rule, "REJECT_FACTOR", math.inf)  # clipping alone: each liar pulls τ / 8
+    clipped = aggregate("centered-clip", stack, weights)
     assert clipped.rejected == [] and clipped.clipped == [0, 1] and along_update(clipped.value) < -0.5
 
 
@@ -169,10 +173,10 @@ def test_a_row_within_the_rejection_radius_is_clipped_not_rejected():
     # the medoid is the origin, τ = 1.5 x the median distance from it (1): 1.5
     stack = torch.tensor([[0.0, 0.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0], [0.0, 1.0], [4.0, 0.0]])
     ones = torch.ones(6, dtype=torch.float64)
-    outcome = robust_aggregate("centered-clip", stack, ones)
+    outcome = aggregate("centered-clip", stack, ones)
     assert outcome.clipped == [5] and outcome.rejected == [] and 1 < outcome.reach[5] < REJECT_FACTOR
     stack[5] = torch.tensor([100.0, 0.0])
-    outcome = robust_aggregate("centered-clip", stack, ones)
+    outcome = aggregate("centered-clip", stack, ones)
     assert outcome.rejected == [5] and outcome.clipped == [] and outcome.reach[5] > 40
     torch.testing.assert_close(outcome.value, torch.zeros(2))  # without it: the honest rows' own result
 
@@ -253,10 +257,10 @@ def test_tau_weights_and_the_trim_follow_their_rules():
 def test_one_outlier_scaled_by_a_million_moves_centered_clip_by_at_most_tau(seed, rows):
     stack, weights = random_case(seed, rows, 200)
     weights = bound_weights(weights)
-    honest_result = robust_aggregate("centered-clip", stack[1:], weights[1:]).value
+    honest_result = aggregate("centered-clip", stack[1:], weights[1:]).value
     attacked = stack.clone()
     attacked[0] *= 1e6
-    outcome = robust_aggregate("centered-clip", attacked, weights)
+    outcome = aggregate("centered-clip", attacked, weights)
     tau = choose_tau(attacked, attacked[weighted_medoid(attacked, weights)])
     assert outcome.rejected == [0] and 0 not in outcome.clipped  # the outlier was left out, and it is named
     assert outcome.reach[0] > 1e5
@@ -282,7 +286,7 @@ def test_the_rule_keeps_honest_high_dimensional_rows_unclipped(seed):
     """Rows of a chunk-sized vector around a common mean sit at about the same distance from the
     median: τ = 1.5 x that distance clips none, so centered-clip is then the weighted mean."""
     stack, weights = random_case(seed, 6, 20_000)
-    outcome = robust_aggregate("centered-clip", stack, weights)
+    outcome = aggregate("centered-clip", stack, weights)
     assert outcome.clipped == []
     close(outcome.value, ref_weighted_mean(stack.double().numpy(), weights.numpy()), float(stack.abs().max()))
 
@@ -293,8 +297,8 @@ def test_aggregates_do_not_depend_on_the_order_of_the_rows(seed, aggregator):
     stack, weights = random_case(seed, 7, 90)
     stack[2] *= 1e4  # with an outlier, so that clipping and trimming are at work
     order = torch.randperm(7, generator=torch.Generator().manual_seed(seed))
-    first = robust_aggregate(aggregator, stack, weights)
-    second = robust_aggregate(aggregator, stack[order], weights[order])
+    first = aggregate(aggregator, stack, weights)
+    second = aggregate(aggregator, stack[order], weights[order])
     if aggregator == "mean":
         torch.testing.assert_close(first.value, weighted_mean(stack, weights))
     torch.testing.assert_close(first.value, second.value, rtol=0, atol=1e-4 * float(stack[order[0]].abs().max()))
@@ -304,21 +308,21 @@ def test_aggregates_do_not_depend_on_the_order_of_the_rows(seed, aggregator):
 def test_small_groups():
     stack, weights = random_case(9, 3, 30)
     uneven = torch.tensor([1.0, 9.0], dtype=torch.float64)  # two rows are the weighted mean, however uneven
-    torch.testing.assert_close(robust_aggregate("centered-clip", stack[:2], uneven).value, weighted_mean(stack[:2], uneven))
-    one = robust_aggregate("centered-clip", stack[:1], weights[:1])
+    torch.testing.assert_close(aggregate("centered-clip", stack[:2], uneven).value, weighted_mean(stack[:2], uneven))
+    one = aggregate("centered-clip", stack[:1], weights[:1])
     assert torch.equal(one.value, stack[0])
     liar = stack[:2].clone()
     liar[1] *= 1e6
     for aggregator in ("centered-clip", "trimmed-mean"):  # two rows cannot out-vote a liar: the weighted mean
-        two = robust_aggregate(aggregator, liar, weights[:2])
+        two = aggregate(aggregator, liar, weights[:2])
         torch.testing.assert_close(two.value, weighted_mean(liar, weights[:2]))
-    three = robust_aggregate("trimmed-mean", stack, torch.ones(3, dtype=torch.float64))
+    three = aggregate("trimmed-mean", stack, torch.ones(3, dtype=torch.float64))
     torch.testing.assert_close(three.value, stack.median(dim=0).values)  # one dropped at each end
 
 
 def test_coinciding_rows_and_a_zero_tau():
     rows = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [40.0, -7.0]])
-    outcome = robust_aggregate("centered-clip", rows, torch.ones(4, dtype=torch.float64))
+    outcome = aggregate("centered-clip", rows, torch.ones(4, dtype=torch.float64))
     assert torch.equal(outcome.value, rows[0]) and outcome.clipped == []  # half coincide: τ = 0, nobody suspected
     start = torch.tensor([5.0, 5.0])
     assert torch.equal(centered_clip(rows, torch.ones(4, dtype=torch.float64), 0.0, start=start), start)
@@ -330,10 +334,10 @@ def test_values_at_the_edge_of_float32_are_clipped_as_in_float64():
     stack = torch.tensor([[3e38, -3e38], [-3e38, 3e38], [1.0, 1.0], [2.0, 2.0], [1.5, 1.0]])
     weights = torch.ones(5, dtype=torch.float64)
     expected, far = ref_robust_centered_clip(stack.double().numpy(), weights.numpy())
-    outcome = robust_aggregate("centered-clip", stack, weights)
+    outcome = aggregate("centered-clip", stack, weights)
     close(outcome.value, expected, 1.0, rel=1e-4)
     assert outcome.rejected == far == [0, 1] and float(outcome.value.abs().max()) < 3
-    assert bool(torch.isfinite(robust_aggregate("trimmed-mean", stack, weights).value).all())
+    assert bool(torch.isfinite(aggregate("trimmed-mean", stack, weights).value).all())
 
 
 def test_centered_clip_from_a_far_start_measures_overflowing_differences_in_float64():
@@ -370,12 +374,12 @@ def test_centered_clip_stops_at_its_tolerance():
 
 
 def test_an_unknown_aggregator_is_refused():
-    with pytest.raises(ValueError, match="unknown aggregator 'median'; use one of mean, centered-clip, trimmed-mean"):
-        robust_aggregate("median", torch.zeros(3, 2), torch.ones(3, dtype=torch.float64))
+    with pytest.raises(UnknownRule, match="^unknown aggregator 'krum'; use one of centered-clip, mean, "):
+        aggregate("krum", torch.zeros(3, 2), torch.ones(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="cannot trim 2 of 4"):
         trimmed_mean(torch.zeros(4, 2), torch.ones(4, dtype=torch.float64), 2)
     with pytest.raises(ValueError, match="^the median of nothing$"):
-        robust.median(torch.zeros(0))
+        median(torch.zeros(0))
     with pytest.raises(ValueError, match="max_iters must be at least 1, got 0"):
         centered_clip(torch.zeros(3, 2), torch.ones(3, dtype=torch.float64), 1.0, max_iters=0)
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import eventually, run_async
 
-from swarmgrad.averaging import Averager, Gossip, GossipAverager, Moshpit
+from swarmgrad.averaging import Aggregation, Averager, Gossip, GossipAverager, Moshpit
 from swarmgrad.averaging.privacy import Privacy
-from swarmgrad.averaging.robust import trim_for, trimmed_mean, weighted_mean
+from swarmgrad.averaging.rules.base import weighted_mean
+from swarmgrad.averaging.rules.trimmed_mean import trim_for, trimmed_mean
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.timing import Timing
@@ -51,11 +52,14 @@ def peer_tensors(count: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 async def one_round(stack: AsyncExitStack, tensors: list[torch.Tensor], weights: list[float],
-                    liar: int | None = None, **options) -> tuple[list[str], list]:
+                    liar: int | None = None, aggregator: str = "centered-clip", weight_cap: float | None = None,
+                    **options) -> tuple[list[str], list]:
     """One moshpit round of ``len(tensors)`` peers (peer ``liar`` a ScalingLiar): their ids and reports."""
     runtimes = await start_runtimes(stack, len(tensors))
+    aggregation = Aggregation(rule=aggregator, weight_cap=weight_cap)
     averagers = [await stack.enter_async_context(
-        (ScalingLiar if i == liar else Averager)(runtime, [tensor], settings=GROUP, grid_dims=1, **options))
+        (ScalingLiar if i == liar else Averager)(runtime, [tensor], settings=GROUP, grid_dims=1,
+                                                 aggregation=aggregation, **options))
         for i, (runtime, tensor) in enumerate(zip(runtimes, tensors))]
     reports = await asyncio.gather(*(a.step(weight=w) for a, w in zip(averagers, weights)))
     assert all(r.ok for r in reports), [r.error for r in reports]
@@ -174,7 +178,7 @@ def test_peers_that_aggregate_differently_never_meet():
             tensors = peer_tensors(2)
             averagers = [await stack.enter_async_context(
                 Averager(runtime, [tensor], settings=Moshpit(group_size=2, matchmaking_seconds=0.3), grid_dims=1,
-                         codec="none", aggregator=aggregator))
+                         codec="none", aggregation=Aggregation(rule=aggregator)))
                 for runtime, tensor, aggregator in zip(runtimes, tensors, ["mean", "centered-clip"])]
             before = [t.clone() for t in tensors]
             reports = await asyncio.gather(*(a.step() for a in averagers))

@@ -19,6 +19,7 @@ _EXPORTS = {
     "GossipReport": "swarmgrad.averaging.gossip",
     "Averager": "swarmgrad.averaging.moshpit",
     "AveragingReport": "swarmgrad.averaging.moshpit",
+    "Aggregation": "swarmgrad.averaging.settings",
     "Gossip": "swarmgrad.averaging.settings",
     "Moshpit": "swarmgrad.averaging.settings",
 }

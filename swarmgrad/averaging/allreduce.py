@@ -5,11 +5,11 @@ Each member streams its contribution to every part's owner (reduce-scatter); an 
 weighted contributions chunk by chunk as they arrive and, as soon as a chunk has everyone's
 contribution, streams the average back on the same channel (all-gather). Both phases overlap.
 
-With a robust aggregator (the plan's ``aggregator``: centered-clip or trimmed-mean, robust.py) the
-owner instead keeps each chunk's decoded contributions, one row per member, until every member's
-is in, and sends back their robust aggregate; ``mean`` keeps the streaming sum (no extra memory).
-Claimed weights are bounded (robust.py ``bound_weights``): to ``weight_cap`` always, and to twice
-the group's median claim with a robust aggregator. A clipped contribution, or a claim above the
+That is the rule that streams (``mean``). With one that needs all rows (the plan's ``aggregator``
+names the rule, averaging/rules/) the owner instead keeps each chunk's decoded contributions, one row
+per member, until every member's is in, and sends back what the rule makes of them. Claimed weights
+are bounded (rules/base.py ``bound_weights``): to ``weight_cap`` always, and to twice the group's
+median claim under a rule that needs all rows. A clipped contribution, or a claim above the
 cap (without one: ``SUSPECT_FACTOR`` x its bound), is logged once per peer and round and listed in
 the report's ``suspicions``; a claim over twice the median but under the cap is only cut (honest
 peers differ that much in speed, and blaming it banned a fast honest peer in 5 rounds).
@@ -36,8 +36,9 @@ from swarmgrad.averaging.codecs import Codec, ErrorFeedback
 from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
-from swarmgrad.averaging.robust import Aggregate, bound_weights, robust_aggregate
-from swarmgrad.averaging.settings import AGGREGATORS, MAX_GROUP
+from swarmgrad.averaging.rules import RULE_NAMES, get_rule
+from swarmgrad.averaging.rules.base import Aggregate, bound_weights
+from swarmgrad.averaging.settings import MAX_GROUP
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
@@ -70,7 +71,7 @@ class GroupPlan:
     shares: tuple[float, ...]  # bandwidth share of each member (0: owns no part)
     codec: str  # codec spec, e.g. "int8"
     schema_digest: str
-    aggregator: str = "mean"  # how owners combine contributions (robust.py); every member uses the same
+    aggregator: str = "mean"  # the rule owners combine contributions by (averaging/rules/); every member uses it
 
     def to_wire(self) -> dict[str, Any]:
         return {"round": self.round_id, "members": list(self.members), "shares": list(self.shares),
@@ -89,7 +90,7 @@ class GroupPlan:
         if not all(type(s) in (int, float) and math.isfinite(s) and 0 <= s <= 1e12 for s in shares) or sum(shares) <= 0:
             raise FrameError("group plan shares must be finite, non-negative and not all zero")
         aggregator = data.get("aggregator", "mean")  # a plan without one comes from a peer that only averages
-        if aggregator not in AGGREGATORS:
+        if aggregator not in RULE_NAMES:
             raise FrameError(f"group plan names an unknown aggregator {aggregator!r}")
         return cls(frame_field(data, "round", str), tuple(members), tuple(float(s) for s in shares),
                    frame_field(data, "codec", str), frame_field(data, "schema", str), aggregator)
@@ -130,18 +131,16 @@ class GroupAllReduce:
         feedback: ErrorFeedback | None = None,
         contribution_checked: bool = False,
         result: torch.Tensor | None = None,
-        aggregator: str = "mean",
         weight_cap: float | None = None,
     ):
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ValueError(f"weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight}")
-        if aggregator != plan.aggregator:
-            raise ValueError(f"the group agreed on aggregator {plan.aggregator!r}, this peer uses {aggregator!r}")
         if weight_cap is not None and not (math.isfinite(weight_cap) and weight_cap > 0):
             raise ValueError(f"weight_cap must be finite and positive, got {weight_cap}")
         self.plan, self.me, self.schema = plan, me, schema
-        self.aggregator, self.weight_cap = aggregator, weight_cap
-        self.robust = aggregator != "mean"
+        # the rule the plan names: matchmaking admits only plans that name this peer's own
+        self.rule, self.weight_cap = get_rule(plan.aggregator), weight_cap
+        self.streams = self.rule.streams
         self.contribution, self.weight, self.codec = contribution, weight, codec
         self.gather_codec = gather_codec_for(codec)
         self.transport, self.protocol, self.feedback = transport, protocol, feedback
@@ -162,11 +161,11 @@ class GroupAllReduce:
         self._channels: list[Channel] = []
         self._contributors: dict[str, float] = {}  # claimed weights of the peers that contribute to my part
         self.suspicions: dict[str, list[str]] = {}
-        # owner state for my part: weighted sums (mean) or one row per member (robust), contributions
+        # owner state for my part: weighted sums (a streaming rule) or one row per member, contributions
         # seen, averages ready to send
         self._sums: dict[int, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}
-        self._weights: torch.Tensor | None = None  # robust: bounded weights in member order, once all claimed
+        self._weights: torch.Tensor | None = None  # rows kept: bounded weights in member order, once all claimed
         self._seen: dict[int, int] = {}
         self._averages: list[tuple[dict, bytes]] = []
         self._averages_changed = asyncio.Condition()
@@ -318,11 +317,11 @@ class GroupAllReduce:
             if self.feedback is not None:  # my share goes through the codec like everyone's
                 header, payload = self._encode_contribution(chunk)
                 own = self._decode_chunk(header, payload, chunk, self.codec)
-            if self.robust:
+            if self.streams:
+                self._sums[chunk.index] = own * self._capped(self.me, self.weight)
+            else:
                 self._rows[chunk.index] = torch.empty((len(self.plan.members), chunk.length), dtype=torch.float32)
                 self._rows[chunk.index][self.index] = own
-            else:
-                self._sums[chunk.index] = own * self._capped(self.me, self.weight)
             self._seen[chunk.index] = 0
         if not self.my_chunks or not self.others:
             for chunk in self.my_chunks:
@@ -340,7 +339,7 @@ class GroupAllReduce:
             raise FrameError(f"weight {weight} is not finite and positive")
         self._contributors[channel.peer_id] = weight
         self._channels.append(channel)
-        used = weight if self.robust else self._capped(channel.peer_id, weight)  # robust: bounded once all are in
+        used = self._capped(channel.peer_id, weight) if self.streams else weight  # rows: bounded once all are in
         tasks = [self._spawn(self._reduce_from(channel, used), channel), self._spawn(self._send_averages(channel))]
         await asyncio.wait(tasks)  # the round cancels them on failure; the handler then closes the stream
 
@@ -354,27 +353,26 @@ class GroupAllReduce:
             chunk = self._chunk_of(_expect(header, "chunk"), mine, done)
             await channel.recv_payload_into(scratch[:length])
             values = self._decode_chunk(header, scratch[:length], chunk, self.codec)
-            if self.robust:
-                self._rows[chunk.index][row] = values
-            else:
+            if self.streams:
                 self._sums[chunk.index].add_(values, alpha=weight)
+            else:
+                self._rows[chunk.index][row] = values
             done.add(chunk.index)
             self._seen[chunk.index] += 1
             if self._seen[chunk.index] == len(self.others):
-                if self.robust:  # CPU work (several passes over the rows): off the event loop
+                if self.streams:
+                    self._finish_chunk(chunk)
+                else:  # CPU work (several passes over the rows): off the event loop
                     weights = self._bounded_weights()
                     rows = self._rows.pop(chunk.index)
-                    outcome = await asyncio.to_thread(robust_aggregate, self.aggregator, rows, weights)
-                    self._finish_chunk(chunk, self._robust_result(outcome))
-                else:
-                    self._finish_chunk(chunk)
+                    outcome = await asyncio.to_thread(self.rule.aggregate, rows, weights)
+                    self._finish_chunk(chunk, self._aggregated(outcome))
                 async with self._averages_changed:
                     self._averages_changed.notify_all()
 
     def _finish_chunk(self, chunk: Chunk, average: torch.Tensor | None = None) -> None:
-        if self.robust and average is None:  # a group of one
-            average = self._robust_result(robust_aggregate(self.aggregator, self._rows.pop(chunk.index),
-                                                           self._bounded_weights()))
+        if not self.streams and average is None:  # a group of one
+            average = self._aggregated(self.rule.aggregate(self._rows.pop(chunk.index), self._bounded_weights()))
         elif average is None:
             total_weight = self._capped(self.me, self.weight) + sum(
                 self._capped(peer, weight) for peer, weight in self._contributors.items())
@@ -389,8 +387,8 @@ class GroupAllReduce:
         if self.gather_codec.lossy:
             self.result_frames[chunk.index] = (frame[0], bytes(payload))
 
-    def _robust_result(self, outcome: Aggregate) -> torch.Tensor:
-        """A chunk's robust result; the members whose pull it clipped or rejected are suspected."""
+    def _aggregated(self, outcome: Aggregate) -> torch.Tensor:
+        """A chunk's result under the rule; the members whose pull it clipped or rejected are suspected."""
         for reason, rows in (("rejected", outcome.rejected), ("clipped", outcome.clipped)):
             for row in rows:
                 self._suspect(self.plan.members[row], reason, f" ({outcome.reach[row]:.1f} τ from the result)")
@@ -417,7 +415,7 @@ class GroupAllReduce:
         return self._weights
 
     def _capped(self, peer: str, weight: float) -> float:
-        """The mean path's bound: the run's cap only (it needs no other claim, so streaming stays)."""
+        """A streaming rule's bound: the run's cap only (it needs no other claim, so streaming stays)."""
         if self.weight_cap is None or weight <= self.weight_cap:
             return weight
         if peer not in self.suspicions or "weight cut" not in self.suspicions[peer]:

@@ -23,11 +23,11 @@ explicitly and the edge starts over from zero.
 
 Sparse codecs (topk) run one push-sum per coordinate instead (``sparse_gossip.py``).
 
-Robustness: with ``aggregator="centered-clip"`` (the run default) a merge is *clipped gossip*
-(pushsum.py ``clip_pushes``): the change a push would make to this peer's estimate is clipped to τ,
-chosen from the distances of recent senders' pushes, so one push moves a peer by at most τ
-whatever it claims; ``mean`` merges plain push-sum. Clipping comes after decoding and after the
-sender's privacy noise, so it composes with every codec and with privacy.
+Robustness: a merge first admits the pushes by the ``aggregator``'s gossip form (averaging/rules/).
+With ``centered-clip`` (the run default) that is *clipped gossip*: the change a push would make to
+this peer's estimate is clipped to τ, chosen from the distances of recent senders' pushes, so one
+push moves a peer by at most τ whatever it claims; ``mean`` merges plain push-sum. Admission comes
+after decoding and after the sender's privacy noise, so it composes with every codec and with privacy.
 
 Privacy: with ``privacy`` set, what leaves is the difference to the edge's reference, clipped and
 noised (each push is one release). The sender's own tensors are never noised, so the sum of w x
@@ -52,7 +52,8 @@ from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
-from swarmgrad.averaging.pushsum import ClipScale, Push, clip_pushes, exponential_neighbors, give, merge
+from swarmgrad.averaging.pushsum import Push, exponential_neighbors, give, merge
+from swarmgrad.averaging.rules import get_rule
 from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Gossip, check_aggregator
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
 from swarmgrad.errors import ConfigError
@@ -127,7 +128,9 @@ class GossipAverager:
             raise ConfigError(str(error)) from None
         self.runtime, self.node, self.run_id = runtime, runtime.node, runtime.run_id
         self.aggregator = check_aggregator(aggregator, "gossip")
-        self.clip_scale = ClipScale() if aggregator == "centered-clip" else None
+        form = get_rule(aggregator).gossip()  # what of each push is merged
+        assert form is not None  # check_aggregator admits only rules with a gossip form
+        self.gossip_form = form
         self.releaser = PrivateReleaser(privacy) if privacy is not None else None
         self.tensors = [t for _, t in named]
         self.schema = Schema.of(named)
@@ -196,14 +199,13 @@ class GossipAverager:
         if not pending:
             return 0
         self.schema.flatten_into(self.tensors, self._values)
-        if self.clip_scale is not None:  # clipped gossip: no push moves us by more than τ
-            pending, clipped = clip_pushes(self._values, pending, self.clip_scale)
-            for sender in sorted({pending[index].sender for index in clipped}):
-                logger.info("step %d: the push from %s was clipped", self.step_index, sender)
-                if report is not None:
-                    report.suspicions[sender] = ["clipped"]
+        pending, clipped = self.gossip_form.admit(self._values, pending)
+        for sender in sorted({pending[index].sender for index in clipped}):
+            logger.info("step %d: the push from %s was clipped", self.step_index, sender)
             if report is not None:
-                report.clipped = len(clipped)
+                report.suspicions[sender] = ["clipped"]
+        if report is not None:
+            report.clipped = len(clipped)
         if self.sparse is not None:
             for push in pending:
                 self.sparse.merge(self._values, push.indices, push.values, push.weight)

@@ -41,7 +41,7 @@ from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.result_frames import Frame, ResultDecoder, ordered_frames
-from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Moshpit, check_aggregator
+from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Aggregation, Moshpit
 from swarmgrad.dht.membership import reachability
 from swarmgrad.errors import ConfigError
 from swarmgrad.eventloop import timeout
@@ -97,6 +97,9 @@ def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 class Averager:
     """Averages a fixed set of tensors in place with moshpit groups of the run's peers.
 
+    ``aggregation``: the rule a part's owner combines contributions by and the most weight one may
+    claim (``Aggregation``: centered-clip, no cap, by default); peers of a group use the same rule.
+
     ``write_back=False``: a successful round leaves the tensors as they are and the average in
     ``averager.average`` (flat, valid until the next step), for a caller that reads it once where it
     landed instead of copying it back.
@@ -121,8 +124,7 @@ class Averager:
         privacy: Privacy | None = None,
         swap_storage: bool = False,
         write_back: bool = True,
-        aggregator: str = DEFAULT_AGGREGATOR,
-        weight_cap: float | None = None,
+        aggregation: Aggregation = Aggregation(),
     ):
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
         if not named:
@@ -138,8 +140,7 @@ class Averager:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.feedback = ErrorFeedback(self.codec) if self.codec.lossy else None
-        # how owners combine contributions, and the most weight one may claim (allreduce.py, robust.py)
-        self.aggregator, self.weight_cap = check_aggregator(aggregator), weight_cap
+        self.aggregation = aggregation  # how owners combine contributions (allreduce.py, rules/)
         self.group_size, self.min_group_size = settings.group_size, settings.min_group_size
         self.grid_dims, self.coordinates = grid_dims, list(coordinates) if coordinates is not None else None
         self.matchmaking_seconds, self.share = settings.matchmaking_seconds, share
@@ -176,7 +177,7 @@ class Averager:
             raise RuntimeError("enter the NetworkRuntime before the Averager")
         self.matchmaker = Matchmaker(
             self.node, transport, self._match_protocol, schema_digest=self.schema.digest, codec=self.codec.spec,
-            aggregator=self.aggregator,
+            aggregator=self.aggregation.rule,
             reply_timeout=self.runtime.timing.reply_timeout,
         )
         await transport.serve(self._match_protocol, self.matchmaker.serve)
@@ -265,7 +266,7 @@ class Averager:
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
             self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True, result=self._result,
-            aggregator=self.aggregator, weight_cap=self.weight_cap,
+            weight_cap=self.aggregation.weight_cap,
         )
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce

@@ -6,26 +6,16 @@ Each peer holds an estimate x and a weight w; the swarm's weighted mean is sum(w
 every operation here keeps sum(w x) over the peers and the pushes in flight exactly (a merge only
 moves mass; a share is given away before it is sent and taken back only on a refusal).
 
-Clipped gossip (ClippedGossip, arXiv 2202.01545: x_i <- x_i + Σ_j w_ij clip(x_j - x_i, τ_i)):
-``clip_pushes`` replaces each push's estimate x_k by x + clip(x_k - x, τ) before the merge, so one
-push moves a peer by at most its share w_k / W of τ. ``ClipScale`` chooses τ: ``TAU_FACTOR`` x the
-lower median, over the last ``CLIP_WINDOW`` senders, of each one's latest distance ||x_k - x||
-(this merge's included). One entry per sender, so a liar that pushes often still counts once, and
-the lower median holds while at most half the senders lie. A clipped push drops the mass of what
-was cut, as in ClippedGossip: exact conservation is traded for a bound on any one push. A peer's
-first merge has no history: its τ comes from that merge's pushes alone.
+What a peer takes in of the pushes before merging them is its aggregation rule's gossip form
+(rules/: plain push-sum, or clipped gossip).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-
-from swarmgrad.averaging.robust import TAU_FACTOR, clip_toward
-
-CLIP_WINDOW = 16  # senders remembered: more than a peer's in-neighbours on the exponential graph of 2^16 peers
 
 
 @dataclass
@@ -36,41 +26,6 @@ class Push:
     values: torch.Tensor  # decoded estimate of the sender, flat float32 (or the pushed coordinates only)
     indices: torch.Tensor | None = None  # sparse pushes: which coordinates
     sender: str = ""  # who pushed it (for the report of clipped pushes)
-
-
-@dataclass
-class ClipScale:
-    """τ of clipped gossip, from the latest push distance of each recent sender (module docstring)."""
-
-    window: int = CLIP_WINDOW
-    latest: dict[str, float] = field(default_factory=dict)  # sender -> distance, oldest sender first
-
-    def tau(self, distances: dict[str, float]) -> float:
-        """Remember ``distances`` (sender -> distance of its push now), then ``TAU_FACTOR`` x the lower
-        median of every remembered sender's latest distance."""
-        for sender, distance in distances.items():
-            self.latest.pop(sender, None)
-            self.latest[sender] = distance
-        while len(self.latest) > self.window:
-            del self.latest[next(iter(self.latest))]
-        known = sorted(self.latest.values())
-        return TAU_FACTOR * known[(len(known) - 1) // 2] if known else math.inf
-
-
-def clip_pushes(values: torch.Tensor, pushes: list[Push], scale: ClipScale) -> tuple[list[Push], list[int]]:
-    """Each push's estimate moved to within τ of ``values`` (on its coordinates, for sparse pushes),
-    and the indices of the pushes that were clipped; ``scale`` remembers their distances."""
-    current = [values if push.indices is None else values[push.indices] for push in pushes]
-    distances = [float(torch.linalg.vector_norm(push.values - here, dtype=torch.float64))
-                 for push, here in zip(pushes, current)]
-    latest: dict[str, float] = {}
-    for push, distance in zip(pushes, distances):  # a sender with several pushes here counts with its farthest
-        latest[push.sender] = max(distance, latest.get(push.sender, 0.0))
-    tau = scale.tau(latest)
-    clipped = [index for index, distance in enumerate(distances) if distance > tau]
-    pushes = [Push(push.weight, clip_toward(here, push.values, tau), push.indices, push.sender)
-              if index in clipped else push for index, (push, here) in enumerate(zip(pushes, current))]
-    return pushes, clipped
 
 
 def exponential_neighbors(members: list[str], me: str, step: int, fanout: int) -> list[str]:

@@ -6,23 +6,20 @@ and the only place their defaults are written.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union, get_args
+from typing import Annotated, Literal, Optional, Union
 
 import pydantic
 
+from swarmgrad.averaging.rules import RULE_NAMES, get_rule
 from swarmgrad.errors import ConfigError
 from swarmgrad.settings import SettingsModel
 
 # The most members a group may have: group_size, an invitation and a group plan all read this one bound.
 MAX_GROUP = 1024
 DEFAULT_COMPRESSION = "int8"  # ~4x smaller than fp32 at a tiny error, with error feedback where lossy
-# how a part's owner combines the contributions it received (robust.py has the rules). Any peer of a
-# public run may lie, so the default bounds what one contribution can do; gossip's counterpart of
-# centered-clip is clipped gossip (one push moves a peer by at most τ), and it has no trimmed mean.
-Aggregator = Literal["mean", "centered-clip", "trimmed-mean"]
-AGGREGATORS: tuple[str, ...] = get_args(Aggregator)
-DEFAULT_AGGREGATOR: Aggregator = "centered-clip"
-GOSSIP_AGGREGATORS = ("mean", "centered-clip")
+# how contributions are combined (averaging/rules/). Any peer of a public run may lie, so the default
+# bounds what one contribution can do; with gossip it is clipped gossip (one push moves a peer by at most τ)
+DEFAULT_AGGREGATOR = "centered-clip"
 
 
 class Moshpit(SettingsModel):
@@ -54,18 +51,38 @@ class Gossip(SettingsModel):
 Averaging = Annotated[Union[Moshpit, Gossip], pydantic.Field(discriminator="kind")]
 
 
+class Aggregation(SettingsModel):
+    """How a part's owner combines the contributions it received: the ``rule`` (averaging/rules/; a
+    group's members all use the same, so it is part of the round) and the most weight one contribution
+    may claim (``weight_cap``, None: no cap; a peer derives it from the run's settings)."""
+
+    rule: str = DEFAULT_AGGREGATOR
+    weight_cap: Optional[Annotated[float, pydantic.Field(gt=0)]] = None
+
+    @pydantic.field_validator("rule")
+    @classmethod
+    def _check_rule(cls, value: str) -> str:
+        return check_aggregator(value)
+
+
 def check_aggregator(name: str, averaging: str = "moshpit") -> str:
-    """An aggregator name, validated for ``averaging`` (moshpit or gossip), as one ConfigError."""
-    allowed = GOSSIP_AGGREGATORS if averaging == "gossip" else AGGREGATORS
+    """An aggregation rule's name (averaging/rules/), validated for ``averaging`` (moshpit or gossip:
+    there the rule needs a gossip form), as one ConfigError."""
+    allowed = _gossip_rules() if averaging == "gossip" else RULE_NAMES
     if name not in allowed:
-        why = " (gossip has no group to trim: centered-clip is clipped gossip there)" if name in AGGREGATORS else ""
-        raise ConfigError(f"aggregator must be one of {', '.join(allowed)} for {averaging} averaging, got {name!r}{why}")
+        why = " (it needs a group: gossip has none)" if name in RULE_NAMES else ""
+        raise ConfigError(f"aggregator must be one of {', '.join(allowed)} for {averaging} averaging, "
+                          f"got {name!r}{why}")
     return name
 
 
+def _gossip_rules() -> tuple[str, ...]:
+    # torch: only when a gossip run's rule is checked
+    return tuple(name for name in RULE_NAMES if get_rule(name).gossip() is not None)
+
+
 def check_codec(spec: str) -> str:
-    """A codec spec (none, fp16, bf16, int8[:block], q4[:block], q2[:block], topk[:fraction],
-    sparse[:fraction[:bits]], powersgd[:rank]), validated."""
+    """A codec spec ("name" or "name:parameter"; the codecs are averaging/codecs/'s CODEC_NAMES), validated."""
     from swarmgrad.averaging.codecs import get_codec  # torch: only when a spec is checked
 
     try:

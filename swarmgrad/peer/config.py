@@ -18,10 +18,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 import pydantic
 
 from swarmgrad.averaging.privacy import Privacy
+from swarmgrad.averaging.rules import RULE_NAMES
 from swarmgrad.averaging.settings import (
     DEFAULT_AGGREGATOR,
     DEFAULT_COMPRESSION,
-    Aggregator,
     Averaging,
     Gossip,
     Moshpit,
@@ -70,14 +70,20 @@ Hyperparameter = Union[int, float, str, bool]
 class RunConfig(SettingsModel):
     """What every peer of a run shares. ``averaging`` left out means the strategy's natural choice:
     moshpit for diloco and sync, gossip for the gossip strategy. ``aggregator``: how contributions
-    are combined (averaging/robust.py); centered-clip by default, since any peer of a public run may
-    lie (with gossip it clips each push; gossip has no trimmed mean)."""
+    are combined (a rule of averaging/rules/); centered-clip by default, since any peer of a public run
+    may lie (with gossip it clips each push; a rule that needs a group, such as trimmed-mean, does
+    not gossip)."""
 
     task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
     strategy: Strategy = DiLoCo()
     averaging: Optional[Averaging] = None
-    compression: str = DEFAULT_COMPRESSION
-    aggregator: Aggregator = DEFAULT_AGGREGATOR
+    # listing the codec names needs torch (codecs/): the help points at them
+    compression: Annotated[str, pydantic.Field(
+        description="Codec of the averaged tensors, NAME or NAME:PARAMETER: a codec of averaging/codecs/ "
+                    "(CODEC_NAMES).")] = DEFAULT_COMPRESSION
+    aggregator: Annotated[str, pydantic.Field(
+        description=f"How contributions are combined: {', '.join(RULE_NAMES)} (averaging/rules/).",
+    )] = DEFAULT_AGGREGATOR
     privacy: Optional[Privacy] = None
     hparams: dict[str, Hyperparameter] = {}  # the task's hyperparameters (lr, batch_size), for `swarmgrad peer`
     seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = 0  # the model's initial weights, for `swarmgrad peer`

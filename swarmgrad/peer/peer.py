@@ -39,7 +39,7 @@ import torch
 from swarmgrad.averaging import Averager, GossipAverager
 from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.averaging.privacy import Privacy, PrivateReleaser, make_per_sample_private
-from swarmgrad.averaging.settings import Aggregator, Averaging
+from swarmgrad.averaging.settings import Aggregation, Averaging
 from swarmgrad.dht.evaluations import Evaluation, EvaluationLog, evaluation
 from swarmgrad.dht.membership import TrainingStats, check_run_id, reachability
 from swarmgrad.dht.node import NodeConfig
@@ -147,7 +147,7 @@ class Peer:
         strategy: Strategy | None = None,
         averaging: Averaging | None = None,
         compression: str | None = None,
-        aggregator: Aggregator | None = None,
+        aggregator: str | None = None,
         privacy: Privacy | None = None,
         batch_size: int | None = None,
         dataset_size: int | None = None,
@@ -521,8 +521,9 @@ class Peer:
             batch = config.hparams.get("batch_size", self.batch_size)  # the run's, else the one given here
             averager = Averager(self.runtime, self.policy.contribution_views(), name=self.policy.averages,
                                 settings=config.averaging, codec=config.compression, privacy=update_privacy,
-                                write_back=False, aggregator=config.aggregator,
-                                weight_cap=self.policy.weight_cap(batch if type(batch) is int and batch > 0 else None))
+                                write_back=False, aggregation=Aggregation(
+                                    rule=config.aggregator,
+                                    weight_cap=self.policy.weight_cap(batch if type(batch) is int and batch > 0 else None)))
             self._averager, backend = averager, MoshpitBackend(averager)
         await self._averager.__aenter__()
         # peers whose settings or model differ never share a round key: the presence record says which we have
