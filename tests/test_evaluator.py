@@ -11,9 +11,10 @@ import torch
 
 from swarmgrad.dht.node import NodeConfig
 from swarmgrad.peer import runner
-from swarmgrad.peer.config import DiLoCo, RunConfig
+from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.runner import LocalOptions
+from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.tasks import Task, get_task
 
 
