@@ -45,6 +45,9 @@ class RunConfig(SettingsModel):
     mean)."""
 
     task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
+    task_options: dict[str, Hyperparameter] = pydantic.Field(
+        {}, description="The task's options (NAME=VALUE, e.g. context=256 for charlm), checked against the "
+        "options the task declares.")
     strategy: Strategy = pydantic.Field(STRATEGIES["diloco"](),
                                         description=f"Training strategy: {', '.join(STRATEGIES)}.")
     averaging: Optional[Averaging] = None

@@ -46,7 +46,8 @@ def find_strategies(package: ModuleType = strategies) -> dict[str, type[Strategy
 
 
 STRATEGIES = find_strategies()
-Strategy = Annotated[Union[tuple(STRATEGIES.values())], pydantic.Field(discriminator="name")]  # noqa: UP007 (built from a tuple)
+# Union[...] rather than X | Y: the members are a tuple found at import
+Strategy = Annotated[Union[tuple(STRATEGIES.values())], pydantic.Field(discriminator="name")]  # noqa: UP007
 
 
 def check_averaging(strategy: StrategySettings, kind: str) -> None:
