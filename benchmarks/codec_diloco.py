@@ -52,8 +52,7 @@ from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Schema, assign_parts
 from swarmgrad.net.wire import pack_prefix_and_header
-from swarmgrad.peer.config import DiLoCo
-from swarmgrad.peer.strategies.diloco import DiLoCoPolicy
+from swarmgrad.peer.strategies.diloco import DiLoCo, DiLoCoPolicy
 from swarmgrad.tasks import endless_batches, get_task
 from swarmgrad.tasks.train import make_optimizer
 

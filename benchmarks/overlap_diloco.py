@@ -45,8 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from rich.console import Console
 from rich.table import Table
 
-from swarmgrad.peer.config import DiLoCo
-from swarmgrad.peer.strategies.diloco import DiLoCoPolicy
+from swarmgrad.peer.strategies.diloco import DiLoCo, DiLoCoPolicy
 from swarmgrad.tasks import endless_batches, get_task
 from swarmgrad.tasks.train import make_optimizer
 

@@ -23,7 +23,10 @@ from swarmgrad.commands.run_options import AVERAGINGS, STRATEGIES
 from swarmgrad.dashboard.settings import DashboardSettings
 from swarmgrad.demo.settings import DemoSettings
 from swarmgrad.errors import ConfigError
-from swarmgrad.peer.config import DiLoCo, GossipSGD, RunConfig, SyncSGD
+from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.strategies.diloco import DiLoCo
+from swarmgrad.peer.strategies.gossip import GossipSGD
+from swarmgrad.peer.strategies.sync import SyncSGD
 from swarmgrad.timing import Timing
 from swarmgrad.version import __version__
 

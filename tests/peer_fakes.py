@@ -10,7 +10,7 @@ import torch
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
-from swarmgrad.peer.strategies import make_policy
+from swarmgrad.peer.strategies.registry import make_policy
 
 # ---- fakes ------------------------------------------------------------------------------------------
 

@@ -20,9 +20,9 @@ import swarmgrad as sg
 from swarmgrad.net.accountability import Misbehaviour
 from swarmgrad.peer import catch_up as catch_up_module
 from swarmgrad.peer.catch_up import CatchUp
-from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.state import TrainingState
+from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.state.server import KEPT_RESULTS
 from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.timing import Timing

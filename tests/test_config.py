@@ -17,8 +17,10 @@ from swarmgrad.commands.options import PeerOptions, env_name, load_options
 from swarmgrad.commands.run_options import key_name, run_config_from, run_flags, run_values
 from swarmgrad.demo import DemoSettings, peer_command
 from swarmgrad.errors import ConfigError, StartupError
-from swarmgrad.peer.config import DiLoCo, RunConfig, RunConfigMismatch, SyncSGD
+from swarmgrad.peer.config import RunConfig, RunConfigMismatch
 from swarmgrad.peer.manifest import RunManifest, settle_run
+from swarmgrad.peer.strategies.diloco import DiLoCo
+from swarmgrad.peer.strategies.sync import SyncSGD
 
 MADDR = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWBrZfzJTLVMLC2mAwJPYFneSwyEVB9XZCPHPrnet727Ah"
 OTHER = "/ip4/127.0.0.1/tcp/4002/p2p/12D3KooWBrZfzJTLVMLC2mAwJPYFneSwyEVB9XZCPHPrnet727Ah"
@@ -145,7 +147,7 @@ def test_a_bad_environment_variable_names_the_variable():
     error = one_error(cli("peer", "digits", "-r", "r", "--print-config", env={"SWARMGRAD_INNER_STEPS": "many"}))
     assert error.startswith("error: environment variable SWARMGRAD_INNER_STEPS: Input should be a valid integer")
     error = one_error(cli("peer", "digits", "-r", "r", "--print-config", env={"SWARMGRAD_STRATEGY": "adam"}))
-    assert error == "error: environment variable SWARMGRAD_STRATEGY: must be one of 'diloco', 'sync', 'gossip' " \
+    assert error == "error: environment variable SWARMGRAD_STRATEGY: must be one of 'diloco', 'gossip', 'sync' " \
                     "(got 'adam')"
 
 

@@ -10,9 +10,10 @@ from conftest import run_async
 from peer_fakes import FakeBackend, FakeTracker, attach, model_and_optimizer, set_grads
 
 from swarmgrad.averaging.settings import Gossip
-from swarmgrad.peer.config import DiLoCo, GossipSGD
 from swarmgrad.peer.driver import MAX_ROUND_ATTEMPTS, RoundDriver
 from swarmgrad.peer.progress import PeerProgress
+from swarmgrad.peer.strategies.diloco import DiLoCo
+from swarmgrad.peer.strategies.gossip import GossipSGD
 from swarmgrad.timing import Timing
 
 FAST = Timing(presence_refresh=0.1)  # ahead_wait 0.7 s

@@ -11,10 +11,11 @@ import torch
 
 from swarmgrad.dht.node import NodeConfig
 from swarmgrad.peer import runner
-from swarmgrad.peer.config import DiLoCo, RunConfig
+from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.runner import LocalOptions
-from swarmgrad.tasks import Task, get_task
+from swarmgrad.peer.strategies.diloco import DiLoCo
+from swarmgrad.tasks import Task, TaskFactory, get_task
 
 
 class GatedTask:
@@ -134,8 +135,8 @@ class GatedDigits(Task):
 GATED: GatedDigits | None = None
 
 
-def gated_digits() -> GatedDigits:  # the runner loads its task by name: "test_evaluator:gated_digits"
-    return GATED
+# the runner loads its task by name ("test_evaluator:GATED_DIGITS"), once the test has made GATED
+GATED_DIGITS = TaskFactory("gated-digits", lambda options, data_dir: GATED)
 
 
 def test_a_stopping_peer_reports_the_running_evaluation_then_evaluates_its_final_state(monkeypatch):
@@ -151,7 +152,7 @@ def test_a_stopping_peer_reports_the_running_evaluation_then_evaluates_its_final
         return original_wait(self, timeout)
 
     monkeypatch.setattr(BackgroundEvaluator, "wait", wait)
-    config = RunConfig(task="test_evaluator:gated_digits", strategy=DiLoCo(inner_steps=5))
+    config = RunConfig(task="test_evaluator:GATED_DIGITS", strategy=DiLoCo(inner_steps=5))
     local = LocalOptions(eval_every=0.01, final_eval=True, trusted_network=False, wait_peers=1, slowdown=1.0,
                          wait_seconds=10, max_steps=60, eval_batches=2)
     events: list[dict] = []

@@ -22,8 +22,9 @@ from test_driver import Harness, peer_at
 import swarmgrad as sg
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.dht.membership import Membership, Progress
-from swarmgrad.peer.config import DiLoCo, SyncSGD
 from swarmgrad.peer.progress import PeerProgress, SwarmProgress
+from swarmgrad.peer.strategies.diloco import DiLoCo
+from swarmgrad.peer.strategies.sync import SyncSGD
 
 LIE = 10**6
 

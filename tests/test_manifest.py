@@ -11,8 +11,9 @@ from conftest import run_async
 
 from swarmgrad.averaging.settings import Moshpit
 from swarmgrad.errors import ConfigError, StartupError
-from swarmgrad.peer.config import DiLoCo, RunConfig
+from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.manifest import RunManifest, check_compatible, manifest_key, read_manifest
+from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.version import __version__
 
 # ---- run manifests --------------------------------------------------------------------------------

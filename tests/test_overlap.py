@@ -15,10 +15,10 @@ import pytest
 import torch
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
-from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.driver import MAX_ROUND_ATTEMPTS, RoundDriver, RoundOutcome
 from swarmgrad.peer.overlap import PhaseClock
 from swarmgrad.peer.progress import PeerProgress
+from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.timing import Timing
 
 FAST = Timing(presence_refresh=0.1, overlap_min_round=0.01)
@@ -350,7 +350,7 @@ def test_auto_sends_the_first_round_in_flight_then_follows_the_measured_rule():
 
 
 def test_strategies_whose_rounds_cannot_overlap_never_launch():
-    from swarmgrad.peer.config import SyncSGD
+    from swarmgrad.peer.strategies.sync import SyncSGD
 
     model, optimizer = model_and_optimizer(0)
     policy = attach(SyncSGD(target_batch_size=8), model, optimizer)

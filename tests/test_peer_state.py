@@ -11,8 +11,9 @@ from peer_fakes import attach, model_and_optimizer, train_steps
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.wire import FrameError
 from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from swarmgrad.peer.config import DiLoCo, SyncSGD
 from swarmgrad.peer.state import StateMismatch, TrainingState, not_optimizer
+from swarmgrad.peer.strategies.diloco import DiLoCo
+from swarmgrad.peer.strategies.sync import SyncSGD
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state.snapshot import StateSnapshot, layout, parse_description, parts_holding
 

@@ -19,17 +19,12 @@ from swarmgrad.averaging.settings import Gossip, Moshpit
 from swarmgrad.dht.membership import Progress
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer import Peer
-from swarmgrad.peer.config import (
-    DiLoCo,
-    GossipSGD,
-    RunConfig,
-    RunConfigMismatch,
-    SyncSGD,
-    resolve_against_run,
-    run_config,
-)
+from swarmgrad.peer.config import RunConfig, RunConfigMismatch, resolve_against_run, run_config
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
 from swarmgrad.peer.state import StateMismatch, TrainingState
+from swarmgrad.peer.strategies.diloco import DiLoCo
+from swarmgrad.peer.strategies.gossip import GossipSGD
+from swarmgrad.peer.strategies.sync import SyncSGD
 from swarmgrad.state.snapshot import StateSnapshot
 
 # ---- DiLoCo ----------------------------------------------------------------------------------------

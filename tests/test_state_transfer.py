@@ -16,9 +16,8 @@ import pytest
 import torch
 from conftest import joiner_and_donors
 
-from swarmgrad.peer.config import DiLoCo
 from swarmgrad.peer.state import TrainingState
-from swarmgrad.peer.strategies import DiLoCoPolicy
+from swarmgrad.peer.strategies.diloco import DiLoCo, DiLoCoPolicy
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state.server import StateServer
 from swarmgrad.state.snapshot import StateSnapshot, StateTransferError

@@ -15,11 +15,12 @@ from conftest import TORCH_THREADS
 from torch.utils.data import TensorDataset
 
 from swarmgrad.errors import ConfigError
-from swarmgrad.tasks import TASKS, Task, get_task, register_task, shard_indices
+from swarmgrad.tasks import TASKS, Task, TaskFactory, TaskOptions, get_task, shard_indices
 from swarmgrad.tasks.charlm import unigram_entropy
 from swarmgrad.tasks.digits import load_digits_split
 from swarmgrad.tasks.fashion_mnist import DEFAULT_DATA_DIR, load_split
 from swarmgrad.tasks.idx import parse_idx, read_idx
+from swarmgrad.tasks.registry import find_tasks
 from swarmgrad.tasks.train import train_locally
 
 needs_fashion = pytest.mark.skipif(not (DEFAULT_DATA_DIR / "t10k-labels-idx1-ubyte.gz").exists(),
@@ -154,7 +155,7 @@ def test_task_shards_hold_exactly_the_indexed_samples():
 # --- models and short training runs ---------------------------------------------------------------------------
 
 def small_charlm() -> Task:
-    return get_task("charlm", context=32, max_bytes=2**20)
+    return get_task("charlm", {"context": 32, "max_bytes": 2**20})
 
 
 @pytest.mark.parametrize("name,output", [("fashion-mnist", (8, 10)), ("digits", (8, 10)), ("charlm", (8, 32, 256))])
@@ -207,55 +208,120 @@ def test_charlm_beats_the_unigram_baseline():
 
 # --- get_task -----------------------------------------------------------------------------------------------
 
-def tiny_task(hidden: int = 4) -> Task:
+class TinyOptions(TaskOptions):
+    hidden: int = 4
+
+
+def tiny_task(options: TinyOptions, data_dir: Path | None) -> Task:
     data = TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
     return Task(name="tiny",
-                make_model=lambda: torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Linear(hidden, 2)),
+                make_model=lambda: torch.nn.Sequential(torch.nn.Linear(3, options.hidden),
+                                                       torch.nn.Linear(options.hidden, 2)),
                 loss_fn=torch.nn.functional.cross_entropy,
                 train_data=lambda shard, shards, seed: data, test_data=lambda: data)
 
 
-TINY = tiny_task()
+TINY = tiny_task(TinyOptions(), None)
+TINY_TASK = TaskFactory("tiny", tiny_task, TinyOptions)
 NOT_A_TASK = 42
-
-
-def returns_a_string() -> str:
-    return "nope"
+RETURNS_A_STRING = TaskFactory("stringy", lambda options, data_dir: "nope")
 
 
 def test_get_task_accepts_module_attribute_specs():
     assert get_task(f"{__name__}:TINY") is TINY
-    task = get_task(f"{__name__}:tiny_task", hidden=7)
+    task = get_task(f"{__name__}:TINY_TASK", {"hidden": 7})
     assert task.name == "tiny" and task.make_model()[0].out_features == 7
     assert task.evaluate(task.make_model())["samples"] == 16
 
 
+def test_a_task_option_reaches_the_model():
+    assert get_task("charlm", {"context": 256}).make_model().context == 256
+    assert get_task("charlm", {"context": "48"}).make_model().context == 48  # as a flag's text arrives
+    assert get_task("charlm").make_model().context == 64
+
+
 @pytest.mark.parametrize("spec,options,message", [
     ("fashion_mnist", {}, "unknown task 'fashion_mnist'. Did you mean 'fashion-mnist'"),
-    ("nonsense", {}, "Built-in tasks: charlm, digits, fashion-mnist"),
+    ("nonsense", {}, "Built-in tasks: charlm, digits, fashion-mnist, fashion-mnist-large; or pass module:attribute"),
     ("no_such_module_xyz:task", {}, "cannot import module 'no_such_module_xyz'.*PYTHONPATH"),
     (f"{__name__}:missing", {}, "has no attribute 'missing'"),
-    (f"{__name__}:NOT_A_TASK", {}, "is a int, not a Task"),
-    (f"{__name__}:returns_a_string", {}, "returned a str, expected a swarmgrad.tasks.Task"),
+    (f"{__name__}:NOT_A_TASK", {}, "is a int, not a swarmgrad.tasks.Task or TaskFactory"),
+    (f"{__name__}:tiny_task", {}, "is a function, not a swarmgrad.tasks.Task or TaskFactory"),
+    (f"{__name__}:RETURNS_A_STRING", {}, "task 'stringy' built a str, expected a swarmgrad.tasks.Task"),
     (f"{__name__}:TINY", {"hidden": 3}, "ready-made Task and takes no options"),
-    ("digits", {"data_dir": "/tmp"}, "does not take option.*data_dir; it accepts: no options"),
-    ("charlm", {"contxt": 3}, "does not take option.*contxt; it accepts: context, max_bytes"),
+    ("digits", {"context": 3}, "^task 'digits' has no option 'context'; it takes: no options$"),
+    ("charlm", {"contxt": 3},
+     "^task 'charlm' has no option 'contxt'; it takes: context, max_bytes, dim, layers, heads$"),
+    ("charlm", {"context": 1},
+     r"^task 'charlm': option context: Input should be greater than or equal to 2 \(got 1\)$"),
+    ("charlm", {"context": "wide"}, "^task 'charlm': option context: Input should be a valid integer"),
+    ("charlm", {"dim": 10}, "^task 'charlm': charlm needs .* dim divisible by heads"),
     (":x", {}, "must look like 'package.module:attribute'"),
 ])
-def test_bad_task_specs_raise_config_error(spec, options, message):
-    with pytest.raises(ConfigError, match=message):
-        get_task(spec, **options)
+def test_bad_task_specs_and_options_raise_one_config_error(spec, options, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        get_task(spec, options)
+    assert "\n" not in str(error.value)
 
 
-def test_none_options_are_dropped_and_registration_guards_names():
-    assert get_task("digits", data_dir=None).name == "digits"  # the CLI passes every flag it has
-    with pytest.raises(ConfigError, match="already registered"):
-        register_task("digits", tiny_task)
-    register_task("tiny-test", tiny_task)
-    try:
-        assert get_task("tiny-test").name == "tiny"
-    finally:
-        TASKS.pop("tiny-test")
+def test_tasks_that_read_no_files_ignore_the_data_directory(tmp_path):
+    assert get_task("digits", data_dir=tmp_path).name == "digits"
+    assert get_task("charlm", {"context": 32, "max_bytes": 2**20}, tmp_path).name == "charlm"
+
+
+NEW_TASK = '''
+"""A task written as one module."""
+
+import torch
+from torch.utils.data import TensorDataset
+
+from swarmgrad.tasks.base import Task, TaskFactory, TaskOptions
+
+
+class LineOptions(TaskOptions):
+    slope: float = 2.0
+
+
+def line_task(options, data_dir):
+    inputs = torch.linspace(0, 1, 32)[:, None]
+    data = TensorDataset(inputs, (options.slope * inputs[:, 0] > 1).long())
+    return Task(name="line", make_model=lambda: torch.nn.Linear(1, 2), loss_fn=torch.nn.functional.cross_entropy,
+                train_data=lambda shard, shards, seed: data, test_data=lambda: data)
+
+
+LINE = TaskFactory("line", line_task, LineOptions)
+'''
+
+
+def test_the_runner_loads_every_task_the_same_way(tmp_path):
+    from swarmgrad.peer.config import RunConfig
+    from swarmgrad.peer.runner import load_task
+
+    config = RunConfig(task="charlm", task_options={"context": 32, "max_bytes": 2**20})
+    assert load_task(config.task, str(tmp_path), config.task_options).make_model().context == 32
+    assert load_task("digits", str(tmp_path), {}).name == "digits"
+
+
+def test_the_readme_lists_every_task_and_its_options():
+    section = (Path(__file__).parents[1] / "README.md").read_text().split("## Built-in tasks")[1].split("\n## ")[0]
+    for name, factory in TASKS.items():
+        assert f'"{name}"' in section, name
+        assert all(f"`{option}`" in section for option in factory.options.model_fields), name
+
+
+def test_a_new_task_is_one_module(tmp_path, monkeypatch):
+    import swarmgrad.tasks as package
+    from swarmgrad.tasks import registry
+
+    (tmp_path / "line.py").write_text(NEW_TASK)
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])  # as if line.py were in it
+    monkeypatch.delitem(sys.modules, "swarmgrad.tasks.line", raising=False)
+    found = find_tasks()
+    assert set(found) == set(TASKS) | {"line"}
+    monkeypatch.setattr(registry, "TASKS", found)
+    assert len(get_task("line", {"slope": 4}).test_data()) == 32
+    with pytest.raises(ConfigError, match="task 'line' has no option 'slop'; it takes: slope"):
+        get_task("line", {"slop": 4})
 
 
 def test_tasks_import_nothing_from_the_network_layers():

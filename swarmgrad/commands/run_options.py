@@ -16,7 +16,8 @@ import pydantic
 from swarmgrad.averaging.privacy import Privacy
 from swarmgrad.averaging.settings import Gossip, Moshpit, check_aggregator, check_codec
 from swarmgrad.errors import ConfigError
-from swarmgrad.peer.config import STRATEGY_AVERAGINGS, DiLoCo, GossipSGD, RunConfig, SyncSGD, run_config
+from swarmgrad.peer.config import RunConfig, run_config
+from swarmgrad.peer.strategies.registry import STRATEGIES
 
 POSITIONAL = {"task": "TASK"}  # options given as arguments, not flags
 
@@ -41,8 +42,6 @@ RUN_OPTIONS: dict[str, str] = {
     "batch_size": "hparams.batch_size",
     "seed": "seed",
 }
-STRATEGIES: dict[str, type[pydantic.BaseModel]] = {
-    model.model_fields["name"].default: model for model in (DiLoCo, SyncSGD, GossipSGD)}
 AVERAGINGS: dict[str, type[pydantic.BaseModel]] = {
     model.model_fields["kind"].default: model for model in (Moshpit, Gossip)}
 PRIVACY_OPTIONS = ("privacy_clip", "privacy_noise", "privacy_level", "max_epsilon")
@@ -122,7 +121,7 @@ def _check_owners(data: dict[str, Any], chosen: dict[str, Any], where: Callable[
             strategy = data.get("strategy", {}).get("name") or RunConfig.model_fields["strategy"].default.name
             how = "" if "averaging" in chosen else f" (the default for strategy {strategy})"
             _check_parameters(data["averaging"], AVERAGINGS, kind, f"{kind}{how}", "averaging", chosen, where)
-            allowed = STRATEGY_AVERAGINGS.get(strategy, (kind,))
+            allowed = STRATEGIES[strategy].averagings if strategy in STRATEGIES else (kind,)
             if "averaging" in chosen and kind in AVERAGINGS and kind not in allowed:
                 raise ConfigError(f"{where('averaging')}: strategy {strategy} does not work with {kind} averaging; "
                                   f"use {' or '.join(allowed)}")

@@ -6,11 +6,11 @@ from swarmgrad.lazy import lazy_exports
 _EXPORTS = {
     "Gossip": "swarmgrad.averaging.settings",
     "Moshpit": "swarmgrad.averaging.settings",
-    "DiLoCo": "swarmgrad.peer.config",
-    "GossipSGD": "swarmgrad.peer.config",
+    "DiLoCo": "swarmgrad.peer.strategies.diloco",
+    "GossipSGD": "swarmgrad.peer.strategies.gossip",
     "RunConfig": "swarmgrad.peer.config",
     "RunConfigMismatch": "swarmgrad.peer.config",
-    "SyncSGD": "swarmgrad.peer.config",
+    "SyncSGD": "swarmgrad.peer.strategies.sync",
     "Peer": "swarmgrad.peer.peer",
     "PeerStatus": "swarmgrad.peer.peer",
 }

@@ -30,7 +30,7 @@ import torch
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.peer.state import TrainingState, not_optimizer
-from swarmgrad.peer.strategies import Policy
+from swarmgrad.peer.strategies.base import Policy
 from swarmgrad.state.results import RESULT_DTYPE, ResultFrames, download_result, download_result_digest
 from swarmgrad.state.server import KEPT_RESULTS, StateServer
 from swarmgrad.state.snapshot import StateTransferError

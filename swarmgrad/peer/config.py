@@ -4,6 +4,9 @@ the lab's scenarios all read it.
 
     config = RunConfig(strategy=DiLoCo(inner_steps=100), compression="int8")
 
+The strategies (``DiLoCo``, ``SyncSGD``, ``GossipSGD``) are defined beside their policies in
+peer/strategies/ and found by its registry.
+
 Which fields a caller set is kept (pydantic's ``model_fields_set``): a peer joining a run takes
 the fields it did not set from the run's manifest, and refuses to start when a field it did set
 differs (``resolve_against_run``).
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 import pydantic
 
@@ -23,59 +26,30 @@ from swarmgrad.averaging.settings import (
     DEFAULT_AGGREGATOR,
     DEFAULT_COMPRESSION,
     Averaging,
-    Gossip,
     Moshpit,
     check_aggregator,
     check_codec,
 )
 from swarmgrad.errors import ConfigError
+from swarmgrad.peer.strategies.registry import STRATEGIES, Strategy, check_averaging
 from swarmgrad.settings import SettingsModel, describe_validation_error  # noqa: F401  (re-exported)
 
-Overlap = Literal["auto", "on", "off"]
-
-
-class DiLoCo(SettingsModel):
-    """DiLoCo (arXiv 2311.08105): ``inner_steps`` local steps per peer between swarm steps (on
-    average over the peers of an epoch), then the pseudo-gradients are averaged and an outer
-    Nesterov step is taken from the common start. ``overlap``: whether a round may travel while
-    the next inner phase runs, its outer step landing when it is back (peer/overlap.py): ``auto``
-    (where the measured rounds take a large share of the inner phase), ``on`` or ``off``."""
-
-    name: Literal["diloco"] = "diloco"
-    inner_steps: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = 50
-    outer_lr: Annotated[float, pydantic.Field(gt=0, le=10)] = 0.7
-    outer_momentum: Annotated[float, pydantic.Field(ge=0, lt=1)] = 0.9
-    overlap: Overlap = "auto"
-
-
-class SyncSGD(SettingsModel):
-    """Synchronous data parallelism: one optimizer step per ``target_batch_size`` samples swarm-wide."""
-
-    name: Literal["sync"] = "sync"
-    target_batch_size: Annotated[int, pydantic.Field(ge=1, le=10**9)] = 4096
-
-
-class GossipSGD(SettingsModel):
-    """Local steps; every ``every`` steps the parameters are averaged (gossip or moshpit)."""
-
-    name: Literal["gossip"] = "gossip"
-    every: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = 4
-
-
-Strategy = Annotated[Union[DiLoCo, SyncSGD, GossipSGD], pydantic.Field(discriminator="name")]
-STRATEGY_AVERAGINGS = {"diloco": ("moshpit",), "sync": ("moshpit",), "gossip": ("gossip", "moshpit")}
 Hyperparameter = Union[int, float, str, bool]
 
 
 class RunConfig(SettingsModel):
-    """What every peer of a run shares. ``averaging`` left out means the strategy's natural choice:
-    moshpit for diloco and sync, gossip for the gossip strategy. ``aggregator``: how contributions
-    are combined (a rule of averaging/rules/); centered-clip by default, since any peer of a public run
-    may lie (with gossip it clips each push; a rule that needs a group, such as trimmed-mean, does
-    not gossip)."""
+    """What every peer of a run shares. ``averaging`` left out means the strategy's natural choice
+    (the first of its ``averagings``: moshpit for diloco and sync, gossip for the gossip strategy).
+    ``aggregator``: how contributions are combined (a rule of averaging/rules/); centered-clip by
+    default, since any peer of a public run may lie (with gossip it clips each push; a rule that
+    needs a group, such as trimmed-mean, does not gossip)."""
 
     task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
-    strategy: Strategy = DiLoCo()
+    task_options: dict[str, Hyperparameter] = pydantic.Field(
+        {}, description="The task's options (NAME=VALUE, e.g. context=256 for charlm), checked against the "
+        "options the task declares.")
+    strategy: Strategy = pydantic.Field(STRATEGIES["diloco"](),
+                                        description=f"Training strategy: {', '.join(STRATEGIES)}.")
     averaging: Optional[Averaging] = None
     # listing the codec names needs torch (codecs/): the help points at them
     compression: Annotated[str, pydantic.Field(
@@ -96,11 +70,9 @@ class RunConfig(SettingsModel):
     @pydantic.model_validator(mode="after")
     def _fill_averaging(self) -> RunConfig:
         if self.averaging is None:  # a default, not a choice: model_fields_set does not change
-            object.__setattr__(self, "averaging", Gossip() if self.strategy.name == "gossip" else Moshpit())
-        allowed = STRATEGY_AVERAGINGS[self.strategy.name]
-        if self.averaging.kind not in allowed:
-            raise ConfigError(f"strategy {self.strategy.name} does not work with {self.averaging.kind} averaging; "
-                              f"use {' or '.join(allowed)}")
+            natural = pydantic.TypeAdapter(Averaging).validate_python({"kind": self.strategy.averagings[0]})
+            object.__setattr__(self, "averaging", natural)
+        check_averaging(self.strategy, self.averaging.kind)
         check_aggregator(self.aggregator, self.averaging.kind)
         return self
 

@@ -24,7 +24,7 @@ import torch
 from swarmgrad.averaging import Averager, GossipAverager
 from swarmgrad.peer.overlap import Flight, OverlapMode, PhaseClock
 from swarmgrad.peer.progress import SwarmProgress
-from swarmgrad.peer.strategies import Policy
+from swarmgrad.peer.strategies.base import Policy
 from swarmgrad.timing import Timing
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarmgrad.peer.config import Overlap as OverlapMode
+from swarmgrad.peer.strategies.diloco import Overlap as OverlapMode
 from swarmgrad.timing import DEFAULT_TIMING, Timing
 
 SMOOTHING = 0.3  # weight of the newest measurement in the running estimates

@@ -51,12 +51,13 @@ from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.checkpoint import load_checkpoint, save_checkpoint
-from swarmgrad.peer.config import RunConfig, Strategy, resolve_against_run
+from swarmgrad.peer.config import RunConfig, resolve_against_run
 from swarmgrad.peer.driver import AveragingBackend, GossipBackend, MoshpitBackend, RoundDriver, RoundOutcome
 from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, check_admission, publish_manifest, read_manifest
 from swarmgrad.peer.progress import ProgressTracker
 from swarmgrad.peer.state import TrainingState
-from swarmgrad.peer.strategies import Policy, make_policy
+from swarmgrad.peer.strategies.base import Policy
+from swarmgrad.peer.strategies.registry import Strategy, make_policy
 from swarmgrad.state.server import StateServer, state_protocol
 from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.timing import DEFAULT_TIMING, Timing

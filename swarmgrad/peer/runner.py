@@ -95,7 +95,7 @@ def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: 
     else:
         raise ConfigError(no_initial_peers(run_id))
     return settle_run(run_id, config, manifest, create=create,
-                      fingerprint=lambda: _fingerprint(config.task, data_dir), ticket=ticket)
+                      fingerprint=lambda: _fingerprint(config.task, data_dir, config.task_options), ticket=ticket)
 
 
 async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float,
@@ -108,15 +108,15 @@ async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_
         return await read_manifest(node, run_id, run_key)
 
 
-def load_task(name: str, data_dir: str | None) -> Task:
-    """``--data-dir`` goes to the Fashion-MNIST tasks only; the others read no files."""
-    return get_task(name, data_dir=data_dir) if name.startswith("fashion-mnist") else get_task(name)
+def load_task(name: str, data_dir: str | None, options: dict[str, Any]) -> Task:
+    """The task ``name`` with the run's task options; tasks that read no files ignore ``data_dir``."""
+    return get_task(name, options, data_dir)
 
 
-def _fingerprint(task: str | None, data_dir: str | None) -> str | None:
+def _fingerprint(task: str | None, data_dir: str | None, options: dict[str, Any]) -> str | None:
     if task is None:
         return None
-    spec = load_task(task, data_dir)
+    spec = load_task(task, data_dir, options)
     return spec.data_fingerprint() if spec.data_fingerprint else None
 
 
@@ -136,7 +136,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
     if local.threads:
         torch.set_num_threads(local.threads)
     task_name = config.task
-    task = load_task(task_name, local.data_dir)
+    task = load_task(task_name, local.data_dir, config.task_options)
     if manifest is not None:
         check_compatible(manifest, task_name, task.data_fingerprint() if task.data_fingerprint else None)
     hparams = {**task.default_hparams, **config.hparams}

@@ -1,15 +1,19 @@
-"""What a training task is: a model factory, a loss, sharded training data and a held-out set."""
+"""What a training task is: a model factory, a loss, sharded training data and a held-out set
+(``Task``), built by name from the options it declares (``TaskFactory``, ``TaskOptions``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import pydantic
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from swarmgrad.errors import ConfigError
+from swarmgrad.settings import SettingsModel
 
 EVAL_BATCH_SIZE = 1000
 
@@ -60,6 +64,27 @@ class Task:
         if count == 0:
             raise ConfigError(f"task {self.name!r} has an empty held-out set")
         return {"loss": loss_sum / count, "accuracy": correct / count, "samples": float(count)}
+
+
+class TaskOptions(pydantic.BaseModel):
+    """A task's options (``RunConfig.task_options``, ``--task-option NAME=VALUE``): a subclass per
+    task, each field with its default and a ``description`` (its help). Run-level, like the task:
+    every peer of a run trains with the same. A task without options takes this model as it is.
+    Strict as every settings model, but bad input stays a ValidationError: ``get_task`` words it."""
+
+    model_config = SettingsModel.model_config
+
+
+@dataclass(frozen=True)
+class TaskFactory:
+    """A task by name: ``build(options, data_dir)`` makes it from its validated ``options`` (an
+    instance of ``options``). ``data_dir`` is this peer's directory for the task's files (None: the
+    task's default place); a task that reads no files ignores it. A module of this package that
+    holds one is found by the registry; ``module:attribute`` may name one outside it."""
+
+    name: str
+    build: Callable[[Any, Path | None], Task]
+    options: type[TaskOptions] = TaskOptions
 
 
 def shard_indices(size: int, shard: int, num_shards: int, seed: int) -> Tensor:

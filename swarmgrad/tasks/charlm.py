@@ -14,13 +14,14 @@ import os
 import sysconfig
 from pathlib import Path
 
+import pydantic
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from swarmgrad.errors import ConfigError
-from swarmgrad.tasks.base import Task, shard_dataset
+from swarmgrad.tasks.base import Task, TaskFactory, TaskOptions, shard_dataset
 
 VOCAB = 256
 DEFAULT_MAX_BYTES = 4 * 2**20
@@ -125,12 +126,26 @@ def unigram_entropy(targets: torch.Tensor) -> float:
     return float(-(probabilities * probabilities.log()).sum())
 
 
-def charlm_task(context: int = 64, max_bytes: int = DEFAULT_MAX_BYTES, dim: int = 128, layers: int = 2,
-                heads: int = 4) -> Task:
-    """The ``charlm`` task; ``context`` bytes per window, ``max_bytes`` of stdlib source at most."""
-    if context < 2 or max_bytes < 64 * context or dim % heads:
-        raise ConfigError(f"charlm needs context >= 2, max_bytes >= 64 * context and dim divisible by heads; "
-                          f"got context={context}, max_bytes={max_bytes}, dim={dim}, heads={heads}")
+class CharLMOptions(TaskOptions):
+    context: int = pydantic.Field(64, ge=2, le=2**16, description="Bytes per training window: the model's context.")
+    max_bytes: int = pydantic.Field(DEFAULT_MAX_BYTES, ge=128, le=2**34,
+                                    description="Bytes of standard-library source to read at most.")
+    dim: int = pydantic.Field(128, ge=1, le=2**14, description="Width of the transformer.")
+    layers: int = pydantic.Field(2, ge=1, le=256, description="Transformer blocks.")
+    heads: int = pydantic.Field(4, ge=1, le=256, description="Attention heads per block (they divide dim).")
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> CharLMOptions:
+        if self.max_bytes < 64 * self.context or self.dim % self.heads:
+            raise ConfigError(f"charlm needs max_bytes >= 64 * context and dim divisible by heads; got "
+                              f"context={self.context}, max_bytes={self.max_bytes}, dim={self.dim}, heads={self.heads}")
+        return self
+
+
+def charlm_task(options: CharLMOptions, data_dir: Path | None = None) -> Task:
+    """The ``charlm`` task; it reads the running Python's own sources, so ``data_dir`` is not used."""
+    context, max_bytes, dim, layers, heads = (options.context, options.max_bytes, options.dim, options.layers,
+                                              options.heads)
 
     def windows() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return _windows(context, max_bytes)
@@ -150,6 +165,9 @@ def charlm_task(context: int = 64, max_bytes: int = DEFAULT_MAX_BYTES, dim: int 
                          "eval_batch_size": 128, "context": context},
         data_fingerprint=fingerprint,
     )
+
+
+CHARLM = TaskFactory("charlm", charlm_task, CharLMOptions)
 
 
 @functools.lru_cache(maxsize=2)

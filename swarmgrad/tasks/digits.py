@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from swarmgrad.errors import ConfigError
-from swarmgrad.tasks.base import Task, shard_dataset
+from swarmgrad.tasks.base import Task, TaskFactory, TaskOptions, shard_dataset
 
 SPLIT_SEED = 0  # fixed, so every peer holds out the same 20%
 TEST_FRACTION = 0.2
@@ -36,7 +37,9 @@ def make_digits_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def digits_task() -> Task:
+def digits_task(options: TaskOptions, data_dir: Path | None = None) -> Task:
+    """The ``digits`` task: no options; the data comes with scikit-learn, so ``data_dir`` is not used."""
+
     def train_data(shard: int, num_shards: int, seed: int) -> TensorDataset:
         return shard_dataset(TensorDataset(*load_digits_split()["train"]), shard, num_shards, seed)
 
@@ -59,3 +62,6 @@ def digits_task() -> Task:
                          "eval_batch_size": 1000},
         data_fingerprint=fingerprint,
     )
+
+
+DIGITS = TaskFactory("digits", digits_task)

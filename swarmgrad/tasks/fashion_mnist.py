@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from swarmgrad.errors import ConfigError
-from swarmgrad.tasks.base import Task, shard_dataset
+from swarmgrad.tasks.base import Task, TaskFactory, shard_dataset
 from swarmgrad.tasks.idx import read_idx
 
 DEFAULT_DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -100,11 +100,9 @@ def fingerprint(data_dir: Path) -> str:
     return "fashion-mnist:sha256:" + digest.hexdigest()[:16]
 
 
-def fashion_mnist_task(data_dir: str | Path | None = None, model: str = "cnn") -> Task:
+def fashion_mnist_task(data_dir: Path | None = None, model: str = "cnn") -> Task:
     """The ``fashion-mnist`` task (``model="large"``: ``fashion-mnist-large``); ``data_dir`` overrides
     Debian's install location."""
-    if model not in MODELS:
-        raise ConfigError(f"unknown Fashion-MNIST model {model!r}; pick one of {', '.join(MODELS)}")
     directory = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
     for stems in SPLITS.values():  # fail at configuration time, not when the first peer step runs
         for stem in stems:
@@ -128,6 +126,7 @@ def fashion_mnist_task(data_dir: str | Path | None = None, model: str = "cnn") -
     )
 
 
-def fashion_mnist_large_task(data_dir: str | Path | None = None) -> Task:
-    """``fashion-mnist-large``: the same data with :func:`large_cnn`, the lab benchmark's 5M-parameter model."""
-    return fashion_mnist_task(data_dir, model="large")
+FASHION_MNIST = TaskFactory("fashion-mnist", lambda options, data_dir: fashion_mnist_task(data_dir))
+# the same data with large_cnn, the lab benchmark's 5M-parameter model
+FASHION_MNIST_LARGE = TaskFactory("fashion-mnist-large",
+                                  lambda options, data_dir: fashion_mnist_task(data_dir, model="large"))

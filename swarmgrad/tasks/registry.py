@@ -1,56 +1,85 @@
-"""Task names -> factories, and ``get_task`` which also accepts ``module:attribute`` specs."""
+"""Task names -> factories, found as the ``TaskFactory`` objects of this package's modules (a new
+task is a new module here), and ``get_task``, which also accepts ``module:attribute`` specs."""
 
 from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
-from typing import Any, Callable
+import pkgutil
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import pydantic
+
+from swarmgrad import tasks
 from swarmgrad.errors import ConfigError
-from swarmgrad.tasks.base import Task
-
-TaskFactory = Callable[..., Task]
-TASKS: dict[str, TaskFactory] = {}
+from swarmgrad.settings import describe_validation_error
+from swarmgrad.tasks.base import Task, TaskFactory, TaskOptions
 
 
-def register_task(name: str, factory: TaskFactory, *, replace: bool = False) -> TaskFactory:
-    """Make ``factory(**options)`` available as ``name``; returns the factory (usable as a decorator body)."""
-    if ":" in name or not name:
-        raise ConfigError(f"task name {name!r} must be non-empty and contain no ':' (that marks module:attribute)")
-    if name in TASKS and not replace and TASKS[name] is not factory:
-        raise ConfigError(f"task {name!r} is already registered; pass replace=True to override it")
-    TASKS[name] = factory
-    return factory
+def find_tasks(package: ModuleType = tasks) -> dict[str, TaskFactory]:
+    """Task name -> factory, from every public module of ``package`` (sorted by name)."""
+    found: dict[str, TaskFactory] = {}
+    for module_info in pkgutil.iter_modules(package.__path__):
+        if module_info.name == "registry" or module_info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package.__name__}.{module_info.name}")
+        for factory in vars(module).values():
+            if isinstance(factory, TaskFactory) and found.setdefault(factory.name, factory) is not factory:
+                raise ConfigError(f"task {factory.name!r} is defined twice (again in {module.__name__})")
+    return dict(sorted(found.items()))
 
 
-def get_task(spec: str, **options: Any) -> Task:
-    """A registered task by name, or ``module:attribute`` naming a Task or a factory returning one.
+TASKS = find_tasks()
 
-    Options whose value is None are dropped, so a CLI can pass every flag it has (``data_dir=None``)
-    without each task having to accept it.
-    """
-    options = {key: value for key, value in options.items() if value is not None}
-    if ":" in spec:
-        target, where = _import_attribute(spec), spec
-    elif spec in TASKS:
-        target, where = TASKS[spec], f"task {spec!r}"
+
+def get_task(spec: str, options: Mapping[str, Any] | None = None, data_dir: str | Path | None = None) -> Task:
+    """A registered task by name, or ``module:attribute`` naming a Task or a TaskFactory, built with
+    ``options`` (checked against the task's ``TaskOptions``) and ``data_dir`` (see TaskFactory)."""
+    options = dict(options or {})
+    if ":" not in spec:
+        factory = _registered(spec)
     else:
-        close = difflib.get_close_matches(spec, TASKS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown task {spec!r}.{hint} Built-in tasks: {', '.join(sorted(TASKS))}; "
-                          "or pass module:attribute naming your own Task")
-    if isinstance(target, Task):
-        if options:
-            raise ConfigError(f"{where} is a ready-made Task and takes no options; got {', '.join(sorted(options))}")
-        return target
-    if not callable(target):
-        raise ConfigError(f"{where} is a {type(target).__name__}, not a Task or a function returning one")
-    _check_options(target, options, where)
-    task = target(**options)
+        target = _import_attribute(spec)
+        if isinstance(target, Task):
+            if options:
+                raise ConfigError(f"{spec!r} is a ready-made Task and takes no options; "
+                                  f"got {', '.join(sorted(options))}")
+            return target
+        if not isinstance(target, TaskFactory):
+            raise ConfigError(f"{spec!r} is a {type(target).__name__}, not a swarmgrad.tasks.Task or TaskFactory")
+        factory = target
+    task = factory.build(parse_options(factory, options), None if data_dir is None else Path(data_dir))
     if not isinstance(task, Task):
-        raise ConfigError(f"{where} returned a {type(task).__name__}, expected a swarmgrad.tasks.Task")
+        raise ConfigError(f"task {factory.name!r} built a {type(task).__name__}, expected a swarmgrad.tasks.Task")
     return task
+
+
+def parse_options(factory: TaskFactory, options: Mapping[str, Any]) -> TaskOptions:
+    """``options`` as the task's ``TaskOptions``; an unknown option or a bad value is one ConfigError
+    naming the task and the option."""
+    try:
+        return factory.options.model_validate(dict(options))
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "extra_forbidden":
+            takes = ", ".join(factory.options.model_fields) or "no options"
+            raise ConfigError(f"task {factory.name!r} has no option {first['loc'][0]!r}; it takes: {takes}") from None
+        if not first["loc"]:  # the options together (a model validator)
+            raise ConfigError(f"task {factory.name!r}: {describe_validation_error(error)}") from None
+        raise ConfigError(f"task {factory.name!r}: option {describe_validation_error(error)} "
+                          f"(got {first['input']!r})") from None
+
+
+def _registered(name: str) -> TaskFactory:
+    if name in TASKS:
+        return TASKS[name]
+    close = difflib.get_close_matches(name, TASKS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"unknown task {name!r}.{hint} Built-in tasks: {', '.join(TASKS)}; "
+                      "or pass module:attribute naming your own Task or TaskFactory")
 
 
 def _import_attribute(spec: str) -> Any:
@@ -69,18 +98,3 @@ def _import_attribute(spec: str) -> Any:
         except AttributeError as error:
             raise ConfigError(f"module {module_name!r} has no attribute {attribute!r} (task {spec!r})") from error
     return target
-
-
-def _check_options(factory: TaskFactory, options: dict[str, Any], where: str) -> None:
-    """Reject unknown options here, with their names, instead of as a TypeError from inside the factory."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return  # builtins without a signature: let the call speak for itself
-    try:
-        signature.bind(**options)
-    except TypeError:
-        accepted = [name for name, p in signature.parameters.items()
-                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        raise ConfigError(f"{where} does not take option(s) {', '.join(sorted(options))}; "
-                          f"it accepts: {', '.join(accepted) or 'no options'}") from None

@@ -1,22 +1,61 @@
-"""What a training strategy is: a policy. It says what it contributes to a round (views into one
-flat float32 buffer, so the averaging layer sends it from its own memory), how it applies the
-swarm's average, when a swarm step is due, and what its state is. It does no networking: the
-``RoundDriver`` (driver.py) runs the rounds.
+"""What a training strategy is: its settings (``StrategySettings``, a section of ``RunConfig``) and
+its policy. The policy says what it contributes to a round (views into one flat float32 buffer, so
+the averaging layer sends it from its own memory), how it applies the swarm's average, when a swarm
+step is due, and what its state is. It does no networking: the ``RoundDriver`` (driver.py) runs the
+rounds.
+
+Settings and policy of a strategy live in one module, and the settings load with ``RunConfig``
+(``swarmgrad --help`` reads them): so this module and the strategy modules import torch and the
+DHT (through progress.py) inside the functions that use them, never at module level.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-import torch
+from swarmgrad.settings import SettingsModel
 
-from swarmgrad.peer.progress import OWN_STEPS_DUE, SwarmProgress
+if TYPE_CHECKING:
+    import torch
+
+    from swarmgrad.peer.progress import SwarmProgress
 
 # the most samples one contribution may claim, as a multiple of what the run's settings say a peer
 # trains on between two rounds: a peer faster than the others does more steps, up to this many times
 WEIGHT_SLACK = 4.0
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def no_grad(method: Method) -> Method:
+    """``torch.no_grad()`` as a decorator that imports torch when called, not when the class is made."""
+
+    @functools.wraps(method)
+    def without_grad(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return method(*args, **kwargs)
+
+    return without_grad  # type: ignore[return-value]
+
+
+class StrategySettings(SettingsModel):
+    """A strategy's run-level settings: ``RunConfig.strategy`` is one of them, told apart by ``name``
+    (a ``Literal`` field each subclass defines). Each field's ``description`` is its help text."""
+
+    name: str
+    # the averaging kinds its rounds work with (averaging/settings.py); the first is its default
+    averagings: ClassVar[tuple[str, ...]]
+
+    @abstractmethod
+    def make_policy(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
+                    synchronous: bool) -> Policy:
+        """This strategy's policy, bound to ``model`` and ``optimizer``."""
 
 
 class ProgressCounter(Protocol):
@@ -38,6 +77,8 @@ class FlatLayout:
         self.total = sum(self.numels)
 
     def zeros(self) -> torch.Tensor:
+        import torch
+
         return torch.zeros(self.total, dtype=torch.float32)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -118,15 +159,17 @@ class Policy(ABC):
         """The tensors ``load_state_tensors`` fills, by name: what a state must hold to fit."""
         return self.state_tensors()
 
+    @no_grad
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a state's strategy tensors in; ``TrainingState`` has checked them against ``expected_state``."""
-        with torch.no_grad():
-            for name, target in self.expected_state().items():
-                target.copy_(tensors[name])
+        for name, target in self.expected_state().items():
+            target.copy_(tensors[name])
 
     def epoch_due(self, steps: float | None = None, samples: float | None = None) -> bool:
         """Common test: the swarm moved on, half the others here started averaging, or the target was
         reached (steps or samples with each claim capped, or this peer's own steps: progress.py)."""
+        from swarmgrad.peer.progress import OWN_STEPS_DUE
+
         epoch = self.progress.local.epoch  # type: ignore[attr-defined]
         swarm = self.progress.fresh()
         if swarm.epoch > epoch or swarm.averaging_in(epoch):
@@ -136,12 +179,12 @@ class Policy(ABC):
             return True
         return samples is not None and swarm.samples_in(epoch) >= samples
 
-    @torch.no_grad()
+    @no_grad
     def copy_params_into(self, flat: torch.Tensor) -> None:
         for param, view in zip(self.params, self.layout.views(flat)):
             view.copy_(param.detach())
 
-    @torch.no_grad()
+    @no_grad
     def copy_into_params(self, flat: torch.Tensor) -> None:
         for param, view in zip(self.params, self.layout.views(flat)):
             param.copy_(view)

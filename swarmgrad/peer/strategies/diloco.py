@@ -3,12 +3,39 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
+import pydantic
 
-from swarmgrad.peer.config import DiLoCo
-from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy
+from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy, ProgressCounter, StrategySettings, no_grad
+
+if TYPE_CHECKING:
+    import torch
+
+Overlap = Literal["auto", "on", "off"]
+
+
+class DiLoCo(StrategySettings):
+    """DiLoCo: ``inner_steps`` local steps per peer between swarm steps (on average over the peers of
+    an epoch), then the pseudo-gradients are averaged and an outer Nesterov step is taken from the
+    common start."""
+
+    averagings: ClassVar[tuple[str, ...]] = ("moshpit",)
+
+    name: Literal["diloco"] = "diloco"
+    inner_steps: int = pydantic.Field(50, ge=1, le=1_000_000,
+                                      description="diloco: local steps per peer between swarm steps.")
+    outer_lr: float = pydantic.Field(0.7, gt=0, le=10, description="diloco: outer learning rate.")
+    outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum, in [0, 1).")
+    overlap: Overlap = pydantic.Field(
+        "auto", description="diloco: auto, on or off: a round travels while the next local steps run, its outer "
+        "step applied when it is back (peer/overlap.py); auto does so where the measured rounds and local steps "
+        "take comparable times (Timing.overlap_share).")
+
+    def make_policy(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
+                    synchronous: bool) -> DiLoCoPolicy:
+        return DiLoCoPolicy(self, model, optimizer, progress, synchronous=synchronous)
 
 
 class DiLoCoPolicy(Policy):
@@ -36,15 +63,19 @@ class DiLoCoPolicy(Policy):
         self.progress.add(batch_size)
         return self.epoch_due(steps=self.settings.inner_steps)
 
-    @torch.no_grad()
+    @no_grad
     def prepare(self) -> None:
+        import torch
+
         for start, param, delta in zip(self.layout.views(self.start), self.params,
                                        self.layout.views(self.contribution)):
             torch.sub(start, param.detach().to("cpu", torch.float32), out=delta)
 
-    @torch.no_grad()
+    @no_grad
     def apply(self, average: torch.Tensor) -> None:
         """start <- start - lr * (delta + mu * m), m <- mu * m + delta (torch SGD's Nesterov form)."""
+        import torch
+
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
         torch.add(average, self.momentum, alpha=mu, out=self.momentum)
         self.start.add_(average, alpha=-lr).add_(self.momentum, alpha=-lr * mu)
@@ -54,7 +85,7 @@ class DiLoCoPolicy(Policy):
     def overlap_steps(self) -> int:
         return self.settings.inner_steps
 
-    @torch.no_grad()
+    @no_grad
     def launch(self) -> torch.Tensor:
         """Eager (arXiv 2502.12996): the outer step is taken at once on this peer's own
         pseudo-gradient, standing in for the swarm's until the round lands, so the next inner phase
@@ -65,7 +96,7 @@ class DiLoCoPolicy(Policy):
         self.apply(sent)
         return sent
 
-    @torch.no_grad()
+    @no_grad
     def land(self, average: torch.Tensor) -> Callable[[], None]:
         """The outer step on the swarm's ``average`` in place of the provisional one: the progress
         made since the launch is put aside, the step taken from the start before it (the parameters
@@ -74,14 +105,14 @@ class DiLoCoPolicy(Policy):
         progress = self._undo_launch()
         self.apply(average)
 
-        @torch.no_grad()
+        @no_grad
         def keep_local_progress() -> None:
             for param, delta in zip(self.params, self.layout.views(progress)):
                 param.add_(delta.to(param.device, param.dtype))
 
         return keep_local_progress
 
-    @torch.no_grad()
+    @no_grad
     def withdraw(self) -> None:
         """The launch never happened: start and momentum as they were, the parameters where they
         were sent from plus the progress made since."""

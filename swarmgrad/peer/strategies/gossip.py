@@ -3,10 +3,28 @@ Stochastic Gradient Push, arXiv 1811.10792) or by moshpit rounds (Moshpit SGD, a
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from swarmgrad.peer.config import GossipSGD
-from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy
+import pydantic
+
+from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy, ProgressCounter, StrategySettings, no_grad
+
+if TYPE_CHECKING:
+    import torch
+
+
+class GossipSGD(StrategySettings):
+    """Local steps; every ``every`` steps the parameters are averaged (gossip or moshpit)."""
+
+    averagings: ClassVar[tuple[str, ...]] = ("gossip", "moshpit")
+
+    name: Literal["gossip"] = "gossip"
+    every: int = pydantic.Field(4, ge=1, le=1_000_000,
+                                description="gossip: local steps between parameter averaging.")
+
+    def make_policy(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
+                    synchronous: bool) -> GossipPolicy:
+        return GossipPolicy(self, model, optimizer, progress, synchronous=synchronous)
 
 
 class GossipPolicy(Policy):
@@ -38,7 +56,7 @@ class GossipPolicy(Policy):
         self._since = 0
         self.copy_params_into(self.contribution)
 
-    @torch.no_grad()
+    @no_grad
     def apply(self, average: torch.Tensor) -> None:
         self.copy_into_params(average)
 

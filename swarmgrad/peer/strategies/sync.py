@@ -3,10 +3,27 @@ seen ``target_batch_size`` samples, average them (weighted by samples), and step
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from swarmgrad.peer.config import SyncSGD
-from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy
+import pydantic
+
+from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy, ProgressCounter, StrategySettings, no_grad
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SyncSGD(StrategySettings):
+    """Synchronous data parallelism: one optimizer step per ``target_batch_size`` samples swarm-wide."""
+
+    averagings: ClassVar[tuple[str, ...]] = ("moshpit",)
+
+    name: Literal["sync"] = "sync"
+    target_batch_size: int = pydantic.Field(4096, ge=1, le=10**9, description="sync: swarm-wide samples per step.")
+
+    def make_policy(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
+                    synchronous: bool) -> SyncPolicy:
+        return SyncPolicy(self, model, optimizer, progress, synchronous=synchronous)
 
 
 class SyncPolicy(Policy):
@@ -26,8 +43,10 @@ class SyncPolicy(Policy):
         # one peer's epoch holds at most the swarm's target (plus its last batch): no batch size needed
         return WEIGHT_SLACK * self.settings.target_batch_size
 
-    @torch.no_grad()
+    @no_grad
     def after_backward(self, batch_size: int) -> bool:
+        import torch
+
         for param, total in zip(self.params, self.layout.views(self.contribution)):
             if param.grad is not None:
                 total.add_(param.grad.detach().to("cpu", torch.float32), alpha=batch_size)
@@ -42,7 +61,7 @@ class SyncPolicy(Policy):
             self.contribution.div_(samples)
         self._is_mean = True
 
-    @torch.no_grad()
+    @no_grad
     def apply(self, average: torch.Tensor) -> None:
         for param, mean in zip(self.params, self.layout.views(average)):
             param.grad = mean.to(param.device, param.dtype)  # the optimizer only reads it; dropped right after
