@@ -29,7 +29,7 @@ from swarmgrad.averaging.settings import (
     check_codec,
 )
 from swarmgrad.errors import ConfigError
-from swarmgrad.settings import SettingsModel, describe_validation_error  # noqa: F401  (re-exported)
+from swarmgrad.settings import SettingsModel, describe_validation_error, flag  # noqa: F401  (re-exported)
 
 Overlap = Literal["auto", "on", "off"]
 
@@ -42,29 +42,36 @@ class DiLoCo(SettingsModel):
     (where the measured rounds take a large share of the inner phase), ``on`` or ``off``."""
 
     name: Literal["diloco"] = "diloco"
-    inner_steps: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = 50
-    outer_lr: Annotated[float, pydantic.Field(gt=0, le=10)] = 0.7
-    outer_momentum: Annotated[float, pydantic.Field(ge=0, lt=1)] = 0.9
-    overlap: Overlap = "auto"
+    inner_steps: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = pydantic.Field(
+        50, description="Local steps between averaging.")
+    outer_lr: Annotated[float, pydantic.Field(gt=0, le=10)] = pydantic.Field(0.7, description="Outer learning rate.")
+    outer_momentum: Annotated[float, pydantic.Field(ge=0, lt=1)] = pydantic.Field(
+        0.9, description="Outer Nesterov momentum, in [0, 1).")
+    overlap: Overlap = pydantic.Field(
+        "auto", description="A round travels while the next local steps run, its outer step applied when it is "
+        "back: on, off, or auto (where rounds and local steps take comparable times: --overlap-share).")
 
 
 class SyncSGD(SettingsModel):
     """Synchronous data parallelism: one optimizer step per ``target_batch_size`` samples swarm-wide."""
 
     name: Literal["sync"] = "sync"
-    target_batch_size: Annotated[int, pydantic.Field(ge=1, le=10**9)] = 4096
+    target_batch_size: Annotated[int, pydantic.Field(ge=1, le=10**9)] = pydantic.Field(
+        4096, description="Swarm-wide samples per step.")
 
 
 class GossipSGD(SettingsModel):
     """Local steps; every ``every`` steps the parameters are averaged (gossip or moshpit)."""
 
     name: Literal["gossip"] = "gossip"
-    every: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = 4
+    every: Annotated[int, pydantic.Field(ge=1, le=1_000_000)] = pydantic.Field(
+        4, description="Local steps between parameter averaging.", json_schema_extra=flag("gossip-every"))
 
 
 Strategy = Annotated[Union[DiLoCo, SyncSGD, GossipSGD], pydantic.Field(discriminator="name")]
 STRATEGY_AVERAGINGS = {"diloco": ("moshpit",), "sync": ("moshpit",), "gossip": ("gossip", "moshpit")}
 Hyperparameter = Union[int, float, str, bool]
+TaskOption = Union[str, int, float, bool]
 
 
 class RunConfig(SettingsModel):
@@ -73,14 +80,29 @@ class RunConfig(SettingsModel):
     are combined (averaging/robust.py); centered-clip by default, since any peer of a public run may
     lie (with gossip it clips each push; gossip has no trimmed mean)."""
 
-    task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
-    strategy: Strategy = DiLoCo()
-    averaging: Optional[Averaging] = None
-    compression: str = DEFAULT_COMPRESSION
-    aggregator: Aggregator = DEFAULT_AGGREGATOR
+    task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = pydantic.Field(
+        None, description="Task to train: a built-in task's name or module:attribute. Omit to use the run's manifest.",
+        json_schema_extra={"argument": "TASK"})
+    task_options: dict[str, TaskOption] = pydantic.Field(
+        {}, description="An option of the task, KEY=VALUE (e.g. context=256); repeat the flag for more.",
+        json_schema_extra=flag("task-option"))
+    strategy: Strategy = pydantic.Field(DiLoCo(), description="How peers train together.")
+    averaging: Optional[Averaging] = pydantic.Field(
+        None, description="How peers average (default: moshpit for diloco and sync, gossip for gossip).")
+    compression: str = pydantic.Field(
+        DEFAULT_COMPRESSION, description="Codec of what peers send: none, fp16, bf16, int8[:block], q4[:block], "
+        "q2[:block], topk[:fraction], sparse[:fraction[:bits]], powersgd[:rank].")
+    aggregator: Aggregator = pydantic.Field(
+        DEFAULT_AGGREGATOR, description="How contributions are combined: mean, centered-clip (bounds what one liar "
+        "can do; gossip: clipped pushes) or trimmed-mean.")
     privacy: Optional[Privacy] = None
-    hparams: dict[str, Hyperparameter] = {}  # the task's hyperparameters (lr, batch_size), for `swarmgrad peer`
-    seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = 0  # the model's initial weights, for `swarmgrad peer`
+    hparams: dict[str, Hyperparameter] = pydantic.Field(
+        {}, description="A hyperparameter of the task's training, KEY=VALUE (optimizer, weight_decay, ...); repeat "
+        "the flag for more.", json_schema_extra=flag("hparam") | {"keys": {
+            "lr": {"type": "number", "description": "Inner learning rate (default: the task's)."},
+            "batch_size": {"type": "integer", "description": "Local batch size (default: the task's)."}}})
+    seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = pydantic.Field(
+        0, description="Seed of the model's initial weights.")
 
     @pydantic.field_validator("compression")
     @classmethod
