@@ -506,6 +506,8 @@ def _chosen_value(model: pydantic.BaseModel, option: Option, options: tuple[Opti
         if part not in current.model_fields_set and not is_tag:
             return _UNSET
         current = getattr(current, part)
+    if current is None:  # set to "none": what leaving it out says (a file has no null)
+        return _UNSET
     if option.shape == "table":
         keys = {other.path[-1] for other in options if other.path[:-1] == option.path}
         current = {key: value for key, value in current.items() if key not in keys}
