@@ -52,7 +52,7 @@ from rich.table import Table
 
 from swarmgrad.demo.summary import TARGETS, seconds_to
 from swarmgrad.errors import SwarmgradError
-from swarmgrad.lab.driver import BOOTSTRAP_PORT, WAIT_SECONDS, Lab, LabPeer
+from swarmgrad.lab.driver import BOOTSTRAP_PORT, Lab, LabPeer
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, check_requirements
 from swarmgrad.lab.scenario import Scenario, load_scenario
 
@@ -79,16 +79,23 @@ class HivemindLab(Lab):
         return [sys.executable, str(HIVEMIND_RUNNER), "bootstrap", "--host", address, "--port", str(BOOTSTRAP_PORT)]
 
     def peer_command(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> list[str]:
-        assert self.net is not None and self.bootstrap_maddr is not None
+        config = self.peer_config(peer, max_seconds=max_seconds, wait_peers=wait_peers)
         argv = [
-            sys.executable, str(HIVEMIND_RUNNER), "peer", self.scenario.task, "--run-id", self.run_id,
-            "--host", self.net.address(peer.index), "--initial-peers", self.bootstrap_maddr,
-            "--identity", str(peer.identity), "--threads", "1", "--shard", str(peer.index),
-            "--num-shards", str(len(self.specs)), "--slowdown", f"{peer.spec.slowdown:g}",
-            "--max-seconds", f"{max_seconds:.1f}", "--wait-peers", str(wait_peers), "--wait", str(WAIT_SECONDS),
-            "--target-batch-size", str(self.target_batch_size),
+            sys.executable, str(HIVEMIND_RUNNER), "peer", self.scenario.task, "--run-id", config.run_id,
+            "--host", config.network.host, "--initial-peers", *config.network.initial_peers,
+            "--identity", str(config.network.identity_path), "--threads", str(config.compute.threads),
+            "--shard", str(config.data.shard), "--num-shards", str(config.data.num_shards),
+            "--slowdown", f"{config.compute.slowdown:g}", "--max-seconds", f"{config.stop.max_seconds:.1f}",
+            "--wait-peers", str(config.connection.wait_peers), "--wait", f"{config.connection.wait:g}",
+            "--target-batch-size", str(self.target_batch_size), "--eval-every", f"{config.evaluation.every:g}",
         ]
-        return argv + self.eval_flags(peer)
+        if not config.evaluation.final:
+            argv.append("--no-final-eval")
+        if config.evaluation.batches is not None:
+            argv += ["--eval-batches", str(config.evaluation.batches)]
+        if config.stop.target_accuracy is not None:
+            argv += ["--target-accuracy", f"{config.stop.target_accuracy:g}"]
+        return argv
 
 
 class ComputeOnlyLab(Lab):

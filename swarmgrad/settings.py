@@ -17,6 +17,21 @@ def describe_validation_error(error: pydantic.ValidationError) -> str:
     return f"{where}: {message}" if where else message
 
 
+class SettingsError(ConfigError):
+    """A settings model refused its input: one line, and pydantic's problems (their locations
+    relative to the model) for callers that name the source of each value (peer/options.py)."""
+
+    def __init__(self, message: str, problems: list[dict]):
+        super().__init__(message)
+        self.problems = problems
+
+
+def flag(name: str, short: str | None = None) -> dict:
+    """A field's CLI flag where it differs from the field's name, and a short form
+    (``Field(json_schema_extra=flag("identity", "-i"))``); swarmgrad/peer/options.py reads it."""
+    return {"flag": name} if short is None else {"flag": name, "short": short}
+
+
 class SettingsModel(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -24,7 +39,7 @@ class SettingsModel(pydantic.BaseModel):
         try:
             super().__init__(**data)
         except pydantic.ValidationError as error:
-            raise ConfigError(f"{type(self).__name__}: {describe_validation_error(error)}") from None
+            raise SettingsError(f"{type(self).__name__}: {describe_validation_error(error)}", error.errors()) from None
 
     @classmethod
     def parse(cls, data: dict, source: str = ""):

@@ -19,30 +19,42 @@ Seconds = Annotated[float, pydantic.Field(gt=0, le=3600, allow_inf_nan=False)]
 class Timing(SettingsModel):
     """A peer's local timing: not a run-level setting (peers of one run may differ)."""
 
-    presence_refresh: Annotated[float, pydantic.Field(ge=0.1, le=60)] = 1.0  # republish and reread presence
+    presence_refresh: Annotated[float, pydantic.Field(ge=0.1, le=60)] = pydantic.Field(
+        1.0, description="Seconds between republishing this peer's presence and rereading everyone's.")
     # A listing of the run costs its reader and the record's holders O(members), and every heartbeat
     # is a DHT store: beyond this many members a peer beats less often (``beat_interval``), so the
     # swarm's presence traffic grows as O(N), not O(N^2). Measured: 64 peers beating every second
     # saturated 2 cores and moshpit rounds took 16 s (benchmarks/scale.py).
-    members_per_read: Annotated[int, pydantic.Field(ge=1, le=100_000)] = 16
-    control_timeout: Seconds = 5.0  # one small control exchange (a direct-connection setup, a state description)
-    reply_timeout: Seconds = 2.0  # a live peer answers an invitation in milliseconds: this is generous
-    connect_timeout: Seconds = 2.0  # one TCP connect to a peer's advertised data address
-    first_round_deadline: Seconds = 60.0  # a round's all-reduce, before any round was measured
-    min_round_deadline: Seconds = 5.0
-    max_round_deadline: Seconds = 600.0
-    round_slack: Annotated[float, pydantic.Field(ge=1, le=100)] = 4.0  # deadline = slack x measured round time
+    members_per_read: Annotated[int, pydantic.Field(ge=1, le=100_000)] = pydantic.Field(
+        16, description="Swarm size beyond which presence heartbeats slow down in proportion.")
+    control_timeout: Seconds = pydantic.Field(
+        5.0, description="Seconds for one small control exchange (a direct-connection setup, a state description).")
+    reply_timeout: Seconds = pydantic.Field(
+        2.0, description="Seconds for a peer to answer an invitation (a live one answers in milliseconds).")
+    connect_timeout: Seconds = pydantic.Field(2.0, description="Seconds for one TCP connect to a peer's data address.")
+    first_round_deadline: Seconds = pydantic.Field(
+        60.0, description="Seconds a round's all-reduce may take before any round was measured.")
+    min_round_deadline: Seconds = pydantic.Field(5.0, description="Shortest round deadline, in seconds.")
+    max_round_deadline: Seconds = pydantic.Field(600.0, description="Longest round deadline, in seconds.")
+    round_slack: Annotated[float, pydantic.Field(ge=1, le=100)] = pydantic.Field(
+        4.0, description="A round's deadline is this many times the measured round time.")
     # DiLoCo's overlap in auto (peer/overlap.py): a round travels behind the next inner phase while
     # the shorter of the measured round and inner phase is at least this share of the longer, and
     # rounds take at least overlap_min_round seconds. At 0.3 an overlapped epoch is at most 0.77 as
     # long as one in turn, and with the eager outer step an epoch loses little: at 5 Mbit/s
     # (benchmarks/bandwidth_sweep.py) q4 overlapped was at 0.854 after 3 epochs where compute-only
     # was at 0.873, and reached 85% in 0.91x its time
-    overlap_share: Annotated[float, pydantic.Field(gt=0, le=1)] = 0.3
-    overlap_min_round: Seconds = 1.0  # shorter rounds are not worth a stale outer step
-    join_timeout: Seconds = 60.0  # a state download that lands no part for this long fails (a slow one goes on)
-    catch_up_retry: Seconds = 5.0  # after a failed state download, train locally this long before retrying
-    close_part: Seconds = 10.0  # each part of leaving (averagers, presence, state server, node)
+    overlap_share: Annotated[float, pydantic.Field(gt=0, le=1)] = pydantic.Field(
+        0.3, description="overlap=auto overlaps while the shorter of a round and an inner phase is at least this "
+        "share of the longer.")
+    overlap_min_round: Seconds = pydantic.Field(
+        1.0, description="overlap=auto: shorter rounds (seconds) are not worth a stale outer step.")
+    join_timeout: Seconds = pydantic.Field(
+        60.0, description="Seconds a state download may land no part before it fails (a slow one goes on).")
+    catch_up_retry: Seconds = pydantic.Field(
+        5.0, description="Seconds to train locally after a failed state download before retrying.")
+    close_part: Seconds = pydantic.Field(
+        10.0, description="Seconds for each part of leaving (averagers, presence, state server, node).")
 
     @property
     def presence_ttl(self) -> float:

@@ -40,7 +40,7 @@ def test_each_bandwidth_sets_every_link_and_keeps_delay_and_loss(mbit):
     shaped = bs.at_bandwidth(scenario, mbit)
     assert [p.link() for p in shaped.expanded_peers()] == [LinkSpec(mbit, mbit, 10.0, 0.005)] * 4
     assert bs.round_trip_ms(shaped, 0, 3) == 40.0
-    assert shaped.run_flags() == scenario.run_flags() and shaped.duration == scenario.duration
+    assert shaped.run_config == scenario.run_config and shaped.duration == scenario.duration
 
 
 def test_each_system_trains_its_codec():

@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 from swarmgrad.averaging.privacy import Privacy
 from swarmgrad.averaging.rules import RULE_NAMES
 from swarmgrad.cli import app
-from swarmgrad.commands.options import PeerOptions, env_name, load_options
-from swarmgrad.commands.run_options import key_name, run_config_from, run_flags, run_values
 from swarmgrad.demo import DemoSettings, peer_command
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.peer.config import RunConfig, RunConfigMismatch
+from swarmgrad.peer.config_file import load_config
 from swarmgrad.peer.manifest import RunManifest, settle_run
+from swarmgrad.peer.options import PEER_OPTIONS, Given
 from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.peer.strategies.sync import SyncSGD
 
@@ -46,6 +46,14 @@ def printed(*args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(result.stdout)
 
 
+def run_config_from(values: dict, task: str | None = None) -> RunConfig:
+    """A RunConfig from run options given by name, as `swarmgrad peer` reads them."""
+    given = {PEER_OPTIONS.by_key(name.replace("_", "-")): Given(value, name) for name, value in values.items()}
+    if task is not None:
+        given[PEER_OPTIONS.by_key("task")] = Given(task, "TASK")
+    return PEER_OPTIONS.build_model("run", given)
+
+
 def one_error(result) -> str:
     """The single `error: ...` line of a command that failed with exit code 2."""
     assert result.exit_code == 2, result.output
@@ -60,11 +68,12 @@ def one_error(result) -> str:
 
 @pytest.mark.parametrize("key, values", [
     ("inner-steps", ("7", "8", "9")),  # run-level: no default of its own (None: RunConfig's or the run's)
-    ("eval-every", ("2.5", "3.5", "4.5")),  # local, with a default in PeerOptions
+    ("eval-every", ("2.5", "3.5", "4.5")),  # local, with a default in PeerConfig
     ("initial-peers", (MADDR, OTHER, f"{MADDR},{OTHER}")),  # a list, comma separated in a variable
 ])
 def test_flag_over_environment_over_file_over_default(tmp_path, key, values):
     name = key.replace("-", "_")
+    option = PEER_OPTIONS.by_key(key)
     in_file, in_env, on_flag = values
     as_toml = f"[{json.dumps(in_file)}]" if name == "initial_peers" else in_file
     config = tmp_path / "peer.toml"
@@ -74,11 +83,10 @@ def test_flag_over_environment_over_file_over_default(tmp_path, key, values):
     def value(*args, env=None):
         return printed(*base, *args, env=env)[key]
 
-    default = PeerOptions.model_fields[name].default
-    assert value("--run-id", "r") == default
+    assert value("--run-id", "r") == (None if option.root == "run" else option.default)
     from_file = value("--config", str(config))
     assert from_file == ([in_file] if name == "initial_peers" else json.loads(in_file))
-    env = {env_name(name): in_env}
+    env = {option.env: in_env}
     from_env = value("--config", str(config), env=env)
     assert from_env == ([in_env] if name == "initial_peers" else json.loads(in_env))
     from_flag = value("--config", str(config), f"--{key}", on_flag, env=env)
@@ -161,7 +169,9 @@ def test_flags_and_settings_that_do_not_fit_together_are_one_line():
     assert one_error(cli("peer", "digits", "-r", "r", "--strategy", "sync", "--averaging", "gossip")) == \
         "error: --averaging: strategy sync does not work with gossip averaging; use moshpit"
     assert one_error(cli("peer", "digits", "-r", "r", "--privacy-clip", "1")) == \
-        "error: --privacy-clip: differential privacy needs both --privacy-clip and --privacy-noise"
+        "error: --privacy-clip: set --privacy-noise or --target-epsilon (with --expected-releases)"
+    assert one_error(cli("peer", "digits", "-r", "r", "--privacy-noise", "1")) == \
+        "error: --privacy-noise: needs --privacy-clip too"
     assert one_error(cli("peer", "digits", "-r", "r", "--strategy", "gossip", "--aggregator", "trimmed-mean")) == \
         "error: --aggregator: aggregator must be one of centered-clip, mean for gossip averaging, got 'trimmed-mean' " \
         "(it needs a group: gossip has none)"
@@ -215,14 +225,13 @@ def test_bootstrap_reads_the_same_kind_of_file(tmp_path):
 def test_run_defaults_are_run_configs():
     defaults = RunConfig()
     assert run_config_from({}) == defaults and run_config_from({}).explicit() == {}
-    assert all(PeerOptions.model_fields[name].default is None for name in run_values(defaults))
     private = run_config_from({"privacy_clip": 1.0, "privacy_noise": 0.5})
     assert private.privacy.level == Privacy.model_fields["level"].default
     # what --print-config shows for unset run settings is RunConfig's
     shown = cli("peer", "digits", "-r", "r", "--print-config").stdout
-    for name, value in run_values(defaults).items():
-        if value is not None:
-            assert f"# {key_name(name)} = {json.dumps(value)}" in shown, name
+    for key, value in (("inner-steps", defaults.strategy.inner_steps), ("compression", defaults.compression),
+                       ("seed", defaults.seed), ("group-size", defaults.averaging.group_size)):
+        assert f"# {key} = {json.dumps(value)}" in shown, key
     # and so do the help texts
     command = typer.main.get_command(app).commands["peer"]
     helps = {param.name: param.help for param in command.params}
@@ -239,22 +248,32 @@ def test_chosen_options_are_the_explicit_settings():
     assert chosen.explicit() == {"strategy.name": "diloco", "strategy.inner_steps": 20, "averaging.kind": "moshpit",
                                  "averaging.group_size": 4, "hparams.lr": 0.01}
     assert chosen.strategy == DiLoCo(inner_steps=20)
-    values = {"strategy": "sync", "target_batch_size": 512, "compression": "fp16", "seed": 3}
-    assert {name: value for name, value in run_values(run_config_from(values)).items() if name in values} == values
-    assert run_flags(values) == ["--strategy", "sync", "--compression", "fp16", "--target-batch-size", "512",
-                                 "--seed", "3"]
+    config = run_config_from({"strategy": "sync", "target_batch_size": 512, "compression": "fp16", "seed": 3})
+    assert config.explicit() == {"strategy.name": "sync", "strategy.target_batch_size": 512, "compression": "fp16",
+                                 "seed": 3}
 
 
-def test_demo_passes_only_what_it_chooses():
-    command = peer_command(DemoSettings(), 0, [MADDR])
-    assert not {"--strategy", "--averaging", "--compression"} & set(command)
+def _demo_file(tmp_path, settings: DemoSettings, index: int) -> dict:
+    command = peer_command(settings, index, [MADDR], tmp_path)
+    assert command[command.index("peer") + 1:] == ["--config", command[command.index("--config") + 1], "--json"]
+    return tomllib.loads((tmp_path / f"peer-{index}.toml").read_text())
+
+
+def test_demo_passes_only_what_it_chooses(tmp_path):
+    written = _demo_file(tmp_path, DemoSettings(), 0)
+    assert not {"averaging", "compression"} & set(written)  # a strategy's setting names its strategy
     if RunConfig().strategy.name == "diloco":  # the demo's own inner steps (see DemoSettings)
-        assert command[command.index("--inner-steps") + 1] == str(DemoSettings.inner_steps)
+        assert written["inner-steps"] == DemoSettings.inner_steps
+    assert (written["shard"], written["num-shards"], written["target-accuracy"]) == (0, 4, DemoSettings.target_accuracy)
     config = DemoSettings().run_config()
     assert (config.compression, config.averaging) == (RunConfig().compression, RunConfig().averaging)
-    assert "--inner-steps" not in peer_command(DemoSettings(strategy="sync"), 1, [MADDR])
-    chosen = peer_command(DemoSettings(compression="fp16"), 0, [MADDR])
-    assert chosen[chosen.index("--compression") + 1] == "fp16"
+    assert "inner-steps" not in _demo_file(tmp_path, DemoSettings(strategy="sync"), 1)
+    assert _demo_file(tmp_path, DemoSettings(compression="fp16"), 0)["compression"] == "fp16"
+    other = _demo_file(tmp_path, DemoSettings(), 1)
+    assert (other["eval-every"], other["final-eval"]) == (0, False) and "target-accuracy" not in other
+    # what the child reads back is what the demo meant
+    loaded = load_config(PEER_OPTIONS, flags={}, config_file=tmp_path / "peer-1.toml", environ={})
+    assert loaded["run"] == DemoSettings().run_config() and loaded["peer"].data.shard == 1
 
 
 # -- the manifest -------------------------------------------------------------------------------
@@ -318,13 +337,16 @@ def test_join_hint_is_one_command_line():
     assert join_hint("r", [MADDR, OTHER]) == f"others join with: swarmgrad peer --run-id r --initial-peers {MADDR},{OTHER}"
 
 
-def test_load_options_without_the_cli(tmp_path):
+def test_load_config_without_the_cli(tmp_path):
     config = tmp_path / "peer.toml"
     config.write_text('run-id = "r"\ninner-steps = 5\n')
-    loaded = load_options(PeerOptions, flags={"lr": 0.1}, config_file=config, environ={"SWARMGRAD_SEED": "4"})
-    assert (loaded.options.inner_steps, loaded.options.lr, loaded.options.seed) == (5, 0.1, 4)
-    assert loaded.where("inner_steps") == f"{config}: key 'inner-steps'"
-    assert loaded.where("seed") == "environment variable SWARMGRAD_SEED" and loaded.where("lr") == "--lr"
+    flags = {PEER_OPTIONS.by_key("lr"): Given("0.1", "--lr")}
+    loaded = load_config(PEER_OPTIONS, flags=flags, config_file=config, environ={"SWARMGRAD_SEED": "4"})
+    run = loaded["run"]
+    assert (run.strategy.inner_steps, run.hparams["lr"], run.seed, loaded["peer"].run_id) == (5, 0.1, 4, "r")
+    config.write_text('run-id = "r"\ninner-steps = 0\n')
+    with pytest.raises(ConfigError, match=f"^{config}: key 'inner-steps': "):
+        load_config(PEER_OPTIONS, flags={}, config_file=config, environ={})
 
 
 def test_eval_batches_is_a_positive_count():

@@ -9,11 +9,10 @@ import threading
 import pytest
 import torch
 
-from swarmgrad.dht.node import NodeConfig
 from swarmgrad.peer import runner
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
-from swarmgrad.peer.runner import LocalOptions
+from swarmgrad.peer.peer_config import Connection, Evaluation, PeerConfig, Stop
 from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.tasks import Task, TaskFactory, get_task
 
@@ -153,11 +152,10 @@ def test_a_stopping_peer_reports_the_running_evaluation_then_evaluates_its_final
 
     monkeypatch.setattr(BackgroundEvaluator, "wait", wait)
     config = RunConfig(task="test_evaluator:GATED_DIGITS", strategy=DiLoCo(inner_steps=5))
-    local = LocalOptions(eval_every=0.01, final_eval=True, trusted_network=False, wait_peers=1, slowdown=1.0,
-                         wait_seconds=10, max_steps=60, eval_batches=2)
+    local = PeerConfig(run_id=f"eval-{secrets.token_hex(4)}", connection=Connection(wait=10),
+                       evaluation=Evaluation(every=0.01, batches=2), stop=Stop(max_steps=60))
     events: list[dict] = []
-    trainer = threading.Thread(target=runner.train, args=(f"eval-{secrets.token_hex(4)}", config, local, NodeConfig(),
-                                                          None, events.append))
+    trainer = threading.Thread(target=runner.train, args=(config, local, None, events.append))
     trainer.start()
     try:
         assert stopping.wait(120), events[-1:]

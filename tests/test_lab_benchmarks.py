@@ -87,7 +87,7 @@ def test_the_four_peer_regime_check_is_the_benchmark_swarm_cut_to_four():
     full, four = load_scenario(tta.SCENARIO), load_scenario(tta.SCENARIO.with_name("time-to-accuracy-4.toml"))
     assert [p.link() for p in four.expanded_peers()] == [p.link() for p in full.expanded_peers()[:4]]
     assert all(p.start and p.slowdown == 1 for p in four.expanded_peers()) and four.schedule() == []
-    assert four.run_flags() == full.run_flags()
+    assert four.run_config == full.run_config
     assert (four.task, four.target_accuracy, four.eval_every) == (full.task, full.target_accuracy, full.eval_every)
 
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -92,12 +93,13 @@ def test_minimal_scenario_defaults_and_count_expansion():
     assert peers[0].link() == network.LinkSpec(10, 50, 20, 0.01)
     assert scenario('name = "x"\n[[peers]]\n').expanded_peers()[0].link() == \
         network.LinkSpec(math.inf, math.inf, 0, 0)
-    assert s.run_flags() == []
+    assert s.run_config.explicit() == {"task": "fashion-mnist"}
 
 
-def test_run_options_become_peer_flags():
+def test_run_options_become_the_run_config():
     s = scenario('name = "x"\nstrategy = "gossip"\ngossip_every = 2\ncompression = "fp16"\nlr = 0.01\n[[peers]]\n')
-    assert s.run_flags() == ["--strategy", "gossip", "--compression", "fp16", "--gossip-every", "2", "--lr", "0.01"]
+    assert s.run_config.explicit() == {"task": "fashion-mnist", "strategy.name": "gossip", "strategy.every": 2,
+                                       "compression": "fp16", "hparams.lr": 0.01}
     assert s.averaging_kind == "gossip"  # RunConfig's choice for the gossip strategy, not passed as a flag
     assert s.run_config.strategy.every == 2 and s.run_config.hparams == {"lr": 0.01}
 
@@ -210,16 +212,18 @@ def _lab(tmp_path, text: str) -> Lab:
 def test_peer_commands(tmp_path):
     lab = _lab(tmp_path, MINIMAL.replace("count = 3", "count = 3\nslowdown = 2").replace(
         "duration = 60", "duration = 60\ntarget_accuracy = 0.9"))
-    first = lab.peer_command(lab.peers[0], max_seconds=60, wait_peers=3)
-    other = lab.peer_command(lab.peers[2], max_seconds=60, wait_peers=3)
-    assert first[1:6] == ["-m", "swarmgrad.cli", "-v", "peer", "fashion-mnist"]
-    for flag, value in (("--host", "11.77.0.1"), ("--shard", "0"), ("--num-shards", "3"), ("--threads", "1"),
-                        ("--slowdown", "2"), ("--eval-every", "3"), ("--target-accuracy", "0.9"),
-                        ("--initial-peers", lab.bootstrap_maddr), ("--identity", str(tmp_path / "peer-0.key"))):
-        assert first[first.index(flag) + 1] == value
-    assert "--json" in first and "--no-final-eval" not in first
-    assert other[other.index("--host") + 1] == "11.77.0.3" and other[other.index("--eval-every") + 1] == "0"
-    assert "--no-final-eval" in other and "--target-accuracy" not in other
+    command = lab.peer_command(lab.peers[0], max_seconds=60, wait_peers=3)
+    assert command[1:5] == ["-m", "swarmgrad.cli", "-v", "peer"] and command[-1] == "--json"
+    first = tomllib.loads(Path(command[command.index("--config") + 1]).read_text())
+    lab.peer_command(lab.peers[2], max_seconds=60, wait_peers=3)
+    other = tomllib.loads((lab.run_dir / "peer-2.toml").read_text())
+    for key, value in (("task", "fashion-mnist"), ("host", "11.77.0.1"), ("shard", 0), ("num-shards", 3),
+                       ("threads", 1), ("slowdown", 2.0), ("eval-every", 3.0), ("target-accuracy", 0.9),
+                       ("initial-peers", [lab.bootstrap_maddr]), ("identity", str(tmp_path / "peer-0.key"))):
+        assert first[key] == value, key
+    assert "final-eval" not in first
+    assert other["host"] == "11.77.0.3" and other["eval-every"] == 0
+    assert other["final-eval"] is False and "target-accuracy" not in other
     assert len({p.peer_id for p in lab.peers}) == 3  # identities made up front: ids known before start
 
 
@@ -496,8 +500,8 @@ def test_sigint_mid_run_leaves_nothing_behind(tmp_path):
 
 def test_the_evaluator_evaluates_on_the_scenarios_share_of_the_test_set(tmp_path):
     lab = _lab(tmp_path, MINIMAL.replace("duration = 60", "duration = 60\neval_batches = 2"))
-    first, other = (lab.peer_command(lab.peers[i], max_seconds=60, wait_peers=3) for i in (0, 2))
-    assert first[first.index("--eval-batches") + 1] == "2" and "--eval-batches" not in other
+    first, other = (lab.peer_config(lab.peers[i], max_seconds=60, wait_peers=3) for i in (0, 2))
+    assert first.evaluation.batches == 2 and other.evaluation.batches is None
     (tmp_path / "whole").mkdir()
     whole = _lab(tmp_path / "whole", MINIMAL)
-    assert "--eval-batches" not in whole.peer_command(whole.peers[0], max_seconds=60, wait_peers=3)
+    assert whole.peer_config(whole.peers[0], max_seconds=60, wait_peers=3).evaluation.batches is None

@@ -18,7 +18,8 @@ from swarmgrad.averaging import Aggregation, Averager, Moshpit
 from swarmgrad.averaging.rules import RULE_NAMES, get_rule
 from swarmgrad.averaging.rules.base import weighted_mean
 from swarmgrad.errors import ConfigError
-from swarmgrad.peer.config import GossipSGD, RunConfig
+from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.strategies.gossip import GossipSGD
 
 MEDIAN = get_rule("median")
 

@@ -12,7 +12,7 @@ import pydantic
 
 from swarmgrad.averaging.rules import RULE_NAMES, get_rule
 from swarmgrad.errors import ConfigError
-from swarmgrad.settings import SettingsModel
+from swarmgrad.settings import SettingsModel, flag
 
 # The most members a group may have: group_size, an invitation and a group plan all read this one bound.
 MAX_GROUP = 1024
@@ -27,10 +27,13 @@ class Moshpit(SettingsModel):
     ``group_size``; with fewer peers than that, everyone meets in one group)."""
 
     kind: Literal["moshpit"] = "moshpit"
-    group_size: Annotated[int, pydantic.Field(ge=2, le=MAX_GROUP)] = 16
-    min_group_size: Annotated[int, pydantic.Field(ge=2, le=MAX_GROUP)] = 2
-    matchmaking_seconds: Annotated[float, pydantic.Field(ge=0.05, le=600)] = 2.0
-    round_timeout: Optional[Annotated[float, pydantic.Field(ge=1, le=3600)]] = None  # None: from measured rounds
+    group_size: Annotated[int, pydantic.Field(ge=2, le=MAX_GROUP)] = pydantic.Field(16, description="Peers per group.")
+    min_group_size: Annotated[int, pydantic.Field(ge=2, le=MAX_GROUP)] = pydantic.Field(
+        2, description="Fewest peers a group averages with.")
+    matchmaking_seconds: Annotated[float, pydantic.Field(ge=0.05, le=600)] = pydantic.Field(
+        2.0, description="Seconds a round's matchmaking waits for peers to declare themselves.")
+    round_timeout: Optional[Annotated[float, pydantic.Field(ge=1, le=3600)]] = pydantic.Field(
+        None, description="Seconds a round may take (default: from the measured rounds).")
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> Moshpit:
@@ -44,8 +47,10 @@ class Gossip(SettingsModel):
     """Asynchronous push-sum gossip: no rounds, no barrier; each push goes to ``fanout`` peers."""
 
     kind: Literal["gossip"] = "gossip"
-    fanout: Annotated[int, pydantic.Field(ge=1, le=16)] = 1
-    push_timeout: Annotated[float, pydantic.Field(ge=1, le=600)] = 30.0
+    fanout: Annotated[int, pydantic.Field(ge=1, le=16)] = pydantic.Field(
+        1, description="Peers each push goes to.", json_schema_extra=flag("gossip-fanout"))
+    push_timeout: Annotated[float, pydantic.Field(ge=1, le=600)] = pydantic.Field(
+        30.0, description="Seconds one push may take.", json_schema_extra=flag("gossip-push-timeout"))
 
 
 Averaging = Annotated[Union[Moshpit, Gossip], pydantic.Field(discriminator="kind")]

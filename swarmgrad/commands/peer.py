@@ -9,33 +9,33 @@ from typing import Any
 
 from swarmgrad.commands.peer_view import peer_view
 from swarmgrad.console import stderr
-from swarmgrad.dht.node import NodeConfig
 from swarmgrad.peer.config import RunConfig
-from swarmgrad.peer.runner import LocalOptions, resolve_run, run_options, train
+from swarmgrad.peer.peer_config import PeerConfig
+from swarmgrad.peer.runner import resolve_run, run_options, train
 
 logger = logging.getLogger(__name__)
 
 
-def run_peer(network: NodeConfig, run_id: str, config: RunConfig, *, create: bool, local: LocalOptions,
-             json_output: bool, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> dict[str, Any]:
+def run_peer(config: RunConfig, local: PeerConfig, *, json_output: bool) -> dict[str, Any]:
+    run_id, monitoring = local.run_id, local.monitoring
     with contextlib.ExitStack() as stack:
         metrics = None
-        if metrics_port is not None:  # first: a port in use is an error before anything joins
+        if monitoring.metrics_port is not None:  # first: a port in use is an error before anything joins
             from swarmgrad.peer.metrics import PeerMetrics
 
             metrics = PeerMetrics()
-            metrics.serve(metrics_host, metrics_port)
+            metrics.serve(monitoring.metrics_host, monitoring.metrics_port)
             stack.callback(metrics.close)
-        config, manifest = resolve_run(network, run_id, config, create=create, wait_seconds=local.wait_seconds,
-                                       data_dir=local.data_dir, ticket=local.ticket)
+        config, manifest = resolve_run(config, local)
         if not json_output:
             settings = run_options(config)
             stderr.print(f"run {run_id}: task {config.task}, strategy {settings['strategy']}, averaging "
                          f"{settings['averaging']}, compression {config.compression}, privacy {settings['privacy']}",
                          markup=False)
         emit = stack.enter_context(peer_view(run_id, json_output=json_output))
-        return train(run_id, config, local, network, manifest, emit,
-                     announce=(lambda maddrs: _print_join_hint(run_id, maddrs, local.ticket is not None)) if create else None,
+        private = local.connection.ticket is not None
+        return train(config, local, manifest, emit,
+                     announce=(lambda maddrs: _print_join_hint(run_id, maddrs, private)) if local.create else None,
                      metrics=metrics)
 
 

@@ -48,7 +48,7 @@ async def run_demo(settings: DemoSettings, *, json_output: bool, dashboard: Dash
                 settings.run_id, NodeConfig(initial_peers=bootstrap.maddrs, client_mode=True), dashboard))
             board_url = board.url
             stderr.print(f"dashboard: {board_url}", markup=False, soft_wrap=True)
-        commands = [peer_command(settings, index, bootstrap.maddrs) for index in range(settings.peers)]
+        commands = [peer_command(settings, index, bootstrap.maddrs, log_dir) for index in range(settings.peers)]
         with Live(render_dashboard(log, title=title), console=stderr, refresh_per_second=4,
                   transient=json_output) as live:
             async with PeerProcesses(commands, log_dir) as children:

@@ -8,8 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.commands.run_options import run_config_from, run_flags
+from swarmgrad.dht.config import NodeConfig
+
 from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.config_file import write_peer_config
+from swarmgrad.peer.options import PEER_OPTIONS, Given
+from swarmgrad.peer.peer_config import Compute, Connection, Data, Evaluation, PeerConfig, Stop
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,7 @@ class DemoSettings:
     peers: int = 4
     run_id: str = "demo"
     task: str = "fashion-mnist"
-    # run settings: None leaves one to RunConfig's default (and the demo passes no flag for it)
+    # run settings: None leaves one to RunConfig's default (and unset in the peers' config files)
     strategy: str | None = None
     averaging: str | None = None
     compression: str | None = None
@@ -30,28 +34,35 @@ class DemoSettings:
     eval_every: float = 2.0
     plot: Path = Path("swarmgrad-demo.png")
 
-    def run_options(self) -> dict[str, Any]:
-        """The run settings the demo chooses, by option name: the only run flags its peers get."""
-        chosen: dict[str, Any] = {"strategy": self.strategy, "averaging": self.averaging,
-                                  "compression": self.compression}
-        if run_config_from(chosen).strategy.name == "diloco":
-            chosen["inner_steps"] = self.inner_steps
-        return {name: value for name, value in chosen.items() if value is not None}
-
     def run_config(self) -> RunConfig:
-        """What the demo's swarm trains with."""
-        return run_config_from(self.run_options(), task=self.task)
+        """What the demo's swarm trains with: only the settings the demo chooses are set, read as
+        `swarmgrad peer` reads its flags (a bad one is an error naming the flag)."""
+        chosen = {"task": self.task, "strategy": self.strategy, "averaging": self.averaging,
+                  "compression": self.compression}
+        if _run_config(chosen).strategy.name == "diloco":
+            chosen["inner-steps"] = self.inner_steps
+        return _run_config(chosen)
 
 
-def peer_command(settings: DemoSettings, index: int, initial_peers: list[str]) -> list[str]:
-    command = [
-        sys.executable, "-m", "swarmgrad.cli", "peer", settings.task, "--run-id", settings.run_id,
-        "--initial-peers", ",".join(initial_peers), "--shard", str(index), "--num-shards", str(settings.peers),
-        "--threads", "1", "--json", *run_flags(settings.run_options()), "--max-seconds", str(settings.max_seconds),
-        "--wait-peers", str(settings.peers), "--wait", "60",
-    ]
-    if index == 0:  # one peer evaluates: after a swarm step every peer holds the same model
-        command += ["--eval-every", str(settings.eval_every), "--target-accuracy", str(settings.target_accuracy)]
-    else:
-        command += ["--eval-every", "0", "--no-final-eval"]
-    return command
+def _run_config(values: dict[str, Any]) -> RunConfig:
+    given = {PEER_OPTIONS.by_key(key): Given(value, f"--{key}") for key, value in values.items() if value is not None}
+    return PEER_OPTIONS.build_model("run", given)
+
+
+def peer_config(settings: DemoSettings, index: int, initial_peers: list[str]) -> PeerConfig:
+    """Peer ``index`` of the demo: its shard, and whether it evaluates. One peer evaluates: after a
+    swarm step every peer holds the same model."""
+    evaluates = index == 0
+    return PeerConfig(
+        run_id=settings.run_id, network=NodeConfig(initial_peers=initial_peers),
+        connection=Connection(wait_peers=settings.peers, wait=60), data=Data(shard=index, num_shards=settings.peers),
+        compute=Compute(threads=1),
+        evaluation=Evaluation(every=settings.eval_every) if evaluates else Evaluation(every=0, final=False),
+        stop=Stop(max_seconds=settings.max_seconds, target_accuracy=settings.target_accuracy if evaluates else None))
+
+
+def peer_command(settings: DemoSettings, index: int, initial_peers: list[str], directory: Path) -> list[str]:
+    """``swarmgrad peer`` for peer ``index``, its settings in a config file written to ``directory``."""
+    path = write_peer_config(directory / f"peer-{index}.toml", settings.run_config(),
+                             peer_config(settings, index, initial_peers))
+    return [sys.executable, "-m", "swarmgrad.cli", "peer", "--config", str(path), "--json"]

@@ -52,18 +52,21 @@ from typing import IO, Any
 
 from swarmgrad.console import print_json, stderr
 from swarmgrad.demo.events import RunLog, integer, number, parse_event
+from swarmgrad.dht.config import NodeConfig
 from swarmgrad.errors import ConfigError, StartupError
 from swarmgrad.lab.network import EmulatedNetwork, LinkSpec, check_requirements
 from swarmgrad.lab.peers import HANG_FACTOR, LabPeer, follow_lines, tail_log
 from swarmgrad.lab.report import START_MARK, generation_error, judge_faults, lab_summary, print_report, render_lab
 from swarmgrad.lab.scenario import ChurnEvent, Scenario
 from swarmgrad.lab.sweep import killpg
+from swarmgrad.peer.config_file import write_peer_config
+from swarmgrad.peer.peer_config import Checkpoints, Compute, Connection, Data, Evaluation, PeerConfig, Stop
 
 BOOTSTRAP_PORT = 31337
 POLL_SECONDS = 0.25  # how often the driver looks at its peers: the live table's refresh
 BOOTSTRAP_SECONDS = 90.0  # a loaded 2-core machine takes a while to start a node
 FORMATION_SECONDS = 240.0  # until the first peer is ready: imports, two p2pd starts, --wait-peers
-WAIT_SECONDS = 180  # `swarmgrad peer --wait`: for the DHT and for the other peers
+WAIT_SECONDS = 180  # `swarmgrad peer --wait` and --bootstrap-timeout: for the DHT and for the other peers
 END_GRACE_SECONDS = 60.0  # past duration: peer 0's final evaluation, a round in flight
 STOP_GRACE_SECONDS = 15.0  # SIGTERM -> done event; then SIGKILL
 MIN_LATE_SECONDS = 5.0  # budget of a peer (re)started near the end
@@ -151,29 +154,31 @@ class Lab:
                            f"last lines of {log_path}: {tail_log(log_path)}")
 
     def peer_command(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> list[str]:
-        """``swarmgrad peer --json`` for ``peer``; a subclass may run other software that reports the same events."""
-        scenario = self.scenario
-        assert self.net is not None and self.bootstrap_maddr is not None
-        argv = [
-            sys.executable, "-m", "swarmgrad.cli", "-v", "peer", scenario.task, "--run-id", self.run_id,
-            "--host", self.net.address(peer.index), "--initial-peers", self.bootstrap_maddr, "--json",
-            "--threads", "1", "--shard", str(peer.index), "--num-shards", str(len(self.specs)),
-            "--slowdown", f"{peer.spec.slowdown:g}", "--max-seconds", f"{max_seconds:.1f}",
-            "--identity", str(peer.identity), "--checkpoint-dir", str(peer.checkpoint_dir),
-            "--wait-peers", str(wait_peers), "--wait", str(WAIT_SECONDS), *scenario.run_flags(),
-        ]
-        return argv + self.eval_flags(peer)
+        """``swarmgrad peer --json`` for ``peer``, its settings in a config file in the run's directory;
+        a subclass may run other software that reports the same events."""
+        path = write_peer_config(self.run_dir / f"peer-{peer.index}.toml", self.scenario.run_config,
+                                 self.peer_config(peer, max_seconds=max_seconds, wait_peers=wait_peers))
+        return [sys.executable, "-m", "swarmgrad.cli", "-v", "peer", "--config", str(path), "--json"]
 
-    def eval_flags(self, peer: LabPeer) -> list[str]:
-        """Peer 0 is the one evaluator: after a swarm step every peer holds the same model."""
-        if peer.index != 0:
-            return ["--eval-every", "0", "--no-final-eval"]
-        flags = ["--eval-every", f"{self.scenario.eval_every:g}"]
-        if self.scenario.eval_batches is not None:
-            flags += ["--eval-batches", str(self.scenario.eval_batches)]
-        if self.scenario.target_accuracy is not None:
-            flags += ["--target-accuracy", f"{self.scenario.target_accuracy:g}"]
-        return flags
+    def peer_config(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> PeerConfig:
+        """The peer's own settings. Peer 0 is the one evaluator: after a swarm step every peer holds
+        the same model."""
+        assert self.net is not None and self.bootstrap_maddr is not None
+        scenario = self.scenario
+        if peer.index == 0:
+            evaluation = Evaluation(every=scenario.eval_every, batches=scenario.eval_batches)
+        else:
+            evaluation = Evaluation(every=0, final=False)
+        return PeerConfig(
+            run_id=self.run_id,
+            network=NodeConfig(host=self.net.address(peer.index), initial_peers=[self.bootstrap_maddr],
+                               identity_path=peer.identity, bootstrap_timeout=WAIT_SECONDS),
+            connection=Connection(wait=WAIT_SECONDS, wait_peers=wait_peers),
+            data=Data(shard=peer.index, num_shards=len(self.specs)),
+            compute=Compute(threads=1, slowdown=peer.spec.slowdown), evaluation=evaluation,
+            stop=Stop(max_seconds=round(max_seconds, 1),
+                      target_accuracy=scenario.target_accuracy if peer.index == 0 else None),
+            checkpoints=Checkpoints(dir=peer.checkpoint_dir))
 
     def start_peer(self, peer: LabPeer, *, max_seconds: float, wait_peers: int) -> None:
         assert self.net is not None

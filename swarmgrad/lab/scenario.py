@@ -1,7 +1,8 @@
 """Lab scenarios: a swarm, its access links and a churn schedule, read from a small TOML file.
 
-A scenario names the task and the run options every peer shares (passed through to ``swarmgrad
-peer`` flags; one left out is RunConfig's default and passes no flag), a time budget, the peers
+A scenario names the task and the run options every peer shares (named as ``swarmgrad peer``'s
+options, with underscores, and written to each peer's config file; one left out is RunConfig's
+default), a time budget, the peers
 with their links, and churn events::
 
     name = "home-broadband"
@@ -51,11 +52,11 @@ from typing import Any, Literal
 
 import pydantic
 
-from swarmgrad.commands.run_options import RUN_OPTIONS, run_config_from, run_flags
 from swarmgrad.errors import ConfigError
 from swarmgrad.lab.nat import NatType
 from swarmgrad.lab.network import LinkSpec
 from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.options import PEER_OPTIONS, Given
 
 MAX_LAB_PEERS = 64
 QUICK_PEERS = 3
@@ -179,15 +180,17 @@ class Scenario(_Strict):
         """One entry per peer (``count`` expanded), in index order."""
         return [peer.model_copy(update={"count": 1}) for peer in self.peers for _ in range(peer.count)]
 
-    def run_options(self) -> dict[str, Any]:
-        """The run options this scenario chooses, by ``swarmgrad peer`` option name (None: not chosen)."""
-        return {name: getattr(self, name) for name in RUN_OPTIONS if name in type(self).model_fields}
-
     @property
     def run_config(self) -> RunConfig:
-        """What the scenario's peers train with: its run options over RunConfig's defaults."""
+        """What the scenario's peers train with: the run options it sets (read as `swarmgrad peer`
+        reads them; an error names the scenario's key), the rest left to the run's defaults."""
+        given = {}
+        for name in type(self).model_fields:
+            option = PEER_OPTIONS.by_key(name.replace("_", "-"))
+            if option is not None and option.root == "run" and getattr(self, name) is not None:
+                given[option] = Given(getattr(self, name), name)
         try:
-            return run_config_from(self.run_options(), task=self.task, where=lambda name: name)
+            return PEER_OPTIONS.build_model("run", given)
         except ConfigError as error:
             raise ValueError(str(error)) from None
 
@@ -229,10 +232,6 @@ class Scenario(_Strict):
         if never:
             raise ValueError(f"peer {never[0]} has start = false but no churn event joins it")
         return events
-
-    def run_flags(self) -> list[str]:
-        """The run options the scenario chooses as ``swarmgrad peer`` flags (every peer passes the same)."""
-        return run_flags(self.run_options())
 
     def adjusted(self, *, duration: float | None = None, quick: bool = False) -> Scenario:
         """This scenario with another duration (churn in seconds stays put, percentages scale), or

@@ -50,7 +50,7 @@ from typing import Annotated, Callable
 
 import pydantic
 
-from swarmgrad.settings import SettingsModel
+from swarmgrad.settings import SettingsModel, flag
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,16 @@ REACHED = 0.99  # a score at 99% of the threshold has reached it
 class Accountability(SettingsModel):
     """A peer's local rule for banning others: not a run setting (peers of one run may differ)."""
 
-    ban_threshold: Annotated[float, pydantic.Field(gt=0, le=1e6)] = 10.0  # score at which a peer is banned
-    ban_seconds: Annotated[float, pydantic.Field(gt=0, le=30 * 86400)] = 600.0  # how long a ban lasts
-    half_life: Annotated[float, pydantic.Field(gt=0, le=86400)] = 60.0  # seconds for a score to halve
-    far_rows: Annotated[float, pydantic.Field(ge=0, le=1e6)] = 0.0  # weight of a clipped or rejected row (see above)
+    ban_threshold: Annotated[float, pydantic.Field(gt=0, le=1e6)] = pydantic.Field(
+        10.0, description="Misbehaviour score at which another peer is banned here (invalid frame 1, weight cut 2, "
+        "bad state 3; scores halve every --ban-half-life).")
+    ban_seconds: Annotated[float, pydantic.Field(gt=0, le=30 * 86400)] = pydantic.Field(
+        600.0, description="How long a ban lasts: its streams refused, its records ignored.")
+    half_life: Annotated[float, pydantic.Field(gt=0, le=86400)] = pydantic.Field(
+        60.0, description="Seconds for a misbehaviour score to halve.", json_schema_extra=flag("ban-half-life"))
+    far_rows: Annotated[float, pydantic.Field(ge=0, le=1e6)] = pydantic.Field(
+        0.0, description="Score of a contribution the robust aggregation clipped or left out (0: none; see "
+        "net/accountability.py).", json_schema_extra=flag("ban-far-rows"))
 
 
 DEFAULT_ACCOUNTABILITY = Accountability()

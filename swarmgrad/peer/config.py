@@ -32,9 +32,10 @@ from swarmgrad.averaging.settings import (
 )
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.strategies.registry import STRATEGIES, Strategy, check_averaging
-from swarmgrad.settings import SettingsModel, describe_validation_error  # noqa: F401  (re-exported)
+from swarmgrad.settings import SettingsModel, describe_validation_error, flag  # noqa: F401  (re-exported)
 
 Hyperparameter = Union[int, float, str, bool]
+TaskOption = Union[str, int, float, bool]
 
 
 class RunConfig(SettingsModel):
@@ -44,23 +45,30 @@ class RunConfig(SettingsModel):
     default, since any peer of a public run may lie (with gossip it clips each push; a rule that
     needs a group, such as trimmed-mean, does not gossip)."""
 
-    task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = None  # what `swarmgrad peer` trains
-    task_options: dict[str, Hyperparameter] = pydantic.Field(
-        {}, description="The task's options (NAME=VALUE, e.g. context=256 for charlm), checked against the "
-        "options the task declares.")
-    strategy: Strategy = pydantic.Field(STRATEGIES["diloco"](),
-                                        description=f"Training strategy: {', '.join(STRATEGIES)}.")
-    averaging: Optional[Averaging] = None
+    task: Optional[Annotated[str, pydantic.Field(max_length=256)]] = pydantic.Field(
+        None, description="Task to train: a built-in task's name or module:attribute. Omit to use the run's manifest.",
+        json_schema_extra={"argument": "TASK"})
+    task_options: dict[str, TaskOption] = pydantic.Field(
+        {}, description="An option of the task, KEY=VALUE (e.g. context=256 for charlm), checked against the options "
+        "the task declares; repeat the flag for more.", json_schema_extra=flag("task-option"))
+    strategy: Strategy = pydantic.Field(STRATEGIES["diloco"](), description="How peers train together.")
+    averaging: Optional[Averaging] = pydantic.Field(
+        None, description="How peers average (default: moshpit for diloco and sync, gossip for gossip).")
     # listing the codec names needs torch (codecs/): the help points at them
-    compression: Annotated[str, pydantic.Field(
-        description="Codec of the averaged tensors, NAME or NAME:PARAMETER: a codec of averaging/codecs/ "
-                    "(CODEC_NAMES).")] = DEFAULT_COMPRESSION
-    aggregator: Annotated[str, pydantic.Field(
-        description=f"How contributions are combined: {', '.join(RULE_NAMES)} (averaging/rules/).",
-    )] = DEFAULT_AGGREGATOR
+    compression: str = pydantic.Field(
+        DEFAULT_COMPRESSION, description="Codec of what peers send, NAME or NAME:PARAMETER: a codec of "
+        "averaging/codecs/ (CODEC_NAMES; the README's Options table lists them).")
+    aggregator: str = pydantic.Field(
+        DEFAULT_AGGREGATOR, description=f"How contributions are combined: {', '.join(RULE_NAMES)} (averaging/rules/; "
+        "centered-clip bounds what one liar can do, and with gossip clips each push).")
     privacy: Optional[Privacy] = None
-    hparams: dict[str, Hyperparameter] = {}  # the task's hyperparameters (lr, batch_size), for `swarmgrad peer`
-    seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = 0  # the model's initial weights, for `swarmgrad peer`
+    hparams: dict[str, Hyperparameter] = pydantic.Field(
+        {}, description="A hyperparameter of the task's training, KEY=VALUE (optimizer, weight_decay, ...); repeat "
+        "the flag for more.", json_schema_extra=flag("hparam") | {"keys": {
+            "lr": {"type": "number", "description": "Inner learning rate (default: the task's)."},
+            "batch_size": {"type": "integer", "description": "Local batch size (default: the task's)."}}})
+    seed: Annotated[int, pydantic.Field(ge=0, lt=2**63)] = pydantic.Field(
+        0, description="Seed of the model's initial weights.")
 
     @pydantic.field_validator("compression")
     @classmethod

@@ -21,17 +21,12 @@ from swarmgrad.dht.config import NodeConfig, check_run_id
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.accountability import Accountability
 from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS, MAX_LIMIT_MBPS
-from swarmgrad.settings import SettingsModel
+from swarmgrad.settings import SettingsModel, flag
 from swarmgrad.timing import Timing
 
 Mbps = Annotated[float, pydantic.Field(gt=0, le=MAX_LIMIT_MBPS)]
 Seconds = Annotated[float, pydantic.Field(ge=0)]
 Positive = Annotated[int, pydantic.Field(ge=1)]
-
-
-def flag(name: str) -> dict:
-    """A field's flag name, where it differs from the field's (``Field(json_schema_extra=flag(...))``)."""
-    return {"flag": name}
 
 
 class Connection(SettingsModel):
@@ -125,7 +120,7 @@ class Monitoring(SettingsModel):
 class PeerConfig(SettingsModel):
     """Everything a peer chooses for itself. Peers of one run may differ in all of it."""
 
-    run_id: str = pydantic.Field(description="Name of the training run.")
+    run_id: str = pydantic.Field(description="Name of the training run.", json_schema_extra=flag("run-id", "-r"))
     create: bool = pydantic.Field(False, description="Publish the run's settings (a signed manifest); without "
                                   "--initial-peers, start the run as its first peer.")
     network: NodeConfig = NodeConfig()

@@ -2,8 +2,8 @@
 evaluations, stop conditions and progress events.
 
 Run settings (a RunConfig: what every peer of a run must share) come from this peer's options
-when the run is created and from the run's manifest when a volunteer joins; local options (shard,
-threads, stop conditions, network) are each peer's own.
+when the run is created and from the run's manifest when a volunteer joins; its own settings (a
+PeerConfig: shard, threads, stop conditions, network) are each peer's own.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -28,15 +26,13 @@ from swarmgrad.dht.node import NodeConfig, SwarmNode
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
 from swarmgrad.eventloop import run
-from swarmgrad.net.accountability import DEFAULT_ACCOUNTABILITY, Accountability
-from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, settle_run, wait_for_manifest
+from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.tasks import Task, get_task
 from swarmgrad.tasks.base import endless_batches
 from swarmgrad.tasks.train import make_optimizer
-from swarmgrad.timing import Timing
 
 if TYPE_CHECKING:
     from swarmgrad.peer.metrics import PeerMetrics
@@ -49,53 +45,32 @@ PROGRESS_EVERY = 1.0
 Emit = Callable[[dict[str, Any]], None]
 
 
-@dataclass
-class LocalOptions:
-    """Each peer's own choices: which data, how long, where to keep checkpoints. Built from the
-    command's options (commands/options.py, where their defaults live); None means not set."""
-
-    eval_every: float  # seconds between held-out evaluations; 0 = only at the end
-    final_eval: bool
-    trusted_network: bool
-    wait_peers: int  # wait until this many peers train in the run before starting
-    slowdown: float  # emulate slower hardware: each local step takes this many times longer
-    wait_seconds: float
-    shard: int | None = None
-    num_shards: int | None = None
-    data_dir: str | None = None
-    max_seconds: float | None = None
-    max_steps: int | None = None
-    target_accuracy: float | None = None
-    eval_batches: int | None = None
-    checkpoint_dir: Path | None = None
-    threads: int | None = None
-    timing: Timing | None = None  # None: the Peer's default
-    upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS  # caps on the peer's data plane
-    download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS
-    ticket: Ticket | None = None  # membership ticket of a private run (--ticket)
-    accountability: Accountability = DEFAULT_ACCOUNTABILITY  # when a misbehaving peer is banned here
-
-
 def no_initial_peers(run_id: str) -> str:
     return (f"run {run_id!r}: nobody to join through; pass --initial-peers MADDR (the address of any peer "
             "of the run) to join it, or --create to start it as its first peer")
 
 
-def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: bool, wait_seconds: float,
-                data_dir: str | None = None, ticket: Ticket | None = None) -> tuple[RunConfig, RunManifest | None]:
+def resolve_run(config: RunConfig, peer: PeerConfig) -> tuple[RunConfig, RunManifest | None]:
     """The settings to train with and the manifest to keep published (see ``settle_run``): this
     peer's ``config`` when it creates the run, the run's manifest's when it joins one."""
-    if create and config.task is None:
+    run_id, network, ticket = peer.run_id, peer.network, load_ticket(peer)
+    if peer.create and config.task is None:
         raise ConfigError("--create needs the TASK to train")
     if network.initial_peers:
-        manifest = run(_fetch_manifest(network, run_id, wait=config.task is None and not create,
-                                       wait_seconds=wait_seconds, run_key=ticket.run_key if ticket else None))
-    elif create:
+        manifest = run(_fetch_manifest(network, run_id, wait=config.task is None and not peer.create,
+                                       wait_seconds=peer.connection.wait,
+                                       run_key=ticket.run_key if ticket else None))
+    elif peer.create:
         manifest = None  # the run's first peer: there is nobody to ask
     else:
         raise ConfigError(no_initial_peers(run_id))
-    return settle_run(run_id, config, manifest, create=create,
-                      fingerprint=lambda: _fingerprint(config.task, data_dir, config.task_options), ticket=ticket)
+    return settle_run(run_id, config, manifest, create=peer.create,
+                      fingerprint=lambda: _fingerprint(config, peer.data.data_dir), ticket=ticket)
+
+
+def load_ticket(peer: PeerConfig) -> Ticket | None:
+    """The membership ticket of a private run that ``--ticket`` names, if any."""
+    return Ticket.load(peer.connection.ticket) if peer.connection.ticket is not None else None
 
 
 async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float,
@@ -108,60 +83,64 @@ async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_
         return await read_manifest(node, run_id, run_key)
 
 
-def load_task(name: str, data_dir: str | None, options: dict[str, Any]) -> Task:
-    """The task ``name`` with the run's task options; tasks that read no files ignore ``data_dir``."""
-    return get_task(name, options, data_dir)
+def load_task(name: str, data_dir: str | None, options: Mapping[str, Any]) -> Task:
+    """The task ``name`` with the run's task options (``--task-option``); tasks that read no files
+    ignore ``data_dir``."""
+    return get_task(name, dict(options), data_dir)
 
 
-def _fingerprint(task: str | None, data_dir: str | None, options: dict[str, Any]) -> str | None:
-    if task is None:
+def _fingerprint(config: RunConfig, data_dir: str | None) -> str | None:
+    if config.task is None:
         return None
-    spec = load_task(task, data_dir, options)
+    spec = load_task(config.task, data_dir, config.task_options)
     return spec.data_fingerprint() if spec.data_fingerprint else None
 
 
-def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConfig, manifest: RunManifest | None,
-          emit: Emit, announce: Callable[[list[str]], None] | None = None,
-          metrics: PeerMetrics | None = None) -> dict[str, Any]:
+def train(config: RunConfig, local: PeerConfig, manifest: RunManifest | None, emit: Emit,
+          announce: Callable[[list[str]], None] | None = None, metrics: PeerMetrics | None = None) -> dict[str, Any]:
     """Train ``config.task`` with ``config`` until a stop condition or SIGTERM/SIGINT; returns the
     final summary (also emitted as ``done``). SIGUSR1 pauses the peer, SIGUSR2 resumes it (events
     ``paused`` and ``resumed``); a paused peer computes no batches. ``manifest``: the run's, which the peer keeps published.
-    ``announce(maddrs)`` is called once the peer listens, before it waits for ``local.wait_peers``.
+    ``announce(maddrs)`` is called once the peer listens, before it waits for ``--wait-peers``.
     ``metrics``: a served PeerMetrics, which then reports this peer. Every held-out evaluation is
     published as this peer's evaluation record of the run."""
     from swarmgrad.peer.peer import Peer
 
     if config.task is None:
         raise ConfigError("no task to train: give the TASK, or join a run that has a manifest")
-    if local.threads:
-        torch.set_num_threads(local.threads)
+    run_id, network = local.run_id, local.network
+    if local.compute.threads:
+        torch.set_num_threads(local.compute.threads)
     task_name = config.task
-    task = load_task(task_name, local.data_dir, config.task_options)
+    task = load_task(task_name, local.data.data_dir, config.task_options)
     if manifest is not None:
         check_compatible(manifest, task_name, task.data_fingerprint() if task.data_fingerprint else None)
     hparams = {**task.default_hparams, **config.hparams}
     batch_size = int(hparams.get("batch_size", 64))
-    shard, num_shards = _shard(local, network)
+    shard, num_shards = _shard(local)
     torch.manual_seed(config.seed)  # every peer starts from the same weights
     model = task.make_model()
     optimizer = make_optimizer(model.parameters(), hparams)
     dataset = task.train_data(shard, num_shards, config.seed)
     batches = endless_batches(dataset, batch_size, seed=shard)
     stop, pauses = _StopSignal(), _PauseSignal()
+    connection = local.connection
     peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
-                checkpoint_dir=local.checkpoint_dir, network=network, trusted_network=local.trusted_network,
-                manifest=manifest, timing=local.timing, upload_limit_mbps=local.upload_limit_mbps,
-                download_limit_mbps=local.download_limit_mbps, ticket=local.ticket, accountability=local.accountability)
+                checkpoint_dir=local.checkpoints.dir, checkpoint_every=local.checkpoints.every, network=network,
+                direct=connection.direct, trusted_network=connection.trusted_network, manifest=manifest,
+                timing=local.timing, upload_limit_mbps=connection.upload_limit_mbps,
+                download_limit_mbps=connection.download_limit_mbps, ticket=load_ticket(local),
+                accountability=local.bans)
     if metrics is not None:
         metrics.attach(peer)
     reason, final = "stopped", None
-    with stop, pauses, peer, BackgroundEvaluator(task, model, local.eval_batches) as evaluator:
+    with stop, pauses, peer, BackgroundEvaluator(task, model, local.evaluation.batches) as evaluator:
         pauses.attach(peer)
         stop.attach(peer)
         if announce is not None:
             announce(peer.maddrs)
-        if local.wait_peers > 1:
-            peer.wait_for_peers(local.wait_peers, local.wait_seconds)
+        if connection.wait_peers > 1:
+            peer.wait_for_peers(connection.wait_peers, connection.wait)
         emit({"event": "ready", "peer_id": peer.peer_id, "maddrs": peer.maddrs, "shard": shard,
               "num_shards": num_shards, "epoch": peer.epoch, "step": peer.status().step, "task": task_name,
               "options": run_options(config), "state_downloads": peer.status().state_downloads,
@@ -169,17 +148,17 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
         # the budget is training time: a slow start or a wait for others must not eat into it
         started = time.time()
         last_progress, last_eval, eval_epoch = 0.0, -float("inf"), -1
-        if local.eval_every > 0 and peer.status().state_downloads and _offer_evaluation(peer, evaluator, emit):
+        if local.evaluation.every > 0 and peer.status().state_downloads and _offer_evaluation(peer, evaluator, emit):
             last_eval, eval_epoch = time.monotonic(), peer.epoch  # a joiner's first: the state it took, untrained
         while True:
             if stop.received:
                 reason = f"signal {stop.received}"
                 break
             elapsed = time.time() - started
-            if local.max_seconds is not None and elapsed >= local.max_seconds:
+            if local.stop.max_seconds is not None and elapsed >= local.stop.max_seconds:
                 reason = "max_seconds"
                 break
-            if local.max_steps is not None and peer.status().step >= local.max_steps:
+            if local.stop.max_steps is not None and peer.status().step >= local.stop.max_steps:
                 reason = "max_steps"
                 break
             for kind in pauses.changes():
@@ -194,18 +173,19 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
             inputs, targets = next(batches)
             loss = task.loss_fn(model(inputs), targets)
             loss.backward()
-            if local.slowdown > 1:  # forward and backward dominate a step: stretch them, not averaging
-                time.sleep((local.slowdown - 1) * (time.monotonic() - tick))
+            if local.compute.slowdown > 1:  # forward and backward dominate a step: stretch them, not averaging
+                time.sleep((local.compute.slowdown - 1) * (time.monotonic() - tick))
             peer.step(batch_size=len(targets), loss=loss)
             now = time.monotonic()
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
                 emit(_progress_event(peer))
             result = _report_evaluation(peer, evaluator.poll(), emit)
-            if result is not None and local.target_accuracy is not None and result["accuracy"] >= local.target_accuracy:
+            target = local.stop.target_accuracy
+            if result is not None and target is not None and result["accuracy"] >= target:
                 reason, final = "target_accuracy", result
                 break
-            if local.eval_every > 0 and now - last_eval >= local.eval_every and peer.epoch != eval_epoch:
+            if local.evaluation.every > 0 and now - last_eval >= local.evaluation.every and peer.epoch != eval_epoch:
                 last_eval = now  # the next point is --eval-every from this one, whether this one runs or not
                 if _offer_evaluation(peer, evaluator, emit):
                     eval_epoch = peer.epoch
@@ -213,7 +193,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
             evaluator.wait()
             _report_evaluation(peer, evaluator.poll(), emit)
         emit(_progress_event(peer))
-        if final is None and local.final_eval:
+        if final is None and local.evaluation.final:
             evaluated_at = time.time()
             final = task.evaluate(model)
             # the peer leaves right after: wait (briefly) for the record, or it would be cut off
@@ -283,14 +263,12 @@ def _progress_event(peer: Peer) -> dict[str, Any]:
     return {"event": "progress", **status}
 
 
-def _shard(local: LocalOptions, network: NodeConfig) -> tuple[int, int]:
+def _shard(local: PeerConfig) -> tuple[int, int]:
     """An explicit shard, or one picked at random: volunteers of a public run spread over the data."""
-    num_shards = local.num_shards or 1
-    if local.shard is None:
-        return secrets.randbelow(num_shards), num_shards
-    if not 0 <= local.shard < num_shards:
-        raise ConfigError(f"--shard must be within 0..{num_shards - 1} (--num-shards {num_shards}), got {local.shard}")
-    return local.shard, num_shards
+    data = local.data
+    if data.shard is None:
+        return secrets.randbelow(data.num_shards), data.num_shards
+    return data.shard, data.num_shards  # within range: PeerConfig checks it
 
 
 class _StopSignal:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from swarmgrad.errors import ConfigError
+from swarmgrad.settings import flag
 
 # how far a given noise_multiplier may sit from the one derived from target_epsilon before we call them inconsistent
 _CONSISTENCY = 0.01
@@ -27,15 +28,25 @@ class Privacy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    clip_norm: float
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    expected_releases: int | None = None
-    delta: float = 1e-5
-    max_epsilon: float | None = None
-    sample_rate: float = 1.0
-    level: Literal["update", "sample"] = "update"
-    accountant: Literal["rdp", "prv", "gdp"] = "rdp"
+    clip_norm: float = Field(description="Differential privacy: L2 clip norm of each update (level update) or "
+                             "sample (level sample); with a noise, turns privacy on (default off).",
+                             json_schema_extra=flag("privacy-clip"))
+    noise_multiplier: float | None = Field(None, description="Differential privacy: noise std over the clip norm.",
+                                           json_schema_extra=flag("privacy-noise"))
+    target_epsilon: float | None = Field(None, description="Differential privacy: derive the noise from this epsilon "
+                                         "over --expected-releases (instead of --privacy-noise).")
+    expected_releases: int | None = Field(None, description="Differential privacy: releases --target-epsilon covers.")
+    delta: float = Field(1e-5, description="Differential privacy: delta, well below 1/number of peers.",
+                         json_schema_extra=flag("privacy-delta"))
+    max_epsilon: float | None = Field(None, description="Differential privacy: stop releasing past this epsilon "
+                                      "(default: --target-epsilon, else no limit).")
+    sample_rate: float = Field(1.0, description="Differential privacy: the share of the data each release "
+                               "samples, in (0, 1].", json_schema_extra=flag("privacy-sample-rate"))
+    level: Literal["update", "sample"] = Field("update", description="Differential privacy: update (each released "
+                                               "update) or sample (per-sample DP-SGD).",
+                                               json_schema_extra=flag("privacy-level"))
+    accountant: Literal["rdp", "prv", "gdp"] = Field("rdp", description="Differential privacy: the accountant that "
+                                                     "counts epsilon.", json_schema_extra=flag("privacy-accountant"))
 
     # derived from target_epsilon once, at validation, so a hopeless target fails at construction
     _derived_noise_multiplier: float | None = PrivateAttr(default=None)

@@ -25,13 +25,13 @@ class DiLoCo(StrategySettings):
 
     name: Literal["diloco"] = "diloco"
     inner_steps: int = pydantic.Field(50, ge=1, le=1_000_000,
-                                      description="diloco: local steps per peer between swarm steps.")
-    outer_lr: float = pydantic.Field(0.7, gt=0, le=10, description="diloco: outer learning rate.")
-    outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum, in [0, 1).")
+                                      description="Local steps per peer between swarm steps.")
+    outer_lr: float = pydantic.Field(0.7, gt=0, le=10, description="Outer learning rate.")
+    outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum, in [0, 1).")
     overlap: Overlap = pydantic.Field(
-        "auto", description="diloco: auto, on or off: a round travels while the next local steps run, its outer "
+        "auto", description="Auto, on or off: a round travels while the next local steps run, its outer "
         "step applied when it is back (peer/overlap.py); auto does so where the measured rounds and local steps "
-        "take comparable times (Timing.overlap_share).")
+        "take comparable times (--overlap-share).")
 
     def make_policy(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
                     synchronous: bool) -> DiLoCoPolicy:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import pydantic
 
 from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy, ProgressCounter, StrategySettings, no_grad
+from swarmgrad.settings import flag
 
 if TYPE_CHECKING:
     import torch
@@ -20,7 +21,8 @@ class GossipSGD(StrategySettings):
 
     name: Literal["gossip"] = "gossip"
     every: int = pydantic.Field(4, ge=1, le=1_000_000,
-                                description="gossip: local steps between parameter averaging.")
+                                description="Local steps between parameter averaging.",
+                                json_schema_extra=flag("gossip-every"))
 
     def make_policy(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
                     synchronous: bool) -> GossipPolicy:

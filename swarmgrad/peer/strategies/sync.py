@@ -19,7 +19,7 @@ class SyncSGD(StrategySettings):
     averagings: ClassVar[tuple[str, ...]] = ("moshpit",)
 
     name: Literal["sync"] = "sync"
-    target_batch_size: int = pydantic.Field(4096, ge=1, le=10**9, description="sync: swarm-wide samples per step.")
+    target_batch_size: int = pydantic.Field(4096, ge=1, le=10**9, description="Swarm-wide samples per step.")
 
     def make_policy(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: ProgressCounter,
                     synchronous: bool) -> SyncPolicy:
