@@ -16,9 +16,8 @@ _EXPORTS = {
     "ErrorFeedback": "swarmgrad.averaging.codecs",
     "get_codec": "swarmgrad.averaging.codecs",
     "GossipAverager": "swarmgrad.averaging.gossip",
-    "GossipReport": "swarmgrad.averaging.gossip",
     "Averager": "swarmgrad.averaging.moshpit",
-    "AveragingReport": "swarmgrad.averaging.moshpit",
+    "RoundReport": "swarmgrad.averaging.report",
     "Gossip": "swarmgrad.averaging.settings",
     "Moshpit": "swarmgrad.averaging.settings",
 }
