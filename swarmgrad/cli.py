@@ -262,10 +262,11 @@ def peer(
     from swarmgrad.net.accountability import Accountability
     from swarmgrad.peer.runner import LocalOptions
 
-    ticket = _validated(lambda: Ticket.load(options.ticket)) if options.ticket is not None else None
+    if options.ticket is not None:  # a bad ticket is an error before anything starts
+        _validated(lambda: Ticket.load(options.ticket))
     accountability = _validated(lambda: Accountability(ban_threshold=options.ban_threshold,
                                                        ban_seconds=options.ban_seconds))
-    local = LocalOptions(ticket=ticket, shard=options.shard, num_shards=options.num_shards, data_dir=options.data_dir,
+    local = LocalOptions(ticket=options.ticket, shard=options.shard, num_shards=options.num_shards, data_dir=options.data_dir,
                          max_seconds=options.max_seconds, max_steps=options.max_steps,
                          target_accuracy=options.target_accuracy, eval_every=options.eval_every,
                          eval_batches=options.eval_batches,

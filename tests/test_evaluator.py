@@ -155,8 +155,12 @@ def test_a_stopping_peer_reports_the_running_evaluation_then_evaluates_its_final
     local = LocalOptions(eval_every=0.01, final_eval=True, trusted_network=False, wait_peers=1, slowdown=1.0,
                          wait_seconds=10, max_steps=60, eval_batches=2)
     events: list[dict] = []
-    trainer = threading.Thread(target=runner.train, args=(f"eval-{secrets.token_hex(4)}", config, local, NodeConfig(),
-                                                          None, events.append))
+
+    def train_alone() -> None:
+        with runner.open_run(f"eval-{secrets.token_hex(4)}", config, local, NodeConfig(), create=True) as run:
+            runner.train(run, local, events.append)
+
+    trainer = threading.Thread(target=train_alone)
     trainer.start()
     try:
         assert stopping.wait(120), events[-1:]

@@ -11,7 +11,7 @@ from swarmgrad.commands.peer_view import peer_view
 from swarmgrad.console import stderr
 from swarmgrad.dht.node import NodeConfig
 from swarmgrad.peer.config import RunConfig
-from swarmgrad.peer.runner import LocalOptions, resolve_run, run_options, train
+from swarmgrad.peer.runner import LocalOptions, open_run, run_options, train
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +26,15 @@ def run_peer(network: NodeConfig, run_id: str, config: RunConfig, *, create: boo
             metrics = PeerMetrics()
             metrics.serve(metrics_host, metrics_port)
             stack.callback(metrics.close)
-        config, manifest = resolve_run(network, run_id, config, create=create, wait_seconds=local.wait_seconds,
-                                       data_dir=local.data_dir, ticket=local.ticket)
+        run = stack.enter_context(open_run(run_id, config, local, network, create=create))  # the peer's own node
+        config = run.config
         if not json_output:
             settings = run_options(config)
             stderr.print(f"run {run_id}: task {config.task}, strategy {settings['strategy']}, averaging "
                          f"{settings['averaging']}, compression {config.compression}, privacy {settings['privacy']}",
                          markup=False)
         emit = stack.enter_context(peer_view(run_id, json_output=json_output))
-        return train(run_id, config, local, network, manifest, emit,
+        return train(run, local, emit,
                      announce=(lambda maddrs: _print_join_hint(run_id, maddrs, local.ticket is not None)) if create else None,
                      metrics=metrics)
 

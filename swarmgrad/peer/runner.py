@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -24,15 +25,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.dht.tickets import Ticket
+from swarmgrad.dht.node import NodeConfig
 from swarmgrad.errors import ConfigError
-from swarmgrad.eventloop import run
 from swarmgrad.net.accountability import DEFAULT_ACCOUNTABILITY, Accountability
 from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
-from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, settle_run, wait_for_manifest
+from swarmgrad.peer.peer import OpenRun
+from swarmgrad.peer.peer_config import Checkpoints, Connection, PeerConfig
 from swarmgrad.tasks import Task, get_task
 from swarmgrad.tasks.base import endless_batches
 from swarmgrad.tasks.train import make_optimizer
@@ -72,7 +72,7 @@ class LocalOptions:
     timing: Timing | None = None  # None: the Peer's default
     upload_limit_mbps: float | None = DEFAULT_LIMIT_MBPS  # caps on the peer's data plane
     download_limit_mbps: float | None = DEFAULT_LIMIT_MBPS
-    ticket: Ticket | None = None  # membership ticket of a private run (--ticket)
+    ticket: Path | None = None  # membership ticket file of a private run (--ticket)
     accountability: Accountability = DEFAULT_ACCOUNTABILITY  # when a misbehaving peer is banned here
 
 
@@ -81,77 +81,62 @@ def no_initial_peers(run_id: str) -> str:
             "of the run) to join it, or --create to start it as its first peer")
 
 
-def resolve_run(network: NodeConfig, run_id: str, config: RunConfig, *, create: bool, wait_seconds: float,
-                data_dir: str | None = None, ticket: Ticket | None = None) -> tuple[RunConfig, RunManifest | None]:
-    """The settings to train with and the manifest to keep published (see ``settle_run``): this
-    peer's ``config`` when it creates the run, the run's manifest's when it joins one."""
-    if create and config.task is None:
-        raise ConfigError("--create needs the TASK to train")
-    if network.initial_peers:
-        manifest = run(_fetch_manifest(network, run_id, wait=config.task is None and not create,
-                                       wait_seconds=wait_seconds, run_key=ticket.run_key if ticket else None))
-    elif create:
-        manifest = None  # the run's first peer: there is nobody to ask
-    else:
+def open_run(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConfig, *, create: bool) -> OpenRun:
+    """The run, opened with this peer's own node (``with`` it, then ``train``): its settings settled
+    once against the run's manifest (waiting for one when no TASK was given), this peer's data
+    checked against the run's."""
+    if not network.initial_peers and not create:
         raise ConfigError(no_initial_peers(run_id))
-    return settle_run(run_id, config, manifest, create=create,
-                      fingerprint=lambda: _fingerprint(config.task, data_dir), ticket=ticket)
+    return OpenRun(config=config, peer=_peer_config(run_id, create, local, network),
+                   fingerprint=lambda task: _fingerprint(task, local.data_dir),
+                   wait_for_manifest=local.wait_seconds if config.task is None and not create else None)
 
 
-async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float,
-                          run_key: str | None = None) -> RunManifest | None:
-    """The run's manifest, read by a short-lived client node (waiting for it when there is no TASK)."""
-    reader = NodeConfig(**(network.model_dump() | {"client_mode": True, "port": 0, "identity_path": None}))
-    async with SwarmNode(reader) as node:
-        if wait:
-            return await wait_for_manifest(node, run_id, wait_seconds, run_key)
-        return await read_manifest(node, run_id, run_key)
+def _peer_config(run_id: str, create: bool, local: LocalOptions, network: NodeConfig) -> PeerConfig:
+    return PeerConfig(run_id=run_id, create=create, network=network, timing=local.timing or Timing(),
+                      bans=local.accountability,
+                      connection=Connection(trusted_network=local.trusted_network, ticket=local.ticket,
+                                            upload_limit_mbps=local.upload_limit_mbps,
+                                            download_limit_mbps=local.download_limit_mbps),
+                      checkpoints=Checkpoints(dir=local.checkpoint_dir))
 
 
+@functools.cache  # settling the run reads the task's data fingerprint; training then reads the same task
 def load_task(name: str, data_dir: str | None) -> Task:
     """``--data-dir`` goes to the Fashion-MNIST tasks only; the others read no files."""
     return get_task(name, data_dir=data_dir) if name.startswith("fashion-mnist") else get_task(name)
 
 
-def _fingerprint(task: str | None, data_dir: str | None) -> str | None:
-    if task is None:
-        return None
+def _fingerprint(task: str, data_dir: str | None) -> str | None:
     spec = load_task(task, data_dir)
     return spec.data_fingerprint() if spec.data_fingerprint else None
 
 
-def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConfig, manifest: RunManifest | None,
-          emit: Emit, announce: Callable[[list[str]], None] | None = None,
+def train(run: OpenRun, local: LocalOptions, emit: Emit, announce: Callable[[list[str]], None] | None = None,
           metrics: PeerMetrics | None = None) -> dict[str, Any]:
-    """Train ``config.task`` with ``config`` until a stop condition or SIGTERM/SIGINT; returns the
-    final summary (also emitted as ``done``). SIGUSR1 pauses the peer, SIGUSR2 resumes it (events
-    ``paused`` and ``resumed``); a paused peer computes no batches. ``manifest``: the run's, which the peer keeps published.
+    """Train the task of the opened ``run`` (``open_run``) with its settings until a stop condition or
+    SIGTERM/SIGINT; returns the final summary (also emitted as ``done``). SIGUSR1 pauses the peer, SIGUSR2
+    resumes it (events ``paused`` and ``resumed``); a paused peer computes no batches.
     ``announce(maddrs)`` is called once the peer listens, before it waits for ``local.wait_peers``.
     ``metrics``: a served PeerMetrics, which then reports this peer. Every held-out evaluation is
     published as this peer's evaluation record of the run."""
-    from swarmgrad.peer.peer import Peer
-
+    config = run.config
     if config.task is None:
         raise ConfigError("no task to train: give the TASK, or join a run that has a manifest")
     if local.threads:
         torch.set_num_threads(local.threads)
     task_name = config.task
     task = load_task(task_name, local.data_dir)
-    if manifest is not None:
-        check_compatible(manifest, task_name, task.data_fingerprint() if task.data_fingerprint else None)
     hparams = {**task.default_hparams, **config.hparams}
     batch_size = int(hparams.get("batch_size", 64))
-    shard, num_shards = _shard(local, network)
+    shard, num_shards = _shard(local)
     torch.manual_seed(config.seed)  # every peer starts from the same weights
     model = task.make_model()
     optimizer = make_optimizer(model.parameters(), hparams)
     dataset = task.train_data(shard, num_shards, config.seed)
     batches = endless_batches(dataset, batch_size, seed=shard)
     stop, pauses = _StopSignal(), _PauseSignal()
-    peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
-                checkpoint_dir=local.checkpoint_dir, network=network, trusted_network=local.trusted_network,
-                manifest=manifest, timing=local.timing, upload_limit_mbps=local.upload_limit_mbps,
-                download_limit_mbps=local.download_limit_mbps, ticket=local.ticket, accountability=local.accountability)
+    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=len(dataset))
     if metrics is not None:
         metrics.attach(peer)
     reason, final = "stopped", None
@@ -217,7 +202,7 @@ def train(run_id: str, config: RunConfig, local: LocalOptions, network: NodeConf
             final = task.evaluate(model)
             # the peer leaves right after: wait (briefly) for the record, or it would be cut off
             with contextlib.suppress(Exception):  # a failure is logged by _publish
-                _publish(peer, final, evaluated_at).result(timeout=2 * network.request_timeout + 1)
+                _publish(peer, final, evaluated_at).result(timeout=2 * peer.node.config.request_timeout + 1)
         status = peer.status()
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
                "reason": reason, "final": None if final is None else _finite_metrics(final),
@@ -282,7 +267,7 @@ def _progress_event(peer: Peer) -> dict[str, Any]:
     return {"event": "progress", **status}
 
 
-def _shard(local: LocalOptions, network: NodeConfig) -> tuple[int, int]:
+def _shard(local: LocalOptions) -> tuple[int, int]:
     """An explicit shard, or one picked at random: volunteers of a public run spread over the data."""
     num_shards = local.num_shards or 1
     if local.shard is None:
