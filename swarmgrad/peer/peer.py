@@ -90,7 +90,7 @@ class Peer:
 
     ``config``: the run settings (what every peer of a run shares, ``RunConfig``); its fields may also
     be given as keywords: ``strategy`` (DiLoCo (default), SyncSGD or GossipSGD), ``averaging``
-    (Moshpit() for diloco and sync, Gossip() for gossip), ``compression`` (``sg.CODEC_NAMES``),
+    (Moshpit() for diloco and sync, Gossip() for gossip), ``compression`` (a codec name: averaging/codecs),
     ``aggregator`` (centered-clip (default), trimmed-mean, mean) and ``privacy`` (level="update"
     makes every released update private in the averaging layer; level="sample" runs per-sample DP-SGD
     in ``step`` and then needs ``batch_size`` and ``dataset_size``). When the run has a manifest, the
