@@ -129,6 +129,7 @@ class Peer:
         self.training: Training | None = None  # the parts phase two built, once entered
         self._background = background
         self._paused = False
+        self._interrupted = False  # interrupt(): leaving, so no more swarm steps
         self._resynced = True  # False after a resume, until the first step checked the swarm's epoch
         self._round: asyncio.Task | None = None  # the swarm step in flight, which pause() cancels
         self._pause_changed: asyncio.Event | None = None  # set on each pause/resume (the loop's)
@@ -188,6 +189,13 @@ class Peer:
     def resume(self) -> concurrent.futures.Future[None]:
         """Take part in rounds again; the next ``step()`` takes the swarm's state if it moved on."""
         return self._loop_submit(self.aresume(), "resume")
+
+    def interrupt(self) -> concurrent.futures.Future[None]:
+        """Leave the swarm step under way at once and start no new one: the peer is about to leave
+        (``swarmgrad peer`` on SIGTERM). A round's matchmaking may otherwise wait a whole window for a
+        member that already left. Returns at once (safe from a signal handler); ``step()`` then only
+        trains locally."""
+        return self._loop_submit(self.ainterrupt(), "interrupt")
 
     @property
     def paused(self) -> bool:
@@ -258,6 +266,13 @@ class Peer:
         self.tracker.set_averaging(False)
         self._announce_pause()
         logger.info("paused at epoch %d: in no round until resumed", self.epoch)
+
+    async def ainterrupt(self) -> None:
+        """The asyncio twin of ``interrupt``."""
+        self._interrupted = True
+        if self._round is not None:
+            self._round.cancel()  # the group's deadline drops this peer, as for a pause
+            await asyncio.gather(self._round, return_exceptions=True)
 
     async def aresume(self) -> None:
         """The asyncio twin of ``resume``."""
@@ -426,7 +441,7 @@ class Peer:
     async def _swarm_step(self) -> None:
         """The due swarm step, or the landing of the round in flight."""
         assert self.training is not None
-        if self._paused:
+        if self._paused or self._interrupted:
             return
         training = self.training
         landing = training.driver.flight is not None
@@ -437,9 +452,9 @@ class Peer:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             cancelling = getattr(current, "cancelling", lambda: 0)()  # Python 3.11+: is the caller cancelled too?
-            if not (self._paused and self._round.cancelled()) or cancelling:
+            if not ((self._paused or self._interrupted) and self._round.cancelled()) or cancelling:
                 raise
-            return  # paused mid-round: the epoch stays as it was, nothing was applied
+            return  # paused or interrupted mid-round: the epoch stays as it was, nothing was applied
         finally:
             self._round = None
         if advanced:  # the parameters are the swarm's now (the new start): the state joiners take
