@@ -251,7 +251,7 @@ async def _trace(inner_steps: int) -> list[Node]:
         recorder, generator = recorders[owner], torch.Generator().manual_seed(len(led))
         groups: list[list[str]] = []
         averaged = 0
-        peer.round_listeners.append(lambda outcome: groups.append(list(getattr(outcome.report, "group", []))))
+        peer.counters.observers.append(lambda outcome: groups.append(list(outcome.report.group)))
         while True:
             x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
             loss = torch.nn.functional.cross_entropy(model(x), y)

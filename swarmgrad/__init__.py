@@ -15,6 +15,7 @@ from swarmgrad.version import __version__
 _PUBLIC = {
     "Peer": "swarmgrad.peer.peer",
     "PeerStatus": "swarmgrad.peer.peer",
+    "PeerConfig": "swarmgrad.peer.peer_config",
     "RunConfig": "swarmgrad.peer.config",
     "RunConfigMismatch": "swarmgrad.peer.config",
     "DiLoCo": "swarmgrad.peer.strategies.diloco",

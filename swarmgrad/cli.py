@@ -178,6 +178,11 @@ def peer(
         return
     from swarmgrad.commands.peer import run_peer
 
+    ticket = models["peer"].connection.ticket
+    if ticket is not None:  # a bad ticket is an error before anything starts
+        from swarmgrad.dht.tickets import Ticket
+
+        _validated(lambda: Ticket.load(ticket))
     call_reporting_errors(lambda: run_peer(models["run"], models["peer"], json_output=json_output))
 
 

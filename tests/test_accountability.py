@@ -12,8 +12,8 @@ from conftest import run_async
 from rich.console import Console
 
 import swarmgrad as sg
-from swarmgrad.averaging.allreduce import AllReduceReport
 from swarmgrad.averaging.matchmaking import left_out, peer_ids
+from swarmgrad.averaging.report import RoundReport
 from swarmgrad.commands.status import _view
 from swarmgrad.dht.membership import Member, TrainingStats
 from swarmgrad.errors import ConfigError
@@ -136,12 +136,13 @@ def test_a_rounds_suspicions_count_toward_a_ban_and_show_in_the_status():
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
     peer = sg.Peer(model, torch.optim.SGD(model.parameters(), lr=0.1), run_id="score-rounds",
-                   accountability=Accountability(ban_threshold=4))
-    report = AllReduceReport(ok=True, round_id="r", group=["liar"], contributors=["liar"], suspicions={"liar": ["weight cut", "clipped"]})
-    peer._record(RoundOutcome(ok=True, report=report))
+                   bans=Accountability(ban_threshold=4))
+    report = RoundReport("moshpit", 0, ok=True, group=["liar"], contributors=["liar"],
+                         suspicions={"liar": ["weight cut", "clipped"]})
+    peer.counters.record(RoundOutcome(ok=True, report=report))
     assert peer.runtime.admission.misbehaviour.score("liar") == pytest.approx(2.0, rel=1e-3)  # clipped: 0
-    peer._record(RoundOutcome(ok=False, report=report))
-    assert set(peer.status().banned) == {"liar"} and peer._stats().bans == 1
+    peer.counters.record(RoundOutcome(ok=False, report=report))
+    assert set(peer.status().banned) == {"liar"} and peer.assembly.stats().bans == 1
 
 
 def test_a_donor_whose_parts_hold_nan_is_blamed_for_bad_state():

@@ -304,31 +304,31 @@ def test_a_conflicting_flag_names_each_field_and_both_values():
     run = RunManifest.create(RunConfig(task="digits"), None)
     mine = run_config_from({"strategy": "sync"}, task="digits")
     with pytest.raises(RunConfigMismatch) as raised:
-        settle_run("r", mine, run, create=False, fingerprint=lambda: None)
+        settle_run("r", mine, run, create=False, fingerprint=lambda task: None)
     assert "strategy.name: 'sync' here, 'diloco' in the run" in str(raised.value)
     mine = run_config_from({"inner_steps": 20, "compression": "fp16"})
     with pytest.raises(RunConfigMismatch) as raised:
-        settle_run("r", mine, run, create=False, fingerprint=lambda: None)
+        settle_run("r", mine, run, create=False, fingerprint=lambda task: None)
     message = str(raised.value)
     assert f"strategy.inner_steps: 20 here, {RunConfig().strategy.inner_steps} in the run" in message
     assert f"compression: 'fp16' here, {RunConfig().compression!r} in the run" in message
     # settings that agree, or are left out, join: the run's settings and task
     agreed, manifest = settle_run("r", run_config_from({"strategy": "diloco"}), run, create=False,
-                                  fingerprint=lambda: None)
+                                  fingerprint=lambda task: None)
     assert agreed == run.run_config() and agreed.task == "digits" and manifest is run
 
 
 def test_creating_a_run():
     mine = run_config_from({"inner_steps": 20}, task="digits")
-    config, manifest = settle_run("r", mine, None, create=True, fingerprint=lambda: "fp")
+    config, manifest = settle_run("r", mine, None, create=True, fingerprint=lambda task: "fp")
     assert config == mine and manifest.run_config() == mine and manifest.data_fingerprint == "fp"
-    same, kept = settle_run("r", mine, manifest, create=True, fingerprint=lambda: "fp")
+    same, kept = settle_run("r", mine, manifest, create=True, fingerprint=lambda task: "fp")
     assert kept is manifest  # the run exists with these settings: keep publishing the first manifest
     with pytest.raises(StartupError, match="already exists"):
         settle_run("r", run_config_from({"inner_steps": 30}, task="digits"), manifest, create=True,
-                   fingerprint=lambda: "fp")
+                   fingerprint=lambda task: "fp")
     with pytest.raises(ConfigError, match="TASK"):
-        settle_run("r", run_config_from({}), None, create=True, fingerprint=lambda: None)
+        settle_run("r", run_config_from({}), None, create=True, fingerprint=lambda task: None)
 
 
 def test_join_hint_is_one_command_line():

@@ -155,7 +155,12 @@ def test_a_stopping_peer_reports_the_running_evaluation_then_evaluates_its_final
     local = PeerConfig(run_id=f"eval-{secrets.token_hex(4)}", connection=Connection(wait=10),
                        evaluation=Evaluation(every=0.01, batches=2), stop=Stop(max_steps=60))
     events: list[dict] = []
-    trainer = threading.Thread(target=runner.train, args=(config, local, None, events.append))
+
+    def train_alone() -> None:
+        with runner.open_run(config, local.model_copy(update={"create": True})) as run:
+            runner.train(run, local, events.append)
+
+    trainer = threading.Thread(target=train_alone)
     trainer.start()
     try:
         assert stopping.wait(120), events[-1:]

@@ -253,7 +253,7 @@ def test_public_run_manifest_gives_joiners_the_settings(swarm):
     assert_one_line_error(conflict, "strategy")
     assert conflict.returncode == 2
     # a TASK that differs from the manifest's must be refused, not silently replaced by the run's task
-    # (fails while swarmgrad/peer/runner.py resolve_run returns manifest.task and drops the given TASK)
+    # (fails while swarmgrad/peer/manifest.py settle_run returns manifest.task and drops the given TASK)
     assert_one_line_error(wrong_task, "charlm", "digits")
 
 

@@ -92,7 +92,7 @@ def test_a_python_peer_takes_the_runs_settings_from_its_manifest_and_refuses_con
                                   compression="int8", strategy=sg.DiLoCo(inner_steps=INNER + 1))
             with pytest.raises(sg.RunConfigMismatch) as refused:
                 await conflicting.__aenter__()
-            assert not conflicting._opened
+            assert conflicting.training is None and conflicting.node.p2p is None  # nothing built, its node gone
             joiner = sg.Peer(*model_and_optimizer(), run_id="py-manifest", initial_peers=first.maddrs)
             async with joiner:
                 taken = joiner.config
@@ -153,19 +153,19 @@ def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
                 statuses = await asyncio.gather(*(train(peer, model, seed, steps=6 * INNER)
                                                   for seed, (peer, (model, _)) in enumerate(zip(holders, models))))
                 for peer in holders:
-                    await peer.driver.abandon()  # a round still in flight: withdrawn, start as last landed
-                    snapshot = peer.state_server.latest
+                    await peer.training.driver.abandon()  # a round still in flight: withdrawn, start as last landed
+                    snapshot = peer.training.server.latest
                     assert snapshot is not None and snapshot.version == peer.epoch
                     served = [snapshot.tensors()[f"model/{key}"] for key in peer.model.state_dict()]
-                    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in served]), peer.policy.start)
+                    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in served]), peer.training.policy.start)
                     live = torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()])
-                    assert not torch.equal(live, peer.policy.start)  # the progress since the last landing
+                    assert not torch.equal(live, peer.training.policy.start)  # the progress since the last landing
                     # what held-out evaluations score: the swarm's model, not the live parameters
                     swarm_model = peer.swarm_model()
                     assert list(swarm_model) == list(peer.model.state_dict())
                     torch.testing.assert_close(torch.cat([t.reshape(-1) for t in swarm_model.values()]),
-                                               peer.policy.start)
-                    assert peer.catch_up.receive_rate > 0  # its rounds size a replay's deadline
+                                               peer.training.policy.start)
+                    assert peer.training.catch_up.receive_rate > 0  # its rounds size a replay's deadline
                 return statuses
 
     statuses = run_async(scenario())

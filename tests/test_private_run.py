@@ -49,6 +49,12 @@ def identity(tmp_path, name: str) -> tuple[sg.NodeConfig, str]:
     return sg.NodeConfig(identity_path=path), key.peer_id
 
 
+def ticket_file(tmp_path, name: str, ticket: Ticket):
+    path = tmp_path / f"{name}.ticket"
+    ticket.save(path)
+    return path
+
+
 # another key's ticket is refused by the same check as no ticket (test_tickets covers the key itself):
 # that variant runs with `-m extended`, outside CI's budget
 @pytest.mark.parametrize("intruder_ticket", ["none", pytest.param("another run key", marks=pytest.mark.extended)])
@@ -58,7 +64,8 @@ def test_a_private_run_takes_no_record_and_no_stream_from_a_peer_without_a_valid
     config = sg.RunConfig(task="digits", strategy=sg.DiLoCo(inner_steps=INNER))
     manifest = RunManifest.create(config, None, run_key=run_key.public_key.hex())
     (net_a, id_a), (net_b, id_b), (net_c, id_c) = (identity(tmp_path, name) for name in "abc")
-    ticket_a, ticket_b = (Ticket.issue(run_key, peer, run_id=run_id) for peer in (id_a, id_b))
+    ticket_a, ticket_b = (ticket_file(tmp_path, name, Ticket.issue(run_key, peer, run_id=run_id))
+                          for name, peer in (("a", id_a), ("b", id_b)))
     # the intruder skips every check a peer makes of itself: it hands itself a manifest that says the
     # run is public, or one that names its own key and a ticket signed by that key
     if intruder_ticket == "none":
@@ -66,7 +73,7 @@ def test_a_private_run_takes_no_record_and_no_stream_from_a_peer_without_a_valid
     else:
         own_key = Identity.generate()
         intruder_manifest = RunManifest.create(config, None, run_key=own_key.public_key.hex())
-        ticket_c = Ticket.issue(own_key, id_c, run_id=run_id)
+        ticket_c = ticket_file(tmp_path, "c", Ticket.issue(own_key, id_c, run_id=run_id))
 
     async def scenario():
         models = [model_and_optimizer() for _ in range(3)]
@@ -83,9 +90,9 @@ def test_a_private_run_takes_no_record_and_no_stream_from_a_peer_without_a_valid
                 refusals = []
                 for target in (a, b):
                     with pytest.raises(RemoteError) as refused:
-                        await c.runtime.transport.open(target.peer_id, target.state_server.protocol)
+                        await c.runtime.transport.open(target.peer_id, target.training.server.protocol)
                     refusals.append(str(refused.value))
-                    channel = await c.runtime.transport.libp2p.open(target.peer_id, target.state_server.protocol)
+                    channel = await c.runtime.transport.libp2p.open(target.peer_id, target.training.server.protocol)
                     with pytest.raises(RemoteError) as refused:
                         await asyncio.wait_for(channel.recv(), 10)
                     await channel.close()
@@ -120,13 +127,13 @@ def test_a_peer_without_a_ticket_is_told_the_run_is_private_and_one_with_another
 
     async def scenario() -> tuple[str, str, int]:
         a = sg.Peer(*model_and_optimizer(), run_id=run_id, config=config, manifest=manifest, network=net_a,
-                    ticket=Ticket.issue(run_key, id_a, run_id=run_id), timing=TIMING)
+                    ticket=ticket_file(tmp_path, "a", Ticket.issue(run_key, id_a, run_id=run_id)), timing=TIMING)
         async with a:
             unticketed = sg.Peer(*model_and_optimizer(), run_id=run_id, initial_peers=a.maddrs, timing=TIMING)
             with pytest.raises(StartupError) as private:
                 await unticketed.__aenter__()
             stolen = sg.Peer(*model_and_optimizer(), run_id=run_id, initial_peers=a.maddrs, network=net_b,
-                             ticket=Ticket.issue(run_key, id_a, run_id=run_id), timing=TIMING)
+                             ticket=tmp_path / "a.ticket", timing=TIMING)  # a's ticket, b's identity
             with pytest.raises(ConfigError) as not_mine:
                 await stolen.__aenter__()
             return str(private.value), str(not_mine.value), len(a.runtime.members())

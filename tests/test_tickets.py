@@ -129,11 +129,11 @@ def test_an_admitted_peer_is_dropped_when_its_ticket_expires(run_key, peer):
 def test_a_ticket_makes_a_created_run_private_and_joining_checks_the_runs_key(run_key, peer):
     config = sg.RunConfig(task="digits")
     ticket = Ticket.issue(run_key, peer, run_id=RUN)
-    _, manifest = settle_run(RUN, config, None, create=True, fingerprint=lambda: None, ticket=ticket)
+    _, manifest = settle_run(RUN, config, None, create=True, fingerprint=lambda task: None, ticket=ticket)
     assert manifest.run_key == ticket.run_key
     public = RunManifest.create(config, None)
     assert public.run_key is None and manifest.digest != public.digest
-    settle_run(RUN, sg.RunConfig(), manifest, create=False, fingerprint=lambda: None, ticket=ticket)
+    settle_run(RUN, sg.RunConfig(), manifest, create=False, fingerprint=lambda task: None, ticket=ticket)
     problems = [
         (manifest, None, "is private"),
         (public, ticket, "is public"),

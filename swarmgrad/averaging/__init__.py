@@ -16,10 +16,9 @@ _EXPORTS = {
     "ErrorFeedback": "swarmgrad.averaging.codecs",
     "get_codec": "swarmgrad.averaging.codecs",
     "GossipAverager": "swarmgrad.averaging.gossip",
-    "GossipReport": "swarmgrad.averaging.gossip",
     "Averager": "swarmgrad.averaging.moshpit",
-    "AveragingReport": "swarmgrad.averaging.moshpit",
     "Aggregation": "swarmgrad.averaging.settings",
+    "RoundReport": "swarmgrad.averaging.report",
     "Gossip": "swarmgrad.averaging.settings",
     "Moshpit": "swarmgrad.averaging.settings",
 }

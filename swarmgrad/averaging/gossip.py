@@ -42,7 +42,6 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
@@ -53,6 +52,7 @@ from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.pushsum import Push, exponential_neighbors, give, merge
+from swarmgrad.averaging.report import RoundReport
 from swarmgrad.averaging.rules import get_rule
 from swarmgrad.averaging.settings import DEFAULT_AGGREGATOR, DEFAULT_COMPRESSION, Gossip, check_aggregator
 from swarmgrad.averaging.sparse_gossip import BYTES_PER_ENTRY, SparseMass, pack, unpack
@@ -75,24 +75,6 @@ MAX_WEIGHT = 1e15
 MIN_WEIGHT_FRACTION = 2.0**-40
 MAX_RECEIVE_REFERENCES = 32  # per-sender references kept; an evicted sender starts over from zero
 UNREACHABLE_FACTOR = 3.0  # a peer a push failed to reach is skipped this many presence TTLs (at least)
-
-
-@dataclass
-class GossipReport:
-    """What one ``step`` did."""
-
-    step: int
-    merged: int = 0  # pushes merged into the local tensors
-    clipped: int = 0  # of those, pushes whose change was clipped to τ (clipped gossip)
-    pushed_to: list[str] = field(default_factory=list)  # peers that accepted our push
-    failed: list[str] = field(default_factory=list)  # peers we could not push to (mass lost or returned)
-    privacy: dict | None = None  # epsilon spent so far etc., when privacy is on
-    error: str | None = None
-    weight: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    suspicions: dict[str, list[str]] = field(default_factory=dict)  # sender -> ["clipped"], as AllReduceReport's
 
 
 class GossipAverager:
@@ -169,10 +151,10 @@ class GossipAverager:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    async def step(self) -> GossipReport:
+    async def step(self) -> RoundReport:
         """Merge the pushes that arrived, then push half of our weight to this step's neighbours."""
         started = time.monotonic()
-        report = GossipReport(step=self.step_index)
+        report = RoundReport("gossip", self.step_index)
         report.merged = self._merge(report)
         neighbors = exponential_neighbors(self._live_members(), self.node.peer_id, self.step_index, self.fanout)
         self.step_index += 1
@@ -192,9 +174,10 @@ class GossipAverager:
         report.weight = self.weight
         report.bytes_received, self._received_bytes = self._received_bytes, 0
         report.seconds = time.monotonic() - started
+        report.ok = report.error is None
         return report
 
-    def _merge(self, report: GossipReport | None = None) -> int:
+    def _merge(self, report: RoundReport | None = None) -> int:
         pending, self._pending = self._pending, []
         if not pending:
             return 0

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -40,6 +39,7 @@ from swarmgrad.averaging.grid import (
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
+from swarmgrad.averaging.report import RoundReport
 from swarmgrad.averaging.result_frames import Frame, ResultDecoder, ordered_frames
 from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Aggregation, Moshpit
 from swarmgrad.dht.membership import reachability
@@ -51,26 +51,6 @@ from swarmgrad.net.wire import expect_kind
 from swarmgrad.net.wire import field as frame_field
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class AveragingReport:
-    """What one ``step`` did: whom it met, whether the average was applied, what it cost."""
-
-    ok: bool
-    round_index: int
-    key: str
-    group: list[str] = field(default_factory=list)
-    contributors: list[str] = field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    allreduce_seconds: float = 0.0
-    transports: dict[str, str] = field(default_factory=dict)
-    privacy: dict | None = None  # epsilon spent so far etc., when privacy is on
-    suspicions: dict[str, list[str]] = field(default_factory=dict)  # peer -> what it did wrong (AllReduceReport)
-    observed: list[str] = field(default_factory=list)  # whose contributions it aggregated (AllReduceReport)
-    error: str | None = None
 
 
 AVERAGING_ROLES = ("peer", "client")  # client: a training peer that others cannot dial
@@ -195,7 +175,7 @@ class Averager:
     async def step(
         self, weight: float = 1.0, round_index: int | None = None, expected_peers: int | None = None,
         attempt: int = 0,
-    ) -> AveragingReport:
+    ) -> RoundReport:
         """Meet this round's group, average, and write the result into the tensors.
 
         ``weight`` is the number of samples behind this peer's tensors (architecture.md, invariant
@@ -212,7 +192,7 @@ class Averager:
         index = self.round_index if round_index is None else round_index
         self.round_index = index + 1
         key, slice_peers, unreachable = self._round_key(index, attempt)
-        report = AveragingReport(ok=False, round_index=index, key=key)
+        report = RoundReport("moshpit", index, key=key)
         if not (math.isfinite(weight) and weight > 0):
             report.error = f"weight must be finite and positive, got {weight}"
             return report
@@ -239,7 +219,7 @@ class Averager:
         report.seconds = time.monotonic() - started
         return report
 
-    def _prepare_contribution(self, report: AveragingReport) -> bool:
+    def _prepare_contribution(self, report: RoundReport) -> bool:
         """Fill the contribution buffer: the tensors, or their private release (architecture.md, invariant
         'privacy before anything leaves')."""
         tensors = self.tensors
@@ -276,7 +256,7 @@ class Averager:
         finally:
             self._rounds.pop(plan.round_id, None)
 
-    def _apply(self, report: AveragingReport, outcome: tuple[AllReduceReport, GroupAllReduce], plan: GroupPlan) -> None:
+    def _apply(self, report: RoundReport, outcome: tuple[AllReduceReport, GroupAllReduce], plan: GroupPlan) -> None:
         result, allreduce = outcome
         report.group, report.contributors, report.error = result.group, result.contributors, result.error
         report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received

@@ -11,7 +11,7 @@ from swarmgrad.commands.peer_view import peer_view
 from swarmgrad.console import stderr
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.peer_config import PeerConfig
-from swarmgrad.peer.runner import resolve_run, run_options, train
+from swarmgrad.peer.runner import open_run, run_options, train
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ def run_peer(config: RunConfig, local: PeerConfig, *, json_output: bool) -> dict
             metrics = PeerMetrics()
             metrics.serve(monitoring.metrics_host, monitoring.metrics_port)
             stack.callback(metrics.close)
-        config, manifest = resolve_run(config, local)
+        run = stack.enter_context(open_run(config, local))  # the peer's own node settles the run's settings
+        config = run.config
         if not json_output:
             settings = run_options(config)
             stderr.print(f"run {run_id}: task {config.task}, strategy {settings['strategy']}, averaging "
@@ -34,7 +35,7 @@ def run_peer(config: RunConfig, local: PeerConfig, *, json_output: bool) -> dict
                          markup=False)
         emit = stack.enter_context(peer_view(run_id, json_output=json_output))
         private = local.connection.ticket is not None
-        return train(config, local, manifest, emit,
+        return train(run, local, emit,
                      announce=(lambda maddrs: _print_join_hint(run_id, maddrs, private)) if local.create else None,
                      metrics=metrics)
 

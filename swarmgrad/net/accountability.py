@@ -122,7 +122,7 @@ class Misbehaviour:
         return True
 
     def note_round(self, suspicions: dict[str, list[str]], group: list[str] | tuple[str, ...] = ()) -> None:
-        """A round's suspicions (peer -> reasons, as AllReduceReport and GossipReport carry them); each
+        """A round's suspicions (peer -> reasons, as AllReduceReport and RoundReport carry them); each
         peer of ``group`` (whose contributions this peer aggregated: the report's ``observed``) that is
         not suspected has its score halved."""
         for peer_id, reasons in suspicions.items():

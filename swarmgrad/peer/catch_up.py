@@ -29,6 +29,7 @@ import torch
 
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies.base import Policy
 from swarmgrad.state.results import RESULT_DTYPE, ResultFrames, download_result, download_result_digest
@@ -75,6 +76,16 @@ class CatchUp:
         self.replayed = 0  # rounds replayed from their results
         self.in_step = False
         self.receive_rate: float | None = None  # bytes/s this peer's group rounds received at, smoothed
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """Each round's outcome (``Counters.observers``): a peer of a synchronous strategy that averaged
+        holds the swarm's state (it may replay rounds it misses), and group rounds measure its downlink."""
+        if not outcome.ok or outcome.report is None:
+            return
+        if self.policy.synchronous:
+            self.in_step = True
+        if outcome.report.kind == "moshpit":
+            self.note_round(outcome.report.bytes_received, outcome.report.allreduce_seconds)
 
     def note_round(self, bytes_received: int, seconds: float) -> None:
         """A group round's all-reduce received ``bytes_received`` in ``seconds``: what this peer's

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -64,3 +66,29 @@ def load_checkpoint(directory: Path, run_id: str) -> tuple[StateSnapshot, dict[s
     if snapshot.nbytes != layout(snapshot.specs)[1]:
         raise ConfigError(f"checkpoint {path} is truncated; move it away to start fresh")
     return snapshot, dict(payload.get("extra") or {})
+
+
+class Checkpointer:
+    """Keeps a peer's latest published state (``latest()``, what joiners download) in ``directory``:
+    after a swarm step once ``every`` seconds passed since the last save, and on leaving. ``extra()``
+    is saved beside it (the privacy accountant, the step counters)."""
+
+    def __init__(self, directory: Path, run_id: str, every: float, latest: Callable[[], StateSnapshot | None],
+                 extra: Callable[[], dict[str, Any]]):
+        self.directory, self.run_id, self.every, self.latest, self.extra = directory, run_id, every, latest, extra
+        self._saved_at = time.monotonic()
+
+    def load(self) -> tuple[StateSnapshot, dict[str, Any]] | None:
+        return load_checkpoint(self.directory, self.run_id)
+
+    def due(self) -> bool:
+        return time.monotonic() - self._saved_at >= self.every
+
+    async def save(self) -> None:
+        snapshot = self.latest()
+        if snapshot is None:
+            return
+        # off the loop: a large state takes seconds to write, and rounds go on meanwhile
+        await asyncio.get_running_loop().run_in_executor(
+            None, save_checkpoint, self.directory, self.run_id, snapshot, self.extra())
+        self._saved_at = time.monotonic()

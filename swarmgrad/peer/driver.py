@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import torch
 
 from swarmgrad.averaging import Averager, GossipAverager
+from swarmgrad.averaging.report import RoundReport
 from swarmgrad.peer.overlap import Flight, OverlapMode, PhaseClock
 from swarmgrad.peer.progress import SwarmProgress
 from swarmgrad.peer.strategies.base import Policy
@@ -38,7 +39,7 @@ class RoundOutcome:
 
     ok: bool
     average: torch.Tensor | None = None
-    report: Any = None
+    report: RoundReport | None = None
     frames: list | None = None  # the average as it travelled (averaging/result_frames.py), if lossy
 
 
@@ -70,7 +71,7 @@ class GossipBackend:
 
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
         report = await self.gossip.step()
-        return RoundOutcome(report.error is None, self.contribution, report)
+        return RoundOutcome(report.ok, self.contribution, report)
 
 
 class Tracker(Protocol):

@@ -145,32 +145,47 @@ def check_admission(run_id: str, manifest: RunManifest | None, ticket: Ticket | 
 
 
 def settle_run(run_id: str, mine: RunConfig, manifest: RunManifest | None, *, create: bool,
-               fingerprint: Callable[[], str | None], ticket: Ticket | None = None) -> tuple[RunConfig, RunManifest | None]:
+               fingerprint: Callable[[str], str | None], ticket: Ticket | None = None) -> tuple[RunConfig, RunManifest | None]:
     """What this peer trains with, given the run's manifest (None: the run has none, or this is its
-    first peer) and the manifest it keeps published. ``fingerprint()`` gives this peer's data
-    fingerprint, asked for only when creating the run.
+    first peer) and the manifest it keeps published. ``fingerprint(task)`` gives this peer's data
+    fingerprint of a task (None: it cannot tell), asked for once the task is known to be right.
 
     Creating: this peer's settings, which must be the run's if it exists already. Joining: the
     run's settings, after checking that every one this peer chose agrees (RunConfigMismatch names
-    each field and both values); without a manifest, this peer's own. A creator's ``ticket`` makes
-    the run private, with the key that signed it; a joiner's must be for the run's key."""
+    each field and both values), and that this peer's software, task and data are the run's; without
+    a manifest, this peer's own. A creator's ``ticket`` makes the run private, with the key that
+    signed it; a joiner's must be for the run's key."""
     if create:
         if mine.task is None:
             raise ConfigError("--create needs the TASK to train")
-        created = RunManifest.create(mine, fingerprint(), run_key=ticket.run_key if ticket is not None else None)
+        created = RunManifest.create(mine, fingerprint(mine.task), run_key=ticket.run_key if ticket is not None else None)
         if manifest is not None and manifest.digest != created.digest:
             raise StartupError(f"run {run_id!r} already exists with other settings (task {manifest.task!r}); "
                                "join it without --create, or pick another --run-id")
         return mine, manifest or created
     if manifest is None:
-        if mine.task is None:
-            raise ConfigError(f"run {run_id!r} has no manifest to take the task from: give the TASK")
-        logger.warning("run %r has no manifest: training with this peer's settings (use --create to publish them)",
-                       run_id)
+        if mine.task is not None:  # a task named and nobody told of it: the other peers cannot check theirs
+            logger.warning("run %r has no manifest: training with this peer's settings (use --create to publish "
+                           "them)", run_id)
         return mine, None
     check_admission(run_id, manifest, ticket)
-    check_compatible(manifest, mine.task, None)  # a different task is refused; the data is checked once loaded
+    check_compatible(manifest, mine.task, None)  # other software or another task: refused before any data is read
+    check_compatible(manifest, manifest.task, fingerprint(manifest.task))
     return resolve_against_run(run_id, mine, manifest.run_config()), manifest
+
+
+async def settle_from_dht(node: SwarmNode, run_id: str, mine: RunConfig, handed: RunManifest | None, *, create: bool,
+                          fingerprint: Callable[[str], str | None], ticket: Ticket | None = None,
+                          wait: float | None = None) -> tuple[RunConfig, RunManifest | None]:
+    """``settle_run`` with the manifest read through this peer's own node: the one ``handed`` over (a
+    caller that publishes the run's), else the run's, waiting up to ``wait`` seconds for one (None: one
+    read) where there are initial peers to read it from."""
+    found = handed
+    if found is None and node.config.initial_peers:
+        run_key = ticket.run_key if ticket is not None else None
+        found = await (read_manifest(node, run_id, run_key) if wait is None
+                       else wait_for_manifest(node, run_id, wait, run_key))
+    return settle_run(run_id, mine, found, create=create, fingerprint=fingerprint, ticket=ticket)
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

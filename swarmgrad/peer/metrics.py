@@ -42,7 +42,7 @@ class PeerMetrics:
 
     def attach(self, peer: Peer) -> None:
         self.peer = peer
-        peer.round_listeners.append(self.observe_round)
+        peer.counters.observers.append(self.observe_round)
 
     def observe_round(self, outcome: RoundOutcome) -> None:
         seconds = getattr(outcome.report, "seconds", None)

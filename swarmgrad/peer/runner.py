@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -22,13 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from swarmgrad.dht.node import NodeConfig, SwarmNode
-from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
-from swarmgrad.eventloop import run
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
-from swarmgrad.peer.manifest import RunManifest, check_compatible, read_manifest, settle_run, wait_for_manifest
+from swarmgrad.peer.peer import OpenRun
 from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.tasks import Task, get_task
 from swarmgrad.tasks.base import endless_batches
@@ -50,71 +48,51 @@ def no_initial_peers(run_id: str) -> str:
             "of the run) to join it, or --create to start it as its first peer")
 
 
-def resolve_run(config: RunConfig, peer: PeerConfig) -> tuple[RunConfig, RunManifest | None]:
-    """The settings to train with and the manifest to keep published (see ``settle_run``): this
-    peer's ``config`` when it creates the run, the run's manifest's when it joins one."""
-    run_id, network, ticket = peer.run_id, peer.network, load_ticket(peer)
-    if peer.create and config.task is None:
+def open_run(config: RunConfig, local: PeerConfig) -> OpenRun:
+    """The run, opened with this peer's own node (``with`` it, then ``train``): its settings settled
+    once against the run's manifest (waiting for one when no TASK was given), this peer's data
+    checked against the run's."""
+    if local.create and config.task is None:
         raise ConfigError("--create needs the TASK to train")
-    if network.initial_peers:
-        manifest = run(_fetch_manifest(network, run_id, wait=config.task is None and not peer.create,
-                                       wait_seconds=peer.connection.wait,
-                                       run_key=ticket.run_key if ticket else None))
-    elif peer.create:
-        manifest = None  # the run's first peer: there is nobody to ask
-    else:
-        raise ConfigError(no_initial_peers(run_id))
-    return settle_run(run_id, config, manifest, create=peer.create,
-                      fingerprint=lambda: _fingerprint(config, peer.data.data_dir), ticket=ticket)
-
-
-def load_ticket(peer: PeerConfig) -> Ticket | None:
-    """The membership ticket of a private run that ``--ticket`` names, if any."""
-    return Ticket.load(peer.connection.ticket) if peer.connection.ticket is not None else None
-
-
-async def _fetch_manifest(network: NodeConfig, run_id: str, *, wait: bool, wait_seconds: float,
-                          run_key: str | None = None) -> RunManifest | None:
-    """The run's manifest, read by a short-lived client node (waiting for it when there is no TASK)."""
-    reader = NodeConfig(**(network.model_dump() | {"client_mode": True, "port": 0, "identity_path": None}))
-    async with SwarmNode(reader) as node:
-        if wait:
-            return await wait_for_manifest(node, run_id, wait_seconds, run_key)
-        return await read_manifest(node, run_id, run_key)
+    if not local.network.initial_peers and not local.create:
+        raise ConfigError(no_initial_peers(local.run_id))
+    joining_blind = config.task is None and not local.create
+    return OpenRun(config=config, peer=local,
+                   fingerprint=lambda task: _fingerprint(task, local.data.data_dir, config.task_options),
+                   wait_for_manifest=local.connection.wait if joining_blind else None)
 
 
 def load_task(name: str, data_dir: str | None, options: Mapping[str, Any]) -> Task:
     """The task ``name`` with the run's task options (``--task-option``); tasks that read no files
-    ignore ``data_dir``."""
+    ignore ``data_dir``. Settling the run reads its data fingerprint, and training the same task."""
+    return _load_task(name, data_dir, tuple(sorted(options.items())))
+
+
+@functools.cache
+def _load_task(name: str, data_dir: str | None, options: tuple[tuple[str, Any], ...]) -> Task:
     return get_task(name, dict(options), data_dir)
 
 
-def _fingerprint(config: RunConfig, data_dir: str | None) -> str | None:
-    if config.task is None:
-        return None
-    spec = load_task(config.task, data_dir, config.task_options)
+def _fingerprint(task: str, data_dir: str | None, options: Mapping[str, Any]) -> str | None:
+    spec = load_task(task, data_dir, options)
     return spec.data_fingerprint() if spec.data_fingerprint else None
 
 
-def train(config: RunConfig, local: PeerConfig, manifest: RunManifest | None, emit: Emit,
-          announce: Callable[[list[str]], None] | None = None, metrics: PeerMetrics | None = None) -> dict[str, Any]:
-    """Train ``config.task`` with ``config`` until a stop condition or SIGTERM/SIGINT; returns the
-    final summary (also emitted as ``done``). SIGUSR1 pauses the peer, SIGUSR2 resumes it (events
-    ``paused`` and ``resumed``); a paused peer computes no batches. ``manifest``: the run's, which the peer keeps published.
+def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[str]], None] | None = None,
+          metrics: PeerMetrics | None = None) -> dict[str, Any]:
+    """Train the task of the opened ``run`` (``open_run``) with its settings until a stop condition or
+    SIGTERM/SIGINT; returns the final summary (also emitted as ``done``). SIGUSR1 pauses the peer,
+    SIGUSR2 resumes it (events ``paused`` and ``resumed``); a paused peer computes no batches.
     ``announce(maddrs)`` is called once the peer listens, before it waits for ``--wait-peers``.
     ``metrics``: a served PeerMetrics, which then reports this peer. Every held-out evaluation is
     published as this peer's evaluation record of the run."""
-    from swarmgrad.peer.peer import Peer
-
+    config = run.config
     if config.task is None:
         raise ConfigError("no task to train: give the TASK, or join a run that has a manifest")
-    run_id, network = local.run_id, local.network
     if local.compute.threads:
         torch.set_num_threads(local.compute.threads)
     task_name = config.task
     task = load_task(task_name, local.data.data_dir, config.task_options)
-    if manifest is not None:
-        check_compatible(manifest, task_name, task.data_fingerprint() if task.data_fingerprint else None)
     hparams = {**task.default_hparams, **config.hparams}
     batch_size = int(hparams.get("batch_size", 64))
     shard, num_shards = _shard(local)
@@ -125,12 +103,7 @@ def train(config: RunConfig, local: PeerConfig, manifest: RunManifest | None, em
     batches = endless_batches(dataset, batch_size, seed=shard)
     stop, pauses = _StopSignal(), _PauseSignal()
     connection = local.connection
-    peer = Peer(model, optimizer, run_id=run_id, config=config, batch_size=batch_size, dataset_size=len(dataset),
-                checkpoint_dir=local.checkpoints.dir, checkpoint_every=local.checkpoints.every, network=network,
-                direct=connection.direct, trusted_network=connection.trusted_network, manifest=manifest,
-                timing=local.timing, upload_limit_mbps=connection.upload_limit_mbps,
-                download_limit_mbps=connection.download_limit_mbps, ticket=load_ticket(local),
-                accountability=local.bans)
+    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=len(dataset))
     if metrics is not None:
         metrics.attach(peer)
     reason, final = "stopped", None
@@ -198,7 +171,7 @@ def train(config: RunConfig, local: PeerConfig, manifest: RunManifest | None, em
             final = task.evaluate(model)
             # the peer leaves right after: wait (briefly) for the record, or it would be cut off
             with contextlib.suppress(Exception):  # a failure is logged by _publish
-                _publish(peer, final, evaluated_at).result(timeout=2 * network.request_timeout + 1)
+                _publish(peer, final, evaluated_at).result(timeout=2 * local.network.request_timeout + 1)
         status = peer.status()
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
                "reason": reason, "final": None if final is None else _finite_metrics(final),

@@ -1,0 +1,58 @@
+"""What a peer counts for ``status()`` and its presence record: rounds, traffic, the smoothed loss;
+and what each round tells the ban scores (net/accountability.py) and the round's observers."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
+from swarmgrad.net.accountability import Misbehaviour
+from swarmgrad.peer.driver import RoundOutcome
+
+logger = logging.getLogger(__name__)
+
+LOSS_SMOOTHING = 0.05
+
+
+class Counters:
+    """``record(outcome)`` for each round the driver ran (``RoundDriver(record=...)``); ``observers``
+    are called with each outcome first (catch-up's rates, the metrics' round-time histogram)."""
+
+    def __init__(self, misbehaviour: Misbehaviour):
+        self.misbehaviour = misbehaviour
+        self.observers: list[Callable[[RoundOutcome], None]] = []
+        self.rounds_ok = 0
+        self.rounds_failed = 0
+        self.rounds_unreachable = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.loss: float | None = None
+        self.last_report: dict[str, Any] | None = None
+
+    def note_loss(self, value: float) -> None:
+        if math.isfinite(value):
+            self.loss = value if self.loss is None else self.loss + LOSS_SMOOTHING * (value - self.loss)
+
+    def record(self, outcome: RoundOutcome) -> None:
+        report = outcome.report
+        if report is None:
+            return
+        for observer in self.observers:
+            try:
+                observer(outcome)
+            except Exception as error:  # an observer must not break the round's bookkeeping
+                logger.warning("round observer failed: %s: %s", type(error).__name__, error)
+        # bans: what the round caught, and a clean round for the others it saw contribute
+        self.misbehaviour.note_round(report.suspicions, report.observed)
+        self.rounds_ok += int(outcome.ok)
+        self.rounds_failed += int(not outcome.ok)
+        self.rounds_unreachable += int(report.error == UNREACHABLE_GROUP)
+        self.bytes_sent += report.bytes_sent
+        self.bytes_received += report.bytes_received
+        self.last_report = report.summary()
+        if report.kind == "moshpit":  # a gossip push is too frequent to log
+            logger.info("round %d: %s, %d peers, %.1f s (all-reduce %.1f s), %.2f MB sent", report.round_index,
+                        "ok" if outcome.ok else f"failed ({report.error})", len(report.peers), report.seconds,
+                        report.allreduce_seconds, report.bytes_sent / 1e6)
