@@ -98,7 +98,7 @@ def test_the_assembly_wires_the_backend_the_runs_averaging_asks_for(strategy):
     else:
         assert isinstance(averager, Averager) and isinstance(backend, MoshpitBackend)
         assert backend.averager is averager and training.catch_up.decoder is averager.result_decoder
-        assert averager.weight_cap == training.policy.weight_cap(8)
+        assert averager.aggregation.weight_cap == training.policy.weight_cap(8)
     assert settings == f"{config.digest}.{averager.schema.digest[:8]}"
 
 

@@ -15,6 +15,7 @@ from peer_fakes import FakeTracker, model_and_optimizer
 
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.options import PEER_OPTIONS
 from swarmgrad.peer.strategies.base import Policy
 from swarmgrad.peer.strategies.registry import STRATEGIES, make_policy
 
@@ -25,7 +26,7 @@ def test_every_strategy_module_is_in_the_run_configs_union():
     union = typing.get_args(RunConfig.model_fields["strategy"].annotation)
     assert set(union) == set(STRATEGIES.values()) and {"diloco", "sync", "gossip"} <= set(STRATEGIES)
     assert all(settings.model_fields["name"].default == name for name, settings in STRATEGIES.items())
-    assert RunConfig.model_fields["strategy"].description == f"Training strategy: {', '.join(STRATEGIES)}."
+    assert RunConfig.model_fields["strategy"].description == f"How peers train together: {', '.join(STRATEGIES)}."
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -46,8 +47,13 @@ def test_each_strategy_validates_picks_its_averaging_and_makes_its_policy(name):
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_setting_has_its_help_text(name):
-    for field, info in STRATEGIES[name].model_fields.items():
-        assert field == "name" or (info.description or "").startswith(f"{name}: "), field
+    """Each field's description is its flag's help, which names the strategy it belongs to."""
+    options = [option for option in PEER_OPTIONS.options if option.member is not None
+               and option.member.union == ("strategy",) and option.member.tag == name]
+    assert {option.path[-1] for option in options} == set(STRATEGIES[name].model_fields) - {"name"}
+    for option in options:
+        assert STRATEGIES[name].model_fields[option.path[-1]].description, option.flag
+        assert option.help.startswith(f"{name}: "), option.help
 
 
 def test_the_run_configuration_loads_without_torch():
@@ -74,7 +80,7 @@ class EveryStep(StrategySettings):
     averagings: ClassVar[tuple[str, ...]] = ("moshpit",)
 
     name: Literal["every-step"] = "every-step"
-    every: int = pydantic.Field(1, ge=1, description="every-step: local steps between rounds.")
+    every: int = pydantic.Field(1, ge=1, description="Local steps between rounds.")
 
     def make_policy(self, model, optimizer, progress, synchronous):
         return EveryStepPolicy(self, model, optimizer, progress, synchronous=synchronous)

@@ -51,7 +51,8 @@ class RunConfig(SettingsModel):
     task_options: dict[str, TaskOption] = pydantic.Field(
         {}, description="An option of the task, KEY=VALUE (e.g. context=256 for charlm), checked against the options "
         "the task declares; repeat the flag for more.", json_schema_extra=flag("task-option"))
-    strategy: Strategy = pydantic.Field(STRATEGIES["diloco"](), description="How peers train together.")
+    strategy: Strategy = pydantic.Field(STRATEGIES["diloco"](),
+                                        description=f"How peers train together: {', '.join(STRATEGIES)}.")
     averaging: Optional[Averaging] = pydantic.Field(
         None, description="How peers average (default: moshpit for diloco and sync, gossip for gossip).")
     # listing the codec names needs torch (codecs/): the help points at them

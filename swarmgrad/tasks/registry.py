@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
@@ -13,14 +14,15 @@ from typing import Any
 
 import pydantic
 
-from swarmgrad import tasks
 from swarmgrad.errors import ConfigError
 from swarmgrad.settings import describe_validation_error
 from swarmgrad.tasks.base import Task, TaskFactory, TaskOptions
 
 
-def find_tasks(package: ModuleType = tasks) -> dict[str, TaskFactory]:
-    """Task name -> factory, from every public module of ``package`` (sorted by name)."""
+def find_tasks(package: ModuleType | None = None) -> dict[str, TaskFactory]:
+    """Task name -> factory, from every public module of ``package`` (this registry's own, which is
+    loaded before any of its modules; sorted by name)."""
+    package = package or sys.modules[__package__]
     found: dict[str, TaskFactory] = {}
     for module_info in pkgutil.iter_modules(package.__path__):
         if module_info.name == "registry" or module_info.name.startswith("_"):

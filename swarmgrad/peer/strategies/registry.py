@@ -9,26 +9,27 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from types import ModuleType
-from typing import TYPE_CHECKING, Annotated, Union
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, Union
 
 import pydantic
 
 from swarmgrad.errors import ConfigError
-from swarmgrad.peer import strategies
 from swarmgrad.peer.strategies.base import StrategySettings
 
 if TYPE_CHECKING:
     import torch
 
-    from swarmgrad.peer.config import RunConfig
     from swarmgrad.peer.strategies.base import Policy, ProgressCounter
 
 NOT_STRATEGIES = frozenset({"base", "registry"})  # the package's modules that define no strategy
 
 
-def find_strategies(package: ModuleType = strategies) -> dict[str, type[StrategySettings]]:
-    """Strategy name -> settings class, from every module of ``package`` (sorted by module name)."""
+def find_strategies(package: ModuleType | None = None) -> dict[str, type[StrategySettings]]:
+    """Strategy name -> settings class, from every module of ``package`` (this registry's own, which
+    is loaded before any of its modules; sorted by module name)."""
+    package = package or sys.modules[__package__]
     found: dict[str, type[StrategySettings]] = {}
     for module_info in sorted(pkgutil.iter_modules(package.__path__), key=lambda info: info.name):
         if module_info.name in NOT_STRATEGIES or module_info.name.startswith("_"):
@@ -57,7 +58,14 @@ def check_averaging(strategy: StrategySettings, kind: str) -> None:
                           f"use {' or '.join(strategy.averagings)}")
 
 
-def make_policy(config: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+class RunSettings(Protocol):
+    """What ``make_policy`` reads of a RunConfig (peer/config.py builds its union from this module)."""
+
+    strategy: Any
+    averaging: Any
+
+
+def make_policy(config: RunSettings, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 progress: ProgressCounter) -> Policy:
     """The policy of ``config.strategy``; gossip averaging makes it asynchronous (no shared epochs)."""
     return config.strategy.make_policy(model, optimizer, progress, synchronous=config.averaging.kind != "gossip")
