@@ -68,12 +68,13 @@ NOTES = {
     ("averaging.moshpit", "averaging.allreduce"): "the all-reduce: each part's chunks encoded and streamed to its "
                                                   "owner, this peer's part reduced, the averages received",
     ("averaging.allreduce", "averaging.codecs"): "encode with error feedback (staged), decode what arrives",
-    ("averaging.allreduce", "averaging.robust"): "weights bounded; the part's robust aggregate (off the loop)",
+    ("averaging.allreduce", "averaging.rules"): "weights bounded; the part's aggregate by the run's rule (off the loop)",
     ("peer.driver", "state.server"): "**the round's result kept**: a bfloat16 copy (or the frames it travelled in) "
                                      "for peers a round behind",
-    ("peer.peer", "peer.state"): "**the state snapshot**: model, optimizer and strategy state",
+    ("peer.peer", "peer.assembly"): "the swarm's new start published for joiners",
+    ("peer.assembly", "peer.state"): "**the state snapshot**: model, optimizer and strategy state",
     ("peer.state", "state.snapshot"): "copied into one flat snapshot joiners download",
-    ("peer.peer", "state.server"): "the snapshot published (the last two kept)",
+    ("peer.assembly", "state.server"): "the snapshot published (the last two kept)",
     ("", "averaging.moshpit"): "served: the other member's contribution to this peer's part",
 }
 

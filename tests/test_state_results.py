@@ -1,5 +1,5 @@
 """Round results kept by donors, on real p2pd nodes: what a peer that missed a round replays
-(averaging/state_results.py). The joiner and donors of test_state_transfer.py, a swarm of this module's own."""
+(state/results.py). The joiner and donors of test_state_transfer.py, a swarm of this module's own."""
 
 from __future__ import annotations
 

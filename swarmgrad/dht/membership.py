@@ -74,7 +74,7 @@ class TrainingStats(pydantic.BaseModel):
     bytes_sent: Annotated[int, pydantic.Field(ge=0)] = 0
     bytes_received: Annotated[int, pydantic.Field(ge=0)] = 0
     state_downloads: Annotated[int, pydantic.Field(ge=0)] = 0
-    bans: Annotated[int, pydantic.Field(ge=0)] = 0  # peers it bans now (averaging/accountability.py)
+    bans: Annotated[int, pydantic.Field(ge=0)] = 0  # peers it bans now (net/accountability.py)
 
 
 @record_kind
@@ -144,7 +144,7 @@ async def list_members(node: SwarmNode, run_id: str) -> list[Member]:
     return alive
 
 
-# admit(peer_id, ticket) -> whether to take that peer's record (averaging/admission.py: private runs)
+# admit(peer_id, ticket) -> whether to take that peer's record (net/admission.py: private runs)
 RecordFilter = Callable[[str, "str | None"], bool]
 
 

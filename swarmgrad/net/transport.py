@@ -36,7 +36,7 @@ WRITE_BUFFER_BYTES = 8 * 1024 * 1024
 
 class Transport(ABC):
     name: str
-    # who may open streams to this peer (averaging/admission.py); None: anyone. Every served stream asks it.
+    # who may open streams to this peer (net/admission.py); None: anyone. Every served stream asks it.
     admission: Admission | None = None
 
     async def start(self) -> None:
