@@ -45,7 +45,7 @@ if ! command -v chromium >/dev/null; then
         echo "setup: installing chromium (the dashboard's test loads its page in it)" >&2
         apt-get install -y -qq chromium >/dev/null 2>&1 \
             || { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; } \
-            || echo "setup: warning: could not install chromium; tests/test_dashboard.py will fail" >&2
+            || echo "setup: warning: could not install chromium; tests/dashboard/test_dashboard.py will fail" >&2
     else
         echo "setup: warning: chromium is missing; run 'sudo apt-get install chromium' for the dashboard's test" >&2
     fi

@@ -200,3 +200,33 @@ def joiner_and_donors(name: str, donors: int):
     finally:
         loop.run(stack.aclose(), timeout=30)
         loop.close()
+
+
+# -- a tiny model and a few training steps, shared by the tests of real peers ----------------------
+
+
+def tiny_classifier(seed: int = 0, lr: float = 0.05) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """8 inputs, 2 classes, 178 parameters; the same weights for every peer built with one seed."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def random_batch(generator: torch.Generator, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 8, generator=generator), torch.randint(0, 2, (size,), generator=generator)
+
+
+async def train_steps(peer, model: torch.nn.Module, seed: int, steps: int | None = None,
+                      until: Callable[[], bool] | None = None, seconds: float = 90.0, pause: float = 0.01):
+    """``peer.astep`` on random batches: ``steps`` of them, or until ``until()`` (at most ``seconds``);
+    ``pause`` lets the other peers on this event loop run. Returns the peer's status."""
+    generator = torch.Generator().manual_seed(seed)
+    deadline, done = time.monotonic() + seconds, 0
+    while (done < steps) if steps is not None else (not until() and time.monotonic() < deadline):
+        inputs, targets = random_batch(generator)
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        await peer.astep(batch_size=len(targets), loss=loss)
+        await asyncio.sleep(pause)
+        done += 1
+    return peer.status()

@@ -26,7 +26,7 @@ class DemoSettings:
     averaging: str | None = None
     compression: str | None = None
     # diloco only, and on purpose not the run default: the shipped demo (4 peers sharing one small
-    # machine, Fashion-MNIST to 88% within 3 minutes: tests/test_cli.py) was tuned with 100 local
+    # machine, Fashion-MNIST to 88% within 3 minutes: tests/commands/test_cli.py) was tuned with 100 local
     # steps per round; fewer, longer rounds spend less of the shared cores on matchmaking
     inner_steps: int = 100
     target_accuracy: float = 0.88

@@ -28,7 +28,7 @@ from swarmgrad.lab.driver import Lab, generation_error, print_report
 from swarmgrad.lab.scenario import QUICK_PEERS, builtin_scenarios, load_scenario, parse_scenario
 from swarmgrad.peer.config import RunConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 MINIMAL = """
 name = "mini"

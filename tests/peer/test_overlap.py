@@ -362,7 +362,7 @@ def test_the_overlap_benchmark_runs_both_schedules_on_the_policys_own_launch_and
     """benchmarks/overlap_diloco.py --quick: the first outer step is the same step in both schedules
     (overlap only delays it), and from the second on they differ (the next phase trained from the
     eager step, not from the swarm's)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "overlap_diloco.py"), "--quick", "--json"],
                          capture_output=True, text=True, timeout=300, check=True, cwd=root)
     result = json.loads(run.stdout)

@@ -41,7 +41,7 @@ from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.network_runtime import NetworkRuntime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUANT_SPECS = ["q4", "q2", "q4:5", "q2:1000"]
 SPARSE_SPECS = ["sparse", "sparse:0.01", "sparse:0.004:8", "sparse:0.02:4", "sparse:1.0:2"]
 # odd lengths, one element, block and chunk (256) and group (4096) boundaries, 2-D

@@ -303,7 +303,7 @@ def test_the_runner_loads_every_task_the_same_way(tmp_path):
 
 
 def test_the_readme_lists_every_task_and_its_options():
-    section = (Path(__file__).parents[1] / "README.md").read_text().split("## Built-in tasks")[1].split("\n## ")[0]
+    section = (Path(__file__).parents[2] / "README.md").read_text().split("## Built-in tasks")[1].split("\n## ")[0]
     for name, factory in TASKS.items():
         assert f'"{name}"' in section, name
         assert all(f"`{option}`" in section for option in factory.options.model_fields), name

@@ -27,7 +27,7 @@ _REASON = lab_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"emulated network unavailable: {_REASON}")
 
 INF = math.inf
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # -- tiny programs run inside the namespaces --------------------------------------------------------
 

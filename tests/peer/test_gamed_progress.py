@@ -14,8 +14,7 @@ import time
 from contextlib import AsyncExitStack
 
 import pytest
-import torch
-from conftest import run_async
+from conftest import run_async, tiny_classifier, train_steps
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 from test_driver import Harness, peer_at
 
@@ -157,27 +156,11 @@ def test_the_driver_beside_a_liar_averages_and_takes_no_state():
 TIMING = sg.Timing(presence_refresh=0.5)
 
 
-def tiny_model_and_optimizer():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-async def train(peer: sg.Peer, model: torch.nn.Module, seed: int, until) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    deadline = time.monotonic() + 90
-    while not until() and time.monotonic() < deadline:
-        x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        await peer.astep(batch_size=16)
-        await asyncio.sleep(0.005)
-
-
 def test_honest_peers_keep_averaging_beside_a_record_that_claims_epoch_a_million():
     async def scenario() -> None:
         async with AsyncExitStack() as stack:
             settings = {"strategy": sg.DiLoCo(inner_steps=4), "timing": TIMING}
-            models = [tiny_model_and_optimizer() for _ in range(3)]
+            models = [tiny_classifier() for _ in range(3)]
             first = await stack.enter_async_context(sg.Peer(*models[0], run_id="gamed-run", **settings))
             peers = [first] + [await stack.enter_async_context(
                 sg.Peer(*models[i], run_id="gamed-run", initial_peers=first.maddrs, **settings)) for i in (1, 2)]
@@ -194,7 +177,8 @@ def test_honest_peers_keep_averaging_beside_a_record_that_claims_epoch_a_million
                 assert time.monotonic() < deadline, "the honest peers never listed the liar's record"
                 await asyncio.sleep(0.05)
             epochs = [peer.epoch for peer in peers]
-            await asyncio.gather(*(train(peer, model, seed, lambda peer=peer, e=e: peer.epoch >= e + 3)
+            await asyncio.gather(*(train_steps(peer, model, seed, until=lambda peer=peer, e=e: peer.epoch >= e + 3,
+                                               pause=0.005)
                                    for seed, (peer, (model, _), e) in enumerate(zip(peers, models, epochs))))
             for peer, epoch in zip(peers, epochs):
                 status = peer.status()

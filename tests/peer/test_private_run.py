@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-from conftest import run_async
+from conftest import run_async, tiny_classifier, train_steps
 
 import swarmgrad as sg
 from swarmgrad.dht.identity import Identity
@@ -23,23 +22,6 @@ from swarmgrad.state.server import StateServer, state_protocol
 STEPS = 40
 INNER = 8
 TIMING = sg.Timing(presence_refresh=0.5)
-
-
-def model_and_optimizer():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-async def train(peer: sg.Peer, model: torch.nn.Module, seed: int) -> sg.PeerStatus:
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(STEPS):
-        x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        await peer.astep(batch_size=16, loss=loss)
-        await asyncio.sleep(0.01)  # the other peers share this loop
-    return peer.status()
 
 
 def identity(tmp_path, name: str) -> tuple[sg.NodeConfig, str]:
@@ -76,7 +58,7 @@ def test_a_private_run_takes_no_record_and_no_stream_from_a_peer_without_a_valid
         ticket_c = ticket_file(tmp_path, "c", Ticket.issue(own_key, id_c, run_id=run_id))
 
     async def scenario():
-        models = [model_and_optimizer() for _ in range(3)]
+        models = [tiny_classifier() for _ in range(3)]
         a = sg.Peer(*models[0], run_id=run_id, config=config, manifest=manifest, ticket=ticket_a, network=net_a,
                     timing=TIMING)
         async with a:
@@ -97,7 +79,7 @@ def test_a_private_run_takes_no_record_and_no_stream_from_a_peer_without_a_valid
                         await asyncio.wait_for(channel.recv(), 10)
                     await channel.close()
                     refusals.append(str(refused.value))
-                statuses = await asyncio.gather(*(train(peer, model, seed) for seed, (peer, (model, _)) in
+                statuses = await asyncio.gather(*(train_steps(peer, model, seed, STEPS) for seed, (peer, (model, _)) in
                                                   enumerate(zip((a, b, c), models))))
                 listed = [{member.peer_id for member in peer.runtime.members()} for peer in (a, b)]
                 refused_peers = [peer.runtime.admission.refused_peers for peer in (a, b)]
@@ -126,13 +108,13 @@ def test_a_peer_without_a_ticket_is_told_the_run_is_private_and_one_with_another
     (net_a, id_a), (net_b, id_b) = identity(tmp_path, "a"), identity(tmp_path, "b")
 
     async def scenario() -> tuple[str, str, int]:
-        a = sg.Peer(*model_and_optimizer(), run_id=run_id, config=config, manifest=manifest, network=net_a,
+        a = sg.Peer(*tiny_classifier(), run_id=run_id, config=config, manifest=manifest, network=net_a,
                     ticket=ticket_file(tmp_path, "a", Ticket.issue(run_key, id_a, run_id=run_id)), timing=TIMING)
         async with a:
-            unticketed = sg.Peer(*model_and_optimizer(), run_id=run_id, initial_peers=a.maddrs, timing=TIMING)
+            unticketed = sg.Peer(*tiny_classifier(), run_id=run_id, initial_peers=a.maddrs, timing=TIMING)
             with pytest.raises(StartupError) as private:
                 await unticketed.__aenter__()
-            stolen = sg.Peer(*model_and_optimizer(), run_id=run_id, initial_peers=a.maddrs, network=net_b,
+            stolen = sg.Peer(*tiny_classifier(), run_id=run_id, initial_peers=a.maddrs, network=net_b,
                              ticket=tmp_path / "a.ticket", timing=TIMING)  # a's ticket, b's identity
             with pytest.raises(ConfigError) as not_mine:
                 await stolen.__aenter__()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import run_async
+from conftest import run_async, tiny_classifier, train_steps
 from peer_processes import Swarm
 
 import swarmgrad as sg
@@ -24,27 +24,10 @@ STEPS = 40
 INNER = 8
 
 
-def model_and_optimizer():
-    torch.manual_seed(0)  # every peer starts from the same weights
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-async def train(peer: sg.Peer, model: torch.nn.Module, seed: int, steps: int = STEPS) -> sg.PeerStatus:
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        await peer.astep(batch_size=16, loss=loss)
-        await asyncio.sleep(0.01)  # the other peers share this loop
-    return peer.status()
-
-
 async def swarm(run_id: str, settings: list[dict], steps: int = STEPS) -> list[sg.PeerStatus]:
     """Peers with the given keyword settings join run ``run_id`` through the first, wait for each
     other, then train side by side; returns their statuses."""
-    models = [model_and_optimizer() for _ in settings]
+    models = [tiny_classifier() for _ in settings]
     first = sg.Peer(*models[0], run_id=run_id, timing=sg.Timing(presence_refresh=0.5),
                     **settings[0])
     async with first:
@@ -55,7 +38,7 @@ async def swarm(run_id: str, settings: list[dict], steps: int = STEPS) -> list[s
         try:
             peers = [first, *others]
             await asyncio.gather(*(peer.await_peers(len(peers), 20) for peer in peers))
-            return await asyncio.gather(*(train(peer, model, seed, steps) for seed, (peer, (model, _)) in
+            return await asyncio.gather(*(train_steps(peer, model, seed, steps) for seed, (peer, (model, _)) in
                                           enumerate(zip(peers, models))))
         finally:
             for peer in others:
@@ -86,14 +69,14 @@ def test_a_python_peer_takes_the_runs_settings_from_its_manifest_and_refuses_con
     manifest = RunManifest.create(run, data_fingerprint=None)
 
     async def scenario() -> tuple[sg.RunConfig, str, list[sg.PeerStatus]]:
-        model, optimizer = model_and_optimizer()
+        model, optimizer = tiny_classifier()
         async with sg.Peer(model, optimizer, run_id="py-manifest", config=run, manifest=manifest) as first:
-            conflicting = sg.Peer(*model_and_optimizer(), run_id="py-manifest", initial_peers=first.maddrs,
+            conflicting = sg.Peer(*tiny_classifier(), run_id="py-manifest", initial_peers=first.maddrs,
                                   compression="int8", strategy=sg.DiLoCo(inner_steps=INNER + 1))
             with pytest.raises(sg.RunConfigMismatch) as refused:
                 await conflicting.__aenter__()
             assert conflicting.training is None and conflicting.node.p2p is None  # nothing built, its node gone
-            joiner = sg.Peer(*model_and_optimizer(), run_id="py-manifest", initial_peers=first.maddrs)
+            joiner = sg.Peer(*tiny_classifier(), run_id="py-manifest", initial_peers=first.maddrs)
             async with joiner:
                 taken = joiner.config
         return taken, str(refused.value), []
@@ -141,7 +124,7 @@ def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
     holders: list[sg.Peer] = []
 
     async def scenario() -> list[sg.PeerStatus]:
-        models = [model_and_optimizer() for _ in range(2)]
+        models = [tiny_classifier() for _ in range(2)]
         strategy = sg.DiLoCo(inner_steps=INNER, overlap="on")
         timing = sg.Timing(presence_refresh=0.5)
         async with sg.Peer(*models[0], run_id="py-overlap", strategy=strategy, compression="none",
@@ -150,7 +133,7 @@ def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
                                initial_peers=first.maddrs) as second:
                 holders.extend([first, second])
                 await asyncio.gather(first.await_peers(2, 20), second.await_peers(2, 20))
-                statuses = await asyncio.gather(*(train(peer, model, seed, steps=6 * INNER)
+                statuses = await asyncio.gather(*(train_steps(peer, model, seed, 6 * INNER)
                                                   for seed, (peer, (model, _)) in enumerate(zip(holders, models))))
                 for peer in holders:
                     await peer.training.driver.abandon()  # a round still in flight: withdrawn, start as last landed

@@ -1,6 +1,6 @@
 """Membership tickets of private runs (dht/tickets.py), the admission that reads them
 (net/admission.py), the manifest's run key and `swarmgrad run grant`. No network here:
-tests/test_private_run.py has the real peers."""
+tests/peer/test_private_run.py has the real peers."""
 
 from __future__ import annotations
 

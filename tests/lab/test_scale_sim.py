@@ -18,7 +18,7 @@ import torch
 from swarmgrad.averaging.grid import grid_position, grid_sides
 from swarmgrad.averaging.pushsum import Push, exponential_neighbors, give, merge
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 mixing = importlib.import_module("_mixing")
 sim = importlib.import_module("scale_sim")

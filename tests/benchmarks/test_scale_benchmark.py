@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "scale.py"
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import lab_unavailable, run_lab_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import chaos

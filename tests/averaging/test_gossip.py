@@ -222,7 +222,7 @@ def test_survivors_reach_consensus_after_a_peer_is_killed():
         async with AsyncExitStack() as stack:
             nodes, tensors, _, _, gossips = await gossip_swarm(stack, 7)
             victim = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("gossip_peer.py")), nodes[0].maddrs[0], RUN, "50.0",
+                [sys.executable, str(Path(__file__).parents[1] / "gossip_peer.py"), nodes[0].maddrs[0], RUN, "50.0",
                  "5000", "8.0"], stdout=subprocess.PIPE, text=True)
             try:
                 ready = json.loads(await asyncio.to_thread(victim.stdout.readline))

@@ -142,7 +142,7 @@ print(type(policy).__name__, config.digest)
 
 def test_a_new_strategy_is_one_module(tmp_path: Path):
     (tmp_path / "every_step.py").write_text(FAKE_STRATEGY)
-    tests = Path(__file__).parent
+    tests = Path(__file__).parents[1]  # peer_fakes.py
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(CHECK_FAKE), str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env=_with_path(tests), check=False)
     assert done.returncode == 0, done.stderr

@@ -26,7 +26,7 @@ from swarmgrad.lab.network import EmulatedNetwork, LinkSpec
 _REASON = lab_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"emulated network unavailable: {_REASON}")
 INF = math.inf
-PEER = Path(__file__).with_name("averaging_peer.py")
+PEER = Path(__file__).parents[1] / "averaging_peer.py"
 NUMEL = 1_000_000  # 4 MB: through a relay that is ~8 MB more on the relay's link, easy to tell apart
 
 
@@ -123,7 +123,7 @@ def test_a_public_peer_gets_a_natted_peers_data_over_a_connection_the_natted_pee
     """Reverse connection: the NATed peer is told over libp2p (through the relay) and connects back
     to the public peer's data plane; the blob takes that direct connection, not the relay."""
     blob = 2_000_000
-    script = str(Path(__file__).with_name("nat_transport_peer.py"))
+    script = str(Path(__file__).parents[1] / "nat_transport_peer.py")
     links = [LinkSpec(INF, INF, 5.0, 0.0), LinkSpec(INF, INF, 5.0, 0.0, nat="home"), LinkSpec(INF, INF, 5.0, 0.0)]
     with EmulatedNetwork(links) as net:
         bootstrap = net.popen(0, [sys.executable, "-m", "swarmgrad.cli", "bootstrap", "--host", net.address(0),

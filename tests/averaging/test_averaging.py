@@ -293,7 +293,7 @@ def test_sigkill_mid_round_leaves_survivors_correct_or_unchanged():
         async with AsyncExitStack() as stack:
             runtimes = await start_runtimes(stack, 3)
             child = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("averaging_peer.py")), runtimes[0].node.maddrs[0], RUN,
+                [sys.executable, str(Path(__file__).parents[1] / "averaging_peer.py"), runtimes[0].node.maddrs[0], RUN,
                  "100.0", str(numel), "--window", str(window), "--timeout", "20"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import lab_unavailable, run_lab_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import bandwidth_sweep as bs

@@ -9,19 +9,13 @@ import time
 
 import pytest
 import torch
-from conftest import run_async
+from conftest import run_async, tiny_classifier
 
 import swarmgrad as sg
 from swarmgrad.state.server import KEPT_RESULTS
 
 INNER = 4
 TIMING = sg.Timing(presence_refresh=0.5)
-
-
-def model_and_optimizer():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
 class Trainer:
@@ -57,7 +51,7 @@ async def until(check, seconds: float, what: str) -> float:
 
 def test_a_paused_peer_leaves_its_round_the_other_keeps_stepping_and_resume_catches_up():
     async def scenario() -> None:
-        (model_a, opt_a), (model_b, opt_b) = model_and_optimizer(), model_and_optimizer()
+        (model_a, opt_a), (model_b, opt_b) = tiny_classifier(), tiny_classifier()
         settings = {"strategy": sg.DiLoCo(inner_steps=INNER), "timing": TIMING}
         async with sg.Peer(model_a, opt_a, run_id="pause-run", **settings) as a:
             async with sg.Peer(model_b, opt_b, run_id="pause-run", initial_peers=a.maddrs, **settings) as b:
@@ -113,7 +107,7 @@ def test_a_paused_peer_leaves_its_round_the_other_keeps_stepping_and_resume_catc
 
 def test_a_paused_peer_drops_batches_and_pause_is_idempotent():
     async def scenario() -> None:
-        model, optimizer = model_and_optimizer()
+        model, optimizer = tiny_classifier()
         async with sg.Peer(model, optimizer, run_id="pause-alone", strategy=sg.DiLoCo(inner_steps=INNER),
                            timing=TIMING) as peer:
             before = [p.detach().clone() for p in model.parameters()]
@@ -137,7 +131,7 @@ def test_a_paused_peer_drops_batches_and_pause_is_idempotent():
 
 
 def test_the_sync_api_pauses_from_another_thread_and_waits_while_paused():
-    model, optimizer = model_and_optimizer()
+    model, optimizer = tiny_classifier()
     with sg.Peer(model, optimizer, run_id="pause-sync", timing=TIMING) as peer:
         peer.pause().result(timeout=10)
         assert peer.paused and not peer.wait_while_paused(0.2)
