@@ -39,8 +39,9 @@ from swarmgrad.dht.membership import reachability
 from swarmgrad.eventloop import BackgroundLoop
 from swarmgrad.peer.assembly import Fingerprint, PeerAssembly, Training, check_privacy
 from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.keywords import peer_settings
 from swarmgrad.peer.manifest import RunManifest
-from swarmgrad.peer.peer_config import PeerConfig, peer_settings
+from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.state.snapshot import StateTransferError
 
 logger = logging.getLogger(__name__)

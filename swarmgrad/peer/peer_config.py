@@ -12,9 +12,8 @@ micro-batch) is one field in the section it belongs to. A field's ``description`
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Optional
+from typing import Annotated, Optional
 
 import pydantic
 
@@ -22,7 +21,6 @@ from swarmgrad.dht.config import NodeConfig, check_run_id
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.accountability import Accountability
 from swarmgrad.net.ratelimit import DEFAULT_LIMIT_MBPS, MAX_LIMIT_MBPS
-from swarmgrad.peer.config import RunConfig
 from swarmgrad.settings import SettingsModel, flag
 from swarmgrad.timing import Timing
 
@@ -146,75 +144,3 @@ class PeerConfig(SettingsModel):
         if self.stop.target_accuracy is not None and self.evaluation.every == 0:
             raise ConfigError("--target-accuracy needs evaluations: set --eval-every > 0")
         return self
-
-
-Path_ = tuple[str, ...]
-
-
-def option_paths(model: type[pydantic.BaseModel] = PeerConfig) -> dict[str, Path_]:
-    """Each option's name -> its field's path in ``model``: a leaf by its flag (``-`` read as ``_``:
-    ``checkpoint_dir`` -> ``("checkpoints", "dir")``), a section by its own name (``timing``). The one
-    index of option names: ``sg.Peer``'s keywords and the command line's flags both come from it."""
-    index: dict[str, Path_] = {}
-
-    def add(name: str, path: Path_) -> None:
-        if name in index:  # two fields answering to one name: the model itself is wrong
-            raise ValueError(f"option {name!r} names both {'.'.join(index[name])} and {'.'.join(path)}")
-        index[name] = path
-
-    def walk(section: type[pydantic.BaseModel], prefix: Path_) -> None:
-        for name, info in section.model_fields.items():
-            path = (*prefix, name)
-            if isinstance(info.annotation, type) and issubclass(info.annotation, pydantic.BaseModel):
-                add(name, path)
-                walk(info.annotation, path)
-            else:
-                extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-                add(str(extra.get("flag", name)).replace("-", "_"), path)
-
-    walk(model, ())
-    return index
-
-
-def with_options(peer: PeerConfig | None, options: dict[str, Any]) -> PeerConfig:
-    """``peer`` (or the defaults) with ``options`` by name (``option_paths``): whole sections first,
-    then single fields, so ``network=NodeConfig(...), initial_peers=[...]`` keeps both. An unknown
-    name is a TypeError naming it."""
-    index = option_paths()
-    unknown = sorted(set(options) - set(index))
-    if unknown:
-        raise TypeError(unknown_options(unknown, index))
-    data = peer.model_dump() if peer is not None else {}
-    for name in sorted(options, key=lambda name: len(index[name])):
-        *sections, leaf = index[name]
-        target = data
-        for section in sections:
-            target = target.setdefault(section, {})
-        value = options[name]
-        target[leaf] = value.model_dump() if isinstance(value, pydantic.BaseModel) else value
-    return PeerConfig(**data)
-
-
-def unknown_options(names: list[str], known: Iterable[str]) -> str:
-    hints = [f"{name!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, 1))
-                            else "") for name in names]
-    return (f"unknown option(s) {', '.join(hints)}: a peer takes RunConfig's fields, PeerConfig's sections and "
-            "its options by their flag names (checkpoint_dir, initial_peers, upload_limit_mbps, ...)")
-
-
-def peer_settings(config: RunConfig | None, peer: PeerConfig | None,
-                  options: dict[str, Any]) -> tuple[RunConfig, PeerConfig]:
-    """What ``sg.Peer(config=..., peer=..., **options)`` asks for: RunConfig's fields among ``options``
-    join ``config`` (each given once: not also set there; None means not given), the rest go to
-    ``peer`` by name (``with_options``)."""
-    options = dict(options)
-    run_fields = {name: options.pop(name) for name in list(options) if name in RunConfig.model_fields}
-    given = {name: value for name, value in run_fields.items() if value is not None}
-    if config is None:
-        requested = RunConfig(**given)
-    elif both := sorted(set(given) & config.model_fields_set):
-        raise ConfigError(f"{', '.join(both)} given both in config= and as keyword(s): pass each once")
-    else:
-        requested = RunConfig(**{name: getattr(config, name) for name in config.model_fields_set}, **given) \
-            if given else config
-    return requested, with_options(peer, options)

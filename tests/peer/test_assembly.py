@@ -21,8 +21,9 @@ from swarmgrad.net.accountability import Accountability
 from swarmgrad.peer.assembly import PeerAssembly
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.driver import GossipBackend, MoshpitBackend
+from swarmgrad.peer.keywords import option_paths, peer_settings
 from swarmgrad.peer.peer import OpenRun
-from swarmgrad.peer.peer_config import PeerConfig, Stop, option_paths, peer_settings
+from swarmgrad.peer.peer_config import PeerConfig, Stop
 
 
 def model_and_optimizer():
