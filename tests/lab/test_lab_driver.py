@@ -480,7 +480,7 @@ def test_sigint_mid_run_leaves_nothing_behind(tmp_path):
                 if os.path.isdir("/run/netns") else []
             if names:
                 prefix = names[0].rsplit("-", 1)[0]
-                if any(" peer digits " in item for item in network.leftovers(prefix)):
+                if any(" peer --config " in item for item in network.leftovers(prefix)):  # a peer runs
                     break
             time.sleep(0.5)
         assert prefix is not None and child.poll() is None, child.stderr.read().decode()[-2000:]
