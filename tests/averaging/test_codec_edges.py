@@ -11,15 +11,10 @@ import pytest
 import torch
 from test_codecs import f32, random_tensor, sample, with_part
 
-from swarmgrad.averaging.codecs import (
-    CodecError,
-    Encoded,
-    ErrorFeedback,
-    Int8Codec,
-    PowerSGDCodec,
-    TopKCodec,
-    get_codec,
-)
+from swarmgrad.averaging.codecs import CodecError, Encoded, ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs.int8 import Int8Codec
+from swarmgrad.averaging.codecs.powersgd import PowerSGDCodec
+from swarmgrad.averaging.codecs.topk import TopKCodec
 
 # ---- every refusal says what is wrong ---------------------------------------------------------------
 

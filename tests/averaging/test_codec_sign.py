@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from swarmgrad.averaging.allreduce import gather_codec_for
-from swarmgrad.averaging.codecs import CodecError, Encoded, ErrorFeedback, SignCodec, get_codec
+from swarmgrad.averaging.codecs import CodecError, Encoded, ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs.sign import SignCodec
 
 SHAPES = [(0,), (1,), (7,), (63,), (64,), (65,), (33, 65), (1000, 300)]
 

@@ -6,6 +6,9 @@ import dataclasses
 import importlib
 import inspect
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -13,18 +16,12 @@ import pytest
 import torch
 
 import swarmgrad.averaging.codecs as codecs
-from swarmgrad.averaging.codecs import (
-    CODEC_NAMES,
-    Codec,
-    CodecError,
-    Encoded,
-    ErrorFeedback,
-    Int8Codec,
-    PowerSGDCodec,
-    TopKCodec,
-    get_codec,
-)
+from swarmgrad.averaging.codecs import CODEC_NAMES, Codec, CodecError, Encoded, ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs.int8 import Int8Codec
+from swarmgrad.averaging.codecs.powersgd import PowerSGDCodec
+from swarmgrad.averaging.codecs.topk import TopKCodec
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, for the subprocesses
 RETURN_ONLY = {"nonzero"}  # carries sparse's averages back: not a codec a run chooses
 SPECS = ["none", "fp16", "bf16", "int8", "int8:100", "topk", "topk:0.1", "powersgd", "powersgd:2"]
 SHAPES = [(0,), (1,), (7,), (33, 65), (2, 3, 4, 5), (1000, 1000), (1_000_000,)]
@@ -382,8 +379,8 @@ def test_from_msgpack_rejects_non_maps_and_missing_fields(obj: object) -> None:
 
 
 def test_every_codec_the_package_defines_is_registered() -> None:
-    """Every concrete Codec class in codecs/ is in the registry under its name, and the registry builds
-    it: a new codec module whose codec was never registered fails here."""
+    """Every named Codec class in codecs/ but the helpers is in CODEC_NAMES under its name, and get_codec
+    builds it (a scan of the files, apart from the package's own discovery)."""
     defined = set()
     for path in Path(codecs.__file__).parent.glob("*.py"):
         module = importlib.import_module(f"{codecs.__name__}.{path.stem}")
@@ -392,6 +389,75 @@ def test_every_codec_the_package_defines_is_registered() -> None:
     assert "int8" in defined and defined - RETURN_ONLY == set(CODEC_NAMES), defined
     assert len(set(CODEC_NAMES)) == len(CODEC_NAMES)
     assert all(get_codec(name).name == name for name in CODEC_NAMES)
+
+
+NEW_CODEC = '''
+from dataclasses import dataclass
+from typing import ClassVar
+
+from swarmgrad.averaging.codecs.base import int_param
+from swarmgrad.averaging.codecs.cast import RawCodec
+
+
+@dataclass(frozen=True, repr=False)
+class RepeatCodec(RawCodec):
+    """float32 as it is; `times` only shows that the module parses its own parameter."""
+
+    times: int = 1
+
+    name: ClassVar[str] = "repeat"
+    order: ClassVar[int] = 15
+
+    @classmethod
+    def from_param(cls, text):
+        return cls() if text is None else cls(int_param(text))
+'''
+
+CHECK_NEW_CODEC = '''
+import sys
+
+import swarmgrad.averaging.codecs as package
+
+package.__path__.append(sys.argv[1])  # as if the new module were in the package
+
+import torch
+
+from swarmgrad.averaging.codecs import CODEC_NAMES, CodecError, get_codec
+from swarmgrad.averaging.settings import check_codec
+
+codec = get_codec("repeat:3")
+assert codec.times == 3 and check_codec("repeat") == "repeat", codec
+x = torch.randn(5)
+assert torch.equal(codec.decode(codec.encode(x)), x)
+try:
+    get_codec("repeat:x")
+    raise SystemExit("a bad parameter was accepted")
+except CodecError as error:
+    assert str(error) == "bad parameter 'x' for codec 'repeat' (spec 'repeat:x')", error
+print(" ".join(CODEC_NAMES))
+'''
+
+
+def check_new_codec(directory: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", CHECK_NEW_CODEC, str(directory)], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)
+
+
+def test_a_new_codec_is_one_module(tmp_path: Path) -> None:
+    """A codec module dropped into the package is found by name, builds from its own parameter and is
+    listed where its `order` puts it, with codecs/__init__.py untouched."""
+    (tmp_path / "repeat.py").write_text(NEW_CODEC)
+    done = check_new_codec(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["none", "repeat", *CODEC_NAMES[1:]]
+
+
+def test_a_codec_name_taken_twice_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "repeat.py").write_text(NEW_CODEC)
+    (tmp_path / "echo.py").write_text(NEW_CODEC.replace("RepeatCodec", "EchoCodec"))
+    done = check_new_codec(tmp_path)
+    assert done.returncode == 1 and "two codecs are named 'repeat'" in done.stderr, done.stderr
 
 
 def test_get_codec_parses_specs() -> None:

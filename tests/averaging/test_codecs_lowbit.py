@@ -22,18 +22,11 @@ from conftest import run_async
 
 from swarmgrad.averaging import Averager, Moshpit
 from swarmgrad.averaging.allreduce import gather_codec_for
-from swarmgrad.averaging.codecs import (
-    CodecError,
-    Encoded,
-    ErrorFeedback,
-    NonzeroCodec,
-    Q2Codec,
-    Q4Codec,
-    SparseCodec,
-    get_codec,
-)
+from swarmgrad.averaging.codecs import CodecError, Encoded, ErrorFeedback, get_codec
 from swarmgrad.averaging.codecs.bits import pack_fields, unpack_fields
-from swarmgrad.averaging.codecs.nonzero import low_bits
+from swarmgrad.averaging.codecs.lowbit import Q2Codec, Q4Codec
+from swarmgrad.averaging.codecs.nonzero import NonzeroCodec, low_bits
+from swarmgrad.averaging.codecs.sparse import SparseCodec
 from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.settings import check_codec

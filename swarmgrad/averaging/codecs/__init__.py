@@ -8,101 +8,67 @@
     tensor = codec.decode(Encoded.from_msgpack(msgpack.unpackb(data)), max_elements=limit)
     feedback.commit()  # or feedback.discard() when the round failed
 
-Specs: none | fp16 | bf16 | int8[:block] | q4[:block] | q2[:block] | sign[:block] | topk[:fraction] |
-sparse[:fraction[:bits]] | powersgd[:rank]. `nonzero` only carries `sparse` averages back.
+A spec is "name" or "name:parameter"; CODEC_NAMES lists the names. A codec is a `base.Codec` subclass
+with a `name` in any module of this package, found on first use: its `from_param` says what its
+parameter is (e.g. `sparse[:fraction[:bits]]`) and its `order` where CODEC_NAMES lists it, so a new
+codec is one new module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import importlib
+import pkgutil
 
 from .base import DEFAULT_MAX_ELEMENTS, FLOAT_DTYPES, Codec, CodecError, Encoded
-from .cast import BFloat16Codec, Float16Codec, RawCodec
 from .feedback import ErrorFeedback
-from .int8 import Int8Codec
-from .lowbit import Q2Codec, Q4Codec
-from .nonzero import NonzeroCodec
-from .powersgd import PowerSGDCodec
-from .sign import SignCodec
-from .sparse import SparseCodec
-from .topk import TopKCodec
 
 __all__ = [
     "CODEC_NAMES",
     "DEFAULT_MAX_ELEMENTS",
     "FLOAT_DTYPES",
-    "BFloat16Codec",
     "Codec",
     "CodecError",
     "Encoded",
     "ErrorFeedback",
-    "Float16Codec",
-    "Int8Codec",
-    "NonzeroCodec",
-    "PowerSGDCodec",
-    "Q2Codec",
-    "Q4Codec",
-    "RawCodec",
-    "SignCodec",
-    "SparseCodec",
-    "TopKCodec",
     "get_codec",
 ]
 
 
-def _int_param(text: str) -> int:
-    if not text.isdigit():  # int() would also take "+4", " 4", "4_0"
-        raise ValueError(text)
-    return int(text)
+@functools.cache
+def _codecs() -> dict[str, type[Codec]]:
+    """Every codec a spec may name, by name, in `order`. Built on first use rather than on import, so
+    a module put on this package's __path__ before then counts too (test_codecs.py)."""
+    found: dict[str, type[Codec]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        # defined here (not imported from a sibling), named (not a shared base), chosen by specs
+        defined = (value for value in vars(module).values()
+                   if isinstance(value, type) and issubclass(value, Codec) and value.__module__ == module.__name__
+                   and "name" in vars(value) and not value.helper)
+        for codec in defined:
+            if found.setdefault(codec.name, codec) is not codec:
+                raise RuntimeError(f"two codecs are named {codec.name!r}: {found[codec.name]} and {codec}")
+    return dict(sorted(found.items(), key=lambda item: item[1].order))
 
 
-def _float_param(text: str) -> float:
-    value = float(text)
-    if value != value:  # NaN passes no range check by accident
-        raise ValueError(text)
-    return value
-
-
-def _sparse_params(text: str) -> tuple[float, int] | tuple[float]:
-    """A sparse spec's parameters: "fraction" or "fraction:bits"."""
-    fraction, sep, bits = text.partition(":")
-    return (_float_param(fraction), _int_param(bits)) if sep else (_float_param(fraction),)
-
-
-def _sparse(params: tuple[float, int] | tuple[float] = ()) -> SparseCodec:
-    return SparseCodec(*params)
-
-
-# name -> (factory, parser of the optional ":param"; None when the codec takes no parameter)
-_REGISTRY: dict[str, tuple[Callable[..., Codec], Callable[[str], object] | None]] = {
-    RawCodec.name: (RawCodec, None),
-    Float16Codec.name: (Float16Codec, None),
-    BFloat16Codec.name: (BFloat16Codec, None),
-    Int8Codec.name: (Int8Codec, _int_param),
-    Q4Codec.name: (Q4Codec, _int_param),
-    Q2Codec.name: (Q2Codec, _int_param),
-    SignCodec.name: (SignCodec, _int_param),
-    TopKCodec.name: (TopKCodec, _float_param),
-    SparseCodec.name: (_sparse, _sparse_params),
-    PowerSGDCodec.name: (PowerSGDCodec, _int_param),
-}
-CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name == "CODEC_NAMES":  # found on first use, like get_codec's codecs
+        return tuple(_codecs())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_codec(spec: str) -> Codec:
-    """Parse "name", "name:param" or (sparse) "name:param:param" (see the module docstring); CodecError says what is accepted."""
+    """Parse "name" or "name:param" (see the module docstring); CodecError says what is accepted."""
     if not isinstance(spec, str):
         raise CodecError(f"codec spec must be a string, got {type(spec).__name__}")
     name, sep, param = spec.strip().partition(":")
-    if name not in _REGISTRY:
-        raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
-    factory, parse = _REGISTRY[name]
-    if not sep:
-        return factory()
-    if parse is None:
-        raise CodecError(f"codec {name!r} takes no parameter, got {spec!r}")
+    codecs = _codecs()
+    if name not in codecs:
+        raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(codecs)}")
     try:
-        value = parse(param)
+        return codecs[name].from_param(param if sep else None)
+    except CodecError:
+        raise  # the codec's own check says what is wrong
     except ValueError:
         raise CodecError(f"bad parameter {param!r} for codec {name!r} (spec {spec!r})") from None
-    return factory(value)  # the codec range-checks its parameter and raises CodecError

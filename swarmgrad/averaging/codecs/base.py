@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-__all__ = ["CodecError", "Encoded", "Codec", "DEFAULT_MAX_ELEMENTS", "FLOAT_DTYPES"]
+__all__ = ["CodecError", "Encoded", "Codec", "DEFAULT_MAX_ELEMENTS", "FLOAT_DTYPES", "float_param", "int_param"]
 
 DEFAULT_MAX_ELEMENTS = 1 << 31
 # dtypes an `Encoded` may declare as the original; decode always returns float32, callers cast.
@@ -161,6 +161,21 @@ def array_from(buffer: bytes, dtype: type[np.generic]) -> np.ndarray:
     return np.frombuffer(buffer, dtype=dtype)
 
 
+def int_param(text: str) -> int:
+    """A spec's integer parameter (a ValueError says it is none)."""
+    if not text.isdigit():  # int() would also take "+4", " 4", "4_0"
+        raise ValueError(text)
+    return int(text)
+
+
+def float_param(text: str) -> float:
+    """A spec's number parameter (a ValueError says it is none)."""
+    value = float(text)
+    if value != value:  # NaN passes no range check by accident
+        raise ValueError(text)
+    return value
+
+
 class Codec(ABC):
     """Turns a float tensor into an `Encoded` and back.
 
@@ -171,7 +186,21 @@ class Codec(ABC):
 
     name: ClassVar[str]
     lossy: ClassVar[bool]
+    # Where CODEC_NAMES (help texts, errors) lists it, lowest first: lossless and casts, block
+    # quantizers by falling bits, sparsifiers, low rank; steps of 10 leave room between them.
+    order: ClassVar[int]
+    # A helper only carries another codec's averages back (`nonzero` for `sparse`): no spec names it.
+    helper: ClassVar[bool] = False
     meta_keys: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def from_param(cls, text: str | None) -> Codec:
+        """The codec a spec "name:text" names (None: the spec is "name"). A ValueError says `text` is no
+        parameter of this codec; the codec's own range checks raise CodecError. By default a codec
+        takes no parameter."""
+        if text is not None:
+            raise CodecError(f"codec {cls.name!r} takes no parameter, got {f'{cls.name}:{text}'!r}")
+        return cls()
 
     @property
     def spec(self) -> str:

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import Codec, CodecError, array_from, meta_int, tensor_from
+from .base import Codec, CodecError, array_from, int_param, meta_int, tensor_from
 
 MAX_BLOCK_SIZE = 1 << 24
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -53,6 +53,11 @@ class BlockCodec(Codec):
     def __post_init__(self) -> None:
         if type(self.block_size) is not int or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise CodecError(f"{self.name} block size must be an int in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+
+    @classmethod
+    def from_param(cls, text: str | None) -> BlockCodec:
+        """"name:block", e.g. "int8:4096"."""
+        return cls() if text is None else cls(int_param(text))
 
     @property
     def spec(self) -> str:

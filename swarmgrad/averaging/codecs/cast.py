@@ -36,6 +36,7 @@ class RawCodec(Codec):
 
     name: ClassVar[str] = "none"
     lossy: ClassVar[bool] = False
+    order: ClassVar[int] = 10
 
     def _meta_for(self, shape: tuple[int, ...], numel: int) -> dict[str, int | float]:
         return {}
@@ -92,10 +93,12 @@ class _CastCodec(Codec):
 @dataclass(frozen=True, repr=False)
 class Float16Codec(_CastCodec):
     name: ClassVar[str] = "fp16"
+    order: ClassVar[int] = 20
     wire_dtype: ClassVar[torch.dtype] = torch.float16
 
 
 @dataclass(frozen=True, repr=False)
 class BFloat16Codec(_CastCodec):
     name: ClassVar[str] = "bf16"
+    order: ClassVar[int] = 30
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16

@@ -31,6 +31,7 @@ class Int8Codec(BlockCodec):
     block_size: int = 1024
 
     name: ClassVar[str] = "int8"
+    order: ClassVar[int] = 40
     # a decoded value is q * scale with |q| <= 128 (a hostile sender may use -128): keep it finite
     max_scale: ClassVar[float] = FLOAT32_MAX / 128
 

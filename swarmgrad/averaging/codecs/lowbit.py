@@ -71,10 +71,12 @@ class _BlockQuantCodec(BlockCodec):
 @dataclass(frozen=True, repr=False)
 class Q4Codec(_BlockQuantCodec):
     name: ClassVar[str] = "q4"
+    order: ClassVar[int] = 50
     bits: ClassVar[int] = 4
 
 
 @dataclass(frozen=True, repr=False)
 class Q2Codec(_BlockQuantCodec):
     name: ClassVar[str] = "q2"
+    order: ClassVar[int] = 60
     bits: ClassVar[int] = 2

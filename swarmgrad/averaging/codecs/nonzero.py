@@ -52,6 +52,7 @@ class NonzeroCodec(Codec):
 
     name: ClassVar[str] = "nonzero"
     lossy: ClassVar[bool] = True
+    helper: ClassVar[bool] = True
     meta_keys: ClassVar[frozenset[str]] = frozenset({"n", "bits"})
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, CodecError, Encoded, check_finite, meta_int, tensor_from
+from .base import Codec, CodecError, Encoded, check_finite, int_param, meta_int, tensor_from
 from .cast import Float16Codec
 
 __all__ = ["PowerSGDCodec"]
@@ -41,6 +41,7 @@ class PowerSGDCodec(Codec):
 
     name: ClassVar[str] = "powersgd"
     lossy: ClassVar[bool] = True
+    order: ClassVar[int] = 100
     meta_keys: ClassVar[frozenset[str]] = frozenset({"raw", "rank"})
 
     def __post_init__(self) -> None:
@@ -48,6 +49,11 @@ class PowerSGDCodec(Codec):
             raise CodecError(f"powersgd rank must be an int in [1, {MAX_RANK}], got {self.rank!r}")
         if type(self.seed) is not int:
             raise CodecError(f"powersgd seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_param(cls, text: str | None) -> PowerSGDCodec:
+        """"powersgd:rank", e.g. "powersgd:8"."""
+        return cls() if text is None else cls(int_param(text))
 
     @property
     def spec(self) -> str:

@@ -36,6 +36,7 @@ class SignCodec(BlockCodec):
     block_size: int = DEFAULT_BLOCK
 
     name: ClassVar[str] = "sign"
+    order: ClassVar[int] = 70
 
     def code_bytes(self, numel: int) -> int:
         return packed_size(numel, 1)

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import Codec, CodecError, check_finite, meta_int, tensor_from
+from .base import Codec, CodecError, check_finite, float_param, int_param, meta_int, tensor_from
 from .bits import pack, packed_size, unpack
 from .nonzero import VALUE_BITS, NonzeroCodec
 
@@ -53,6 +53,7 @@ class SparseCodec(Codec):
 
     name: ClassVar[str] = "sparse"
     lossy: ClassVar[bool] = True
+    order: ClassVar[int] = 90
     meta_keys: ClassVar[frozenset[str]] = frozenset({"k", "bits"})
 
     def __post_init__(self) -> None:
@@ -60,6 +61,14 @@ class SparseCodec(Codec):
             raise CodecError(f"sparse fraction must be a number in (0, 1], got {self.fraction!r}")
         if type(self.bits) is not int or self.bits not in VALUE_BITS:
             raise CodecError(f"sparse value bits must be one of {', '.join(map(str, VALUE_BITS))}, got {self.bits!r}")
+
+    @classmethod
+    def from_param(cls, text: str | None) -> SparseCodec:
+        """"sparse:fraction" or "sparse:fraction:bits", e.g. "sparse:0.01:4"."""
+        if text is None:
+            return cls()
+        fraction, sep, bits = text.partition(":")
+        return cls(float_param(fraction), int_param(bits)) if sep else cls(float_param(fraction))
 
     @property
     def spec(self) -> str:

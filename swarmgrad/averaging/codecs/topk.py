@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, CodecError, check_finite, meta_int, tensor_from
+from .base import Codec, CodecError, check_finite, float_param, meta_int, tensor_from
 from .cast import Float16Codec
 
 __all__ = ["TopKCodec", "top_k_indices"]
@@ -54,11 +54,17 @@ class TopKCodec(Codec):
 
     name: ClassVar[str] = "topk"
     lossy: ClassVar[bool] = True
+    order: ClassVar[int] = 80
     meta_keys: ClassVar[frozenset[str]] = frozenset({"k"})
 
     def __post_init__(self) -> None:
         if type(self.fraction) not in (int, float) or not 0.0 < self.fraction <= 1.0:
             raise CodecError(f"topk fraction must be a number in (0, 1], got {self.fraction!r}")
+
+    @classmethod
+    def from_param(cls, text: str | None) -> TopKCodec:
+        """"topk:fraction", e.g. "topk:0.01"."""
+        return cls() if text is None else cls(float_param(text))
 
     @property
     def spec(self) -> str:
