@@ -6,7 +6,7 @@ Whatever this peer catches another peer doing wrong adds that kind's weight to t
     invalid frame          1       a served stream's handler raised FrameError (transport.py, direct.py),
                                    a donor's state description or part broke the protocol
     clipped                0 (*)   a round's robust aggregation clipped its contribution (round suspicions)
-    rejected               0 (*)   it left the contribution out, over 3 τ from the result (robust.py)
+    rejected               0 (*)   it left the contribution out, over 3 τ from the result (rules/centered_clip.py)
     weight cut             2       it claimed a weight above the bound (round suspicions)
     bad state              3       a donor's state held NaN or Inf (in its sketch or the parts it served),
                                    or parts it served failed the check against the donors' sketches
