@@ -187,6 +187,8 @@ class Recorder:
             return
         if function.startswith("__create_fn__") and holder is not None:  # a dataclass's generated method
             function = f"{type(holder).__qualname__}.{frame.f_code.co_name}"
+        if function.endswith("<locals>.without_grad"):  # strategies/base.py's no_grad: name the method it wraps
+            function = frame.f_locals["method"].__qualname__
         node = Node(component(name), function, bool(frame.f_code.co_flags & inspect.CO_COROUTINE))
         self._nodes[frame] = node
         (parent.children if parent is not None else self.roots).append(node)
