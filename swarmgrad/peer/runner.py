@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import faulthandler
 import functools
 import json
 import logging
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 1.0
+# A training loop that has not seen SIGTERM/SIGINT this long after it came prints every thread's stack
+# on stderr (the peer's log), before a supervisor's grace ends (the demo's 10 s, the lab's 15 s)
+STUCK_DUMP_SECONDS = 6.0
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -162,6 +166,7 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
                 last_eval = now  # the next point is --eval-every from this one, whether this one runs or not
                 if _offer_evaluation(peer, evaluator, emit):
                     eval_epoch = peer.epoch
+        faulthandler.cancel_dump_traceback_later()  # the loop saw the signal: no stack to show
         if final is None:  # the evaluation under way when training stopped is reported, then the final state's
             evaluator.wait()
             _report_evaluation(peer, evaluator.poll(), emit)
@@ -173,6 +178,7 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
             with contextlib.suppress(Exception):  # a failure is logged by _publish
                 _publish(peer, final, evaluated_at).result(timeout=2 * local.network.request_timeout + 1)
         status = peer.status()
+    faulthandler.cancel_dump_traceback_later()  # a signal during the final evaluation or the leave: done now
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
                "reason": reason, "final": None if final is None else _finite_metrics(final),
                "status": status.to_json(), "seconds": time.time() - started, "evaluations_skipped": evaluator.skipped}
@@ -275,8 +281,11 @@ class _StopSignal:
     def _handle(self, signum: int, _frame: Any) -> None:
         first = self.received is None
         self.received = signal.Signals(signum).name
-        if first and self._peer is not None:
-            self._peer.interrupt()  # returns at once; the round's task is cancelled on the peer's loop
+        if first:
+            # if the loop never gets to see it, the log says where every thread waits (cancelled once it does)
+            faulthandler.dump_traceback_later(STUCK_DUMP_SECONDS, exit=False)
+            if self._peer is not None:
+                self._peer.interrupt()  # returns at once; the round's task is cancelled on the peer's loop
 
 
 class _PauseSignal:
