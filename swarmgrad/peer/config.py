@@ -32,7 +32,7 @@ from swarmgrad.averaging.settings import (
 )
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.strategies.registry import STRATEGIES, Strategy, check_averaging
-from swarmgrad.settings import SettingsModel, describe_validation_error, flag  # noqa: F401  (re-exported)
+from swarmgrad.settings import SettingsModel, flag
 
 Hyperparameter = Union[int, float, str, bool]
 TaskOption = Union[str, int, float, bool]
