@@ -93,13 +93,21 @@ def run_schedule(task_name: str, schedule: str, momentum: float, seed: int, roun
     for _ in range(rounds):
         train(land_after)
         average = torch.stack(sent).mean(0)
-        keep_local_progress = [policy.land(average) for policy in policies]
-        accuracies.append(task.evaluate(policies[0].model)["accuracy"])  # the swarm's model: the new start
-        for keep in keep_local_progress:
-            keep()
+        for policy in policies:
+            policy.land(average)
+        accuracies.append(task.evaluate(swarm_model(policies[0]))["accuracy"])
         train(inner_steps - land_after)
         sent = [policy.launch() for policy in policies]
     return accuracies
+
+
+def swarm_model(policy: DiLoCoPolicy) -> torch.nn.Module:
+    """A copy of the policy's model at the swarm's new start, without the local progress on top."""
+    starts = {id(param): start for param, start in zip(policy.params, policy.outer_params())}
+    model = copy.deepcopy(policy.model)
+    model.load_state_dict({key: starts.get(id(value), value) for key, value in
+                           policy.model.state_dict(keep_vars=True).items()})
+    return model
 
 
 def run(task: str, momenta: list[float], rounds: int, inner_steps: int, workers: int, land_after: int,

@@ -81,8 +81,9 @@ class Averager:
     claim (``Aggregation``: centered-clip, no cap, by default); peers of a group use the same rule.
 
     ``write_back=False``: a successful round leaves the tensors as they are and the average in
-    ``averager.average`` (flat, valid until the next step), for a caller that reads it once where it
-    landed instead of copying it back.
+    ``averager.average`` (flat; ``take_average`` hands it over), for a caller that reads it once where
+    it landed instead of copying it back. Each round's average is a buffer of its own, freed once
+    the caller is done with it: between rounds the averager holds no model-sized result.
 
     ``swap_storage=True`` (one contiguous float32 CPU tensor, no privacy): after a successful round
     the tensor's storage is *replaced* by the buffer the average landed in (``Tensor.set_``), which
@@ -139,7 +140,9 @@ class Averager:
         self.result_frames: list[Frame] | None = None
         self.result_decoder = ResultDecoder(self.schema, self.codec)
         self._buffer = flat if flat is not None else torch.empty(self.schema.total, dtype=torch.float32)
-        self._result = torch.zeros(self.schema.total, dtype=torch.float32)  # reused, touched once
+        # swap_storage: the tensor's old storage is the next round's result buffer; else each round's
+        # result is a fresh buffer, freed once the caller applied it (no model-sized buffer between rounds)
+        self._result = torch.zeros(self.schema.total, dtype=torch.float32) if swap_storage else None
         self._rounds: dict[str, GroupAllReduce] = {}
         self._rounds_changed = asyncio.Condition()
         # the averager's name keeps two averagers of one peer apart even when their tensors look alike
@@ -219,6 +222,22 @@ class Averager:
         report.seconds = time.monotonic() - started
         return report
 
+    def held_bytes(self) -> dict[str, int]:
+        """Host bytes this averager holds of its own, by what they are for (the contribution it reads
+        in place is its caller's): error feedback, a result not yet taken, a released or gathered copy."""
+        held = {"error_feedback": self.feedback.held_bytes() if self.feedback is not None else 0,
+                "result": sum(t.numel() * 4 for t in (self._result, self.average) if t is not None)
+                + sum(r.result.numel() * 4 for r in self._rounds.values() if r.result is not self._result)}
+        if not self.tensors or self._buffer.data_ptr() != self.tensors[0].data_ptr():
+            held["release"] = self._buffer.numel() * 4
+        return held
+
+    def take_average(self) -> tuple[torch.Tensor | None, list[Frame] | None]:
+        """write_back=False: the last round's average and the frames it travelled in, handed over once:
+        the averager keeps no reference, so they are freed when the caller is done with them."""
+        average, frames, self.average, self.result_frames = self.average, self.result_frames, None, None
+        return average, frames
+
     def _prepare_contribution(self, report: RoundReport) -> bool:
         """Fill the contribution buffer: the tensors, or their private release (architecture.md, invariant
         'privacy before anything leaves')."""
@@ -245,7 +264,8 @@ class Averager:
         assert self.runtime.transport is not None
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
-            self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True, result=self._result,
+            self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True,
+            result=self._result if self._result is not None else torch.empty(self.schema.total, dtype=torch.float32),
             weight_cap=self.aggregation.weight_cap,
         )
         async with self._rounds_changed:
@@ -272,7 +292,7 @@ class Averager:
             self._swap_in(allreduce.result)
         elif self.write_back:
             self.schema.unflatten_into(allreduce.result, self.tensors)
-        else:  # the caller reads it where it landed, before the next step
+        else:  # the caller reads it where it landed (``take_average``)
             self.average = allreduce.result
         if self.feedback is not None:
             self.feedback.commit()

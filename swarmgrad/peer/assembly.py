@@ -142,6 +142,7 @@ class PeerAssembly:
         server = StateServer(self.runtime.transport, state_protocol(self.run_id), idle_seconds=timing.join_timeout)
         await self._enter("state server", server)
         policy = make_policy(config, model, optimizer, self.tracker)
+        policy.before_outer_step = server.retire  # states served from the policy's tensors freeze or go
         per_sample = None
         if config.privacy is not None and config.privacy.level == "sample":
             assert batch_size is not None and dataset_size is not None

@@ -56,10 +56,12 @@ class MoshpitBackend:
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
         report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch,
                                           expected_peers=expected_peers, attempt=attempt)
-        average = self.averager.average if not self.averager.write_back else self.averager.tensors[0]
         if not report.ok:
             return RoundOutcome(False, None, report)
-        return RoundOutcome(True, average, report, self.averager.result_frames)
+        if self.averager.write_back:
+            return RoundOutcome(True, self.averager.tensors[0], report, self.averager.take_average()[1])
+        average, frames = self.averager.take_average()
+        return RoundOutcome(True, average, report, frames)
 
 
 class GossipBackend:
@@ -236,11 +238,10 @@ class RoundDriver:
         self.flight = flight
         self.overlapped += 1
 
-    async def land(self) -> tuple[bool, Callable[[], None] | None]:
-        """Wait for the round in flight and take its outer step (a flight cancelled by pausing is
-        withdrawn). Returns whether the epoch advanced, and the call that puts the local progress
-        made meanwhile back on top of the new start (None when the swarm's state replaced it); the
-        peer publishes its state in between. Call it from the training side (the parameters change)."""
+    async def land(self) -> bool:
+        """Wait for the round in flight and take its outer step under the local progress made
+        meanwhile (a flight cancelled by pausing is withdrawn). Returns whether the epoch advanced.
+        Call it from the training side (the parameters change)."""
         flight = self.flight
         if flight is None or flight.task is None:
             raise RuntimeError("no round in flight")
@@ -252,7 +253,7 @@ class RoundDriver:
                 raise  # only this wait was cancelled: the flight stays, for the next land()
             self.flight = None
             self.policy.withdraw()
-            return False, None
+            return False
         finally:
             self.clock.resumed()
         self.flight = None
@@ -261,20 +262,20 @@ class RoundDriver:
         if outcome is not None:
             self.clock.round_took((flight.landed_at or self.clock.clock()) - flight.launched_at)
             self.keep_result(flight.epoch, outcome.average, outcome.frames)
-            keep_local_progress = self.policy.land(outcome.average)
+            self.policy.land(outcome.average)
         elif ahead:
             self.policy.withdraw()  # the swarm's state (or its rounds replayed) replaces this peer's
-            return await self._try_catch_up(ahead, flight.epoch + 1), None
+            return await self._try_catch_up(ahead, flight.epoch + 1)
         elif self.tracker.rejoin_from(flight.epoch):
             self.policy.withdraw()
-            return bool(await self._rejoin(flight.epoch)), None
+            return bool(await self._rejoin(flight.epoch))
         else:
             logger.info("epoch %d: no group; stepping on local values", flight.epoch)
             self.keep_result(flight.epoch, flight.sent, None)
-            keep_local_progress = self.policy.land(flight.sent)
+            self.policy.land(flight.sent)
             self.solo_steps += 1
         self.tracker.next_epoch(flight.epoch + 1, **carried)
-        return True, keep_local_progress
+        return True
 
     def cancel_flight(self) -> None:
         """Pausing: the round in flight stops travelling. Safe while the training side runs: nothing

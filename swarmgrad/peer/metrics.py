@@ -99,6 +99,11 @@ class PeerMetrics:
                                   value=status.bytes_received)
         yield CounterMetricFamily("swarmgrad_peer_state_downloads", "Times this peer took the swarm's state",
                                   value=status.state_downloads)
+        memory = GaugeMetricFamily("swarmgrad_peer_swarm_memory_bytes", "Host bytes held for the swarm beyond the "
+                                   "model, its gradients and the optimizer, by holder", labels=["holder"])
+        for holder, held in sorted(status.swarm_memory.items()):
+            memory.add_metric([holder], held)
+        yield memory
         if status.loss is not None:
             yield GaugeMetricFamily("swarmgrad_peer_loss", "Smoothed training loss", value=status.loss)
         if status.epsilon is not None:

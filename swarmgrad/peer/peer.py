@@ -77,6 +77,9 @@ class PeerStatus:
     refused_records: int = 0  # private run: member records of peers without a valid ticket, ignored
     refused_streams: int = 0  # private run: their streams, refused
     banned: dict[str, float] = field(default_factory=dict)  # peers banned here for misbehaviour -> seconds left
+    # host bytes the swarm's work holds beyond the model, its gradients and the optimizer, by holder
+    # (outer_start, outer_momentum, contribution, error_feedback, result, kept_results, served_state_copies)
+    swarm_memory: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -393,7 +396,19 @@ class Peer:
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
             refused_streams=self.runtime.admission.refused_streams, banned=self.runtime.admission.misbehaviour.bans(),
+            swarm_memory=self.swarm_memory(),
         )
+
+    def swarm_memory(self) -> dict[str, int]:
+        """Host bytes held for the swarm beyond the model, its gradients and the optimizer, by holder."""
+        training = self.training
+        if training is None:
+            return {}
+        held = {**training.policy.held_bytes(), **training.server.held_bytes()}
+        averager_bytes = getattr(training.averager, "held_bytes", None)
+        if averager_bytes is not None:
+            held.update(averager_bytes())
+        return held
 
     def publish_evaluation(self, accuracy: float, loss: float | None = None, *, samples: int | None = None,
                            evaluated_at: float | None = None) -> concurrent.futures.Future[bool]:
@@ -447,9 +462,9 @@ class Peer:
         training = self.training
         landing = training.driver.flight is not None
         # its own task, so that pause() can cancel the round without cancelling the caller's task
-        self._round = asyncio.ensure_future(training.driver.land() if landing else self._advance())
+        self._round = asyncio.ensure_future(training.driver.land() if landing else training.driver.swarm_step())
         try:
-            advanced, keep_local_progress = await self._round
+            advanced = await self._round
         except asyncio.CancelledError:
             current = asyncio.current_task()
             cancelling = getattr(current, "cancelling", lambda: 0)()  # Python 3.11+: is the caller cancelled too?
@@ -458,16 +473,10 @@ class Peer:
             return  # paused or interrupted mid-round: the epoch stays as it was, nothing was applied
         finally:
             self._round = None
-        if advanced:  # the parameters are the swarm's now (the new start): the state joiners take
+        if advanced:  # the swarm's new start: the state joiners take
             training.publish_state()
             if training.checkpointer is not None and training.checkpointer.due():
                 await training.checkpointer.save()
-        if keep_local_progress is not None:
-            keep_local_progress()
-
-    async def _advance(self) -> tuple[bool, None]:
-        assert self.training is not None
-        return await self.training.driver.swarm_step(), None
 
 
 class OpenRun:

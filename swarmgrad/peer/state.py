@@ -12,10 +12,15 @@ from typing import Any, Protocol
 import torch
 
 from swarmgrad.errors import ConfigError
+from swarmgrad.state.served import ServedState
 from swarmgrad.state.snapshot import StateSnapshot
 
 
 class StatefulStrategy(Protocol):
+    params: list[torch.nn.Parameter]
+
+    def outer_params(self) -> list[torch.Tensor] | None: ...
+
     def state_tensors(self) -> dict[str, torch.Tensor]: ...
 
     def expected_state(self) -> dict[str, torch.Tensor]: ...
@@ -29,6 +34,14 @@ OPTIMIZER_PREFIX = "optimizer/"
 def not_optimizer(name: str) -> bool:
     """Every state tensor but the optimizer's: what a peer that keeps its own optimizer state downloads."""
     return not name.startswith(OPTIMIZER_PREFIX)
+
+
+def is_optimizer(name: str) -> bool:
+    return name.startswith(OPTIMIZER_PREFIX)
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True).contiguous()
 
 
 class StateMismatch(ConfigError):
@@ -61,10 +74,35 @@ class TrainingState:
                 scalars[str(index)] = plain
         return scalars
 
-    def capture(self, version: int, meta: dict[str, Any]) -> StateSnapshot:
-        return StateSnapshot.capture(version, self.tensors(), {**meta, "optimizer_scalars": self.optimizer_scalars()})
+    def capture(self, version: int, meta: dict[str, Any]) -> ServedState:
+        """The state as of now, to serve: where the strategy keeps the swarm's parameters apart from the
+        model (``outer_params``) it is read from there and from the strategy's and the optimizer's own
+        tensors, live (no copy: DESIGN's memory budget); everything else is copied."""
+        meta = {**meta, "optimizer_scalars": self.optimizer_scalars()}
+        outer = self.strategy.outer_params()
+        if outer is None:
+            return ServedState(version, {name: _copy(value) for name, value in self.tensors().items()}, meta)
+        kept = {id(param): view for param, view in zip(self.strategy.params, outer)}
+        tensors: dict[str, torch.Tensor] = {}
+        live: set[str] = set()
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            name, view = f"model/{key}", kept.get(id(value))
+            if view is not None and view.dtype == value.dtype:
+                tensors[name] = view
+                live.add(name)
+            else:
+                tensors[name] = _copy(value)
+        for name, value in self.tensors().items():
+            if name.startswith("model/"):
+                continue
+            if value.device.type == "cpu" and value.is_contiguous():
+                tensors[name] = value.detach()
+                live.add(name)
+            else:
+                tensors[name] = _copy(value)
+        return ServedState(version, tensors, meta, live=frozenset(live), keep_live=is_optimizer)
 
-    def restore(self, snapshot: StateSnapshot, keep_optimizer: bool = False) -> None:
+    def restore(self, snapshot: StateSnapshot | ServedState, keep_optimizer: bool = False) -> None:
         """Load a snapshot; raises StateMismatch (changing nothing) when it does not fit.
         ``keep_optimizer``: leave the optimizer's state as it is (the snapshot may then hold none)."""
         tensors = snapshot.tensors()

@@ -24,9 +24,16 @@ from swarmgrad.timing import DEFAULT_TIMING
 RESULT_DTYPE = torch.bfloat16
 
 
-def result_digest(kept: torch.Tensor) -> str:
-    """The sha256 of a kept result's bytes (bfloat16, flat), in hex: what a donor says it holds."""
-    return hashlib.sha256(memoryview(kept.view(torch.uint8).numpy())).hexdigest()
+DIGEST_ELEMENTS = 1 << 22  # converted to bfloat16 this many at a time: no copy of the whole result
+
+
+def result_digest(result: torch.Tensor) -> str:
+    """The sha256 of a result's bytes as bfloat16 (flat), in hex: what a donor says it holds."""
+    flat, digest = result.detach().reshape(-1), hashlib.sha256()
+    for start in range(0, flat.numel(), DIGEST_ELEMENTS):
+        piece = flat[start : start + DIGEST_ELEMENTS].to("cpu").to(RESULT_DTYPE)
+        digest.update(memoryview(piece.view(torch.uint8).numpy()))
+    return digest.hexdigest()
 
 
 async def download_result_digest(transport: Transport, protocol: str, donor: str, epoch: int) -> str:

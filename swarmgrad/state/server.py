@@ -32,8 +32,8 @@ from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
 from swarmgrad.net.wire import FrameError, field, int_field
-from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state.results import RESULT_DTYPE, result_digest
+from swarmgrad.state.served import ServedState
 from swarmgrad.state.sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
 from swarmgrad.state.snapshot import StateSnapshot, part_count
 from swarmgrad.timing import DEFAULT_TIMING
@@ -59,10 +59,11 @@ class StateServer:
                  idle_seconds: float = DEFAULT_TIMING.join_timeout, keep_results: int = KEPT_RESULTS):
         self.transport, self.protocol, self.keep, self.idle_seconds = transport, protocol, keep, idle_seconds
         self.keep_results = keep_results
-        self._snapshots: dict[int, StateSnapshot] = {}
+        self._snapshots: dict[int, StateSnapshot | ServedState] = {}
         self._described: dict[int, bytes] = {}
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
-        self._results: dict[int, torch.Tensor] = {}
+        self._results: dict[int, torch.Tensor | None] = {}  # bfloat16, None where kept as frames
+        self._result_numel: dict[int, int] = {}
         self._result_digests: dict[int, str] = {}
         self._result_frames: dict[int, list[tuple[dict, bytes]]] = {}
         self._sketches: dict[tuple[int, int], bytes] = {}  # (version, seed) -> a sketch, oldest first
@@ -76,10 +77,10 @@ class StateServer:
         await self.transport.stop_serving(self.protocol)
 
     @property
-    def latest(self) -> StateSnapshot | None:
+    def latest(self) -> StateSnapshot | ServedState | None:
         return self._snapshots[max(self._snapshots)] if self._snapshots else None
 
-    def publish(self, snapshot: StateSnapshot) -> None:
+    def publish(self, snapshot: StateSnapshot | ServedState) -> None:
         for version in [version for version in self._snapshots if version > snapshot.version]:
             self._snapshots.pop(version)  # this peer went back to the swarm's epoch: what it held past it goes
             self._described.pop(version)
@@ -87,14 +88,25 @@ class StateServer:
         self._described[snapshot.version] = snapshot.describe()
         self._drop_old()
 
+    def retire(self) -> None:
+        """The owner is about to change the tensors its served states read (state/served.py): each
+        one a download under way reads is frozen, any other is no longer served."""
+        for version, snapshot in list(self._snapshots.items()):
+            snapshot.retire(self._readers[version])
+        self._drop_old()
+
     def _drop_old(self) -> None:
         """Keep the latest ``keep`` snapshots, and the newest ``PINNED_SNAPSHOTS`` older ones that a
-        download under way reads."""
+        download under way reads; never a state whose live tensors moved on (stale), nor one frozen
+        for downloads (state/served.py) once none reads it."""
         older = sorted(self._snapshots)[: -self.keep]
         read = [version for version in older if self._readers[version] > 0]
         read = read[max(0, len(read) - PINNED_SNAPSHOTS):]
-        for version in older:
-            if version not in read:
+        for version in list(self._snapshots):
+            snapshot = self._snapshots[version]
+            unread = self._readers[version] <= 0 and version != max(self._snapshots)
+            if (version in older and version not in read) or not snapshot.servable or \
+                    (snapshot.frozen and unread):
                 self._snapshots.pop(version)
                 self._described.pop(version)
 
@@ -113,14 +125,16 @@ class StateServer:
 
     def publish_result(self, epoch: int, result: torch.Tensor, frames: list[tuple[dict, bytes]] | None = None) -> None:
         """Keep what round ``epoch`` applied here (a flat float tensor: the swarm's average, or this
-        peer's own values when it stepped alone), for a peer that missed the round to replay; with
-        the ``frames`` it travelled in (averaging/result_frames.py), which decode to exactly it."""
+        peer's own values when it stepped alone), for a peer that missed the round to replay: as the
+        ``frames`` it travelled in where given (averaging/result_frames.py; they decode to exactly it,
+        in a fraction of its bytes), else as bfloat16. The digest is of its bfloat16 bytes either way."""
         if self.keep_results < 1:
             return
         for later in [later for later in self._results if later > epoch]:
             self._drop_result(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
-        kept = result.detach().to("cpu").reshape(-1).to(RESULT_DTYPE, copy=True)
-        self._results[epoch], self._result_digests[epoch] = kept, result_digest(kept)
+        flat = result.detach().reshape(-1)
+        self._results[epoch] = None if frames is not None else flat.to("cpu").to(RESULT_DTYPE, copy=True)
+        self._result_numel[epoch], self._result_digests[epoch] = flat.numel(), result_digest(flat)
         self._result_frames.pop(epoch, None)
         if frames is not None:
             self._result_frames[epoch] = frames
@@ -129,8 +143,16 @@ class StateServer:
 
     def _drop_result(self, epoch: int) -> None:
         self._results.pop(epoch)
+        self._result_numel.pop(epoch)
         self._result_digests.pop(epoch)
         self._result_frames.pop(epoch, None)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Host bytes this server holds of its own: served states' copies and kept results."""
+        kept = sum(result.numel() * result.element_size() for result in self._results.values() if result is not None)
+        kept += sum(len(payload) for frames in self._result_frames.values() for _, payload in frames)
+        return {"served_state_copies": sum(snapshot.held_bytes() for snapshot in self._snapshots.values()),
+                "kept_results": kept}
 
     async def _serve(self, channel: Channel) -> None:
         sketches = 0  # asked on this channel
@@ -179,9 +201,7 @@ class StateServer:
                         await channel.send_error(f"version {version} is no longer held here")
                         return
                     index = int_field(request.header, "index", 0, max(0, part_count(snapshot.nbytes) - 1))
-                    size = state_snapshot.PART_BYTES
-                    part = snapshot.data[index * size : (index + 1) * size]
-                    await channel.send({"t": "part", "version": version, "index": index}, memoryview(part.numpy()))
+                    await channel.send({"t": "part", "version": version, "index": index}, snapshot.read_part(index))
                 elif request.kind in ("result", "digest"):
                     epoch = field(request.header, "epoch", int)
                     if epoch not in self._results:
@@ -198,16 +218,20 @@ class StateServer:
 
     async def _send_result(self, channel: Channel, epoch: int, frames_asked: bool) -> None:
         """A kept result: in the frames it travelled in when asked for them and kept, else as bfloat16."""
-        result, frames = self._results[epoch], self._result_frames.get(epoch) if frames_asked else None
-        if frames is None:
-            await channel.send({"t": "result", "epoch": epoch, "numel": result.numel()},
+        result, frames = self._results[epoch], self._result_frames.get(epoch)
+        numel = self._result_numel[epoch]
+        if result is not None and (frames is None or not frames_asked):
+            await channel.send({"t": "result", "epoch": epoch, "numel": numel},
                                memoryview(result.view(torch.uint8).numpy()))
             return
-        await channel.send({"t": "result", "epoch": epoch, "numel": result.numel(), "frames": len(frames)})
+        if not frames_asked:  # kept as frames only: a peer that replays rounds decodes them
+            await channel.send_error(f"the result of round {epoch} is kept only in the frames it travelled in")
+            return
+        await channel.send({"t": "result", "epoch": epoch, "numel": numel, "frames": len(frames)})
         for header, payload in frames:
             await channel.send(header, payload)
 
-    async def _sketch(self, snapshot: StateSnapshot, seed: int) -> bytes:
+    async def _sketch(self, snapshot: StateSnapshot | ServedState, seed: int) -> bytes:
         """The sketch of ``snapshot`` for ``seed``, computed off the event loop, one at a time, kept for reuse."""
         key = (snapshot.version, seed)
         async with self._sketching:

@@ -81,6 +81,21 @@ class StateSnapshot:
         return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
                              use_bin_type=True)
 
+    def read_part(self, index: int) -> memoryview:
+        return memoryview(self.data[index * PART_BYTES : (index + 1) * PART_BYTES].numpy())
+
+    def still_current(self) -> bool:
+        return True  # a copy: nothing changes it
+
+    frozen = False  # a copy made to serve: kept as the latest few are (state/served.py's frozen ones only while read)
+    servable = True
+
+    def retire(self, readers: int) -> None:
+        """Nothing to do: a snapshot is a copy (state/served.py's states are not)."""
+
+    def held_bytes(self) -> int:
+        return self.nbytes
+
 
 def element_size(dtype: str) -> int:
     return torch.empty(0, dtype=DTYPES[dtype]).element_size()

@@ -133,12 +133,9 @@ def test_a_round_in_flight_lands_its_outer_step_under_the_progress_made_meanwhil
         h.backend.release.set()
         await _settle()
         assert h.driver.landing_due()  # back: land it now
-        advanced, keep_local_progress = await h.driver.land()
-        assert advanced and h.driver.flight is None
+        assert await h.driver.land() and h.driver.flight is None
         new_start = start - AVERAGE
-        torch.testing.assert_close(h.policy.start, new_start)
-        torch.testing.assert_close(h.flat_params(), new_start)  # the swarm's model: what joiners take
-        keep_local_progress()
+        torch.testing.assert_close(h.policy.start, new_start)  # the swarm's model: what joiners take
         torch.testing.assert_close(h.flat_params(), new_start + meanwhile)
         assert h.tracker.local.epoch == 1 and h.tracker.local.steps == 1 and h.tracker.local.samples == 4
         assert [epoch for epoch, _ in h.kept] == [0]
@@ -168,12 +165,9 @@ def test_eager_the_next_inner_phase_starts_from_the_provisional_step_and_landing
             torch.testing.assert_close(h.flat_params(), provisional)  # eager: trains on from here
             h.train(1, seed=7 + epoch)
             meanwhile = h.flat_params() - provisional
-            advanced, keep_local_progress = await h.driver.land()
-            assert advanced
-            torch.testing.assert_close(h.policy.start, in_turn.policy.start)
+            assert await h.driver.land()
+            torch.testing.assert_close(h.policy.start, in_turn.policy.start)  # the swarm's model, published
             torch.testing.assert_close(h.policy.momentum, in_turn.policy.momentum)
-            torch.testing.assert_close(h.flat_params(), in_turn.flat_params())  # the swarm's model, published
-            keep_local_progress()
             torch.testing.assert_close(h.flat_params(), in_turn.flat_params() + meanwhile)
             h.policy.copy_into_params(h.policy.start)  # both peers train the next epoch from the same point
             h.tracker.local.steps = 0
@@ -187,12 +181,14 @@ def test_a_paused_flight_is_withdrawn_at_the_next_landing():
         h.train(2)
         start, at_launch = h.policy.start.clone(), h.flat_params()
         await h.driver.swarm_step()
+        provisional = h.flat_params()
+        torch.testing.assert_close(h.policy.start, start)  # start and momentum move only when the round lands
         h.train(1, seed=10)
-        meanwhile = h.flat_params() - h.policy.start  # on top of the provisional start
+        meanwhile = h.flat_params() - provisional
         h.driver.cancel_flight()  # pausing: nothing changes yet
         await _settle()
         assert h.driver.landing_due() and h.driver.flight is not None
-        assert await h.driver.land() == (False, None)
+        assert await h.driver.land() is False
         assert h.driver.flight is None and h.tracker.local.epoch == 0
         torch.testing.assert_close(h.policy.start, start)
         torch.testing.assert_close(h.policy.momentum, torch.zeros_like(start))
@@ -212,7 +208,7 @@ def test_landing_waits_for_the_round_once_the_next_inner_phase_is_done():
         await _settle()
         assert not landing.done()
         h.backend.release.set()
-        advanced, _ = await landing
+        advanced = await landing
         assert advanced and h.tracker.local.epoch == 1 and h.tracker.local.steps == 2
 
     asyncio.run(scenario())
@@ -224,11 +220,9 @@ def test_a_retry_in_flight_resends_what_was_sent_not_the_moved_parameters():
         h.train(2)
         await h.driver.swarm_step()
         await _settle()
-        h.train(1, seed=10)
-        h.policy.contribution.fill_(7.0)  # what a failed round may leave in the buffer
+        h.train(1, seed=10)  # the parameters moved: a pseudo-gradient taken now would differ
         h.backend.release.set()
-        advanced, _ = await h.driver.land()
-        assert advanced and len(h.backend.calls) == 2
+        assert await h.driver.land() and len(h.backend.calls) == 2
         torch.testing.assert_close(h.backend.calls[1], h.backend.calls[0])
 
     asyncio.run(scenario())
@@ -243,8 +237,7 @@ def test_a_flight_that_finds_no_group_steps_alone_and_keeps_the_local_progress()
         h.train(1, seed=10)
         before_landing = h.flat_params()
         h.backend.release.set()
-        advanced, keep_local_progress = await h.driver.land()
-        keep_local_progress()
+        advanced = await h.driver.land()
         # outer lr 1 on its own pseudo-gradient: the new start is where it was at launch
         assert advanced and h.driver.solo_steps == 1 and h.tracker.local.epoch == 1
         torch.testing.assert_close(h.policy.start, at_launch)
@@ -330,7 +323,7 @@ def test_auto_sends_the_first_round_in_flight_then_follows_the_measured_rule():
         await _settle()  # it lands 1 s after its launch
         h.train(2, seed=10)
         clock.now += 1.0  # an inner phase as long as the round
-        assert (await h.driver.land())[0] and h.driver.clock.round == 1.0
+        assert await h.driver.land() and h.driver.clock.round == 1.0
         h.train(2, seed=11)
         clock.now += 1.0
         assert not await h.driver.swarm_step()  # measured as long as the compute: it travels again

@@ -20,6 +20,7 @@ from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies.diloco import DiLoCo, DiLoCoPolicy
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state.server import StateServer
+from swarmgrad.state.served import ServedState
 from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
 from swarmgrad.state.transfer import download_state
 
@@ -168,9 +169,9 @@ def big_state(version: int = 1, megabytes: float = 10.0, seed: int = 0) -> State
     return StateSnapshot.capture(version, tensors, {"epoch": version, "strategy": {"name": "diloco"}})
 
 
-def assert_same(got: StateSnapshot, want: StateSnapshot) -> None:
+def assert_same(got: StateSnapshot, want: StateSnapshot | ServedState) -> None:
     assert got.version == want.version and got.specs == want.specs and got.meta == want.meta
-    assert got.nbytes == want.nbytes and torch.equal(got.data, want.data)
+    assert got.nbytes == want.nbytes and torch.equal(got.data, want.data[:])
 
 
 def donor_ids(swarm) -> list[str]:
@@ -518,3 +519,50 @@ def test_training_state_round_trip_through_a_download(swarm):
     for a, b in zip(model.parameters(), other_model.parameters()):
         assert torch.equal(a, b)
 
+
+
+class StepsOnMidDownload(CountingServer):
+    """Serves a state read from live tensors and, right after its first part, takes an outer step:
+    retires what it serves, changes those tensors in place and publishes the next version."""
+
+    live: dict[str, torch.Tensor] = {}
+
+    async def _serve(self, channel) -> None:
+        send = channel.send
+
+        async def send_then_step(header, payload=b""):
+            await send(header, payload)
+            if header.get("t") == "part" and self.latest.version == 1:
+                self.retire()
+                for tensor in self.live.values():
+                    tensor.add_(1.0)
+                self.publish(ServedState(2, self.live, {"epoch": 2}, live=frozenset(self.live)))
+
+        channel.send = send_then_step
+        await super()._serve(channel)
+
+
+def test_a_download_of_a_live_state_finishes_with_its_values_though_the_donor_stepped_meanwhile(swarm, monkeypatch):
+    """A donor serves its state from the tensors it trains with (no copy), and copies them only when
+    a download under way still reads them as its next outer step changes them: the joiner gets every
+    byte of the version it described, and once nobody reads it the copy is gone."""
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 64 * 1024)
+    generator = torch.Generator().manual_seed(3)
+    live = {"model/w": torch.randn(100_000, generator=generator), "strategy/m": torch.randn(5_000, generator=generator)}
+    expected = StateSnapshot.capture(1, live, {"epoch": 1})
+
+    async def scenario():
+        protocol = new_protocol()
+        first = ServedState(1, live, {"epoch": 1}, live=frozenset(live))
+        async with serving(swarm, protocol, [first], [StepsOnMidDownload]) as (server,):
+            server.live = live
+            assert server.held_bytes()["served_state_copies"] == 0
+            got = await download_state(swarm.transports[0], protocol, donor_ids(swarm)[:1], seconds=20)
+            copies_while_read = server.held_bytes()["served_state_copies"]
+            await asyncio.sleep(0.5)  # the channel's end reaches the donor
+            return got, copies_while_read, sorted(server._snapshots), server.held_bytes()["served_state_copies"]
+
+    got, copies_while_read, held_after, copies_after = run(swarm, scenario())
+    assert_same(got, expected)
+    assert copies_while_read in (0, expected.nbytes)  # the joiner may have said "done" before we looked
+    assert held_after == [2] and copies_after == 0

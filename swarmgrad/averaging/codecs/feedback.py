@@ -81,6 +81,12 @@ class ErrorFeedback:
         residual = self._residual.get(key)
         return 0.0 if residual is None else float(torch.linalg.vector_norm(residual))
 
+    def held_bytes(self) -> int:
+        """Host bytes of committed and staged residuals and warm starts."""
+        tensors = [*self._residual.values(), *self._warm.values(),
+                   *(t for pair in self._staged.values() for t in pair if t is not None)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def __len__(self) -> int:
         """Number of tensors with a committed residual."""
         return len(self._residual)

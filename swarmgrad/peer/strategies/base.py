@@ -68,6 +68,10 @@ class ProgressCounter(Protocol):
     def fresh(self) -> SwarmProgress: ...
 
 
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class FlatLayout:
     """Parameters laid end to end in one flat float32 CPU vector; ``views`` cuts a vector back up."""
 
@@ -101,6 +105,9 @@ class Policy(ABC):
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.layout = FlatLayout(self.params)
         self.contribution = self.layout.zeros()  # what a round averages; the averager reads it in place
+        # called before the strategy changes what ``outer_params`` and ``state_tensors`` view: the
+        # state server freezes or drops a state served from them (state/served.py)
+        self.before_outer_step: Callable[[], None] = lambda: None
 
     def contribution_views(self) -> dict[str, torch.Tensor]:
         """The contribution as one named view per parameter (the averaging schema keeps their shapes)."""
@@ -134,14 +141,24 @@ class Policy(ABC):
         (overlap.py); None: its rounds run in turn."""
         return None
 
+    def held_bytes(self) -> dict[str, int]:
+        """Host bytes this strategy holds beyond the model and its optimizer, by what they are for."""
+        return {"contribution": nbytes(self.contribution)}
+
+    def outer_params(self) -> list[torch.Tensor] | None:
+        """Views, in ``params`` order, of the parameters as the swarm's latest step left them, which
+        the strategy keeps unchanged until its next one (DiLoCo's start): the state is served from
+        them. None: the parameters themselves are the swarm's, and a served state copies them."""
+        return None
+
     # a round that travels while training goes on (peer/overlap.py; only where ``overlap_steps``):
-    # ``launch`` fills the contribution and returns it as sent, then exactly one of ``land`` (with the
-    # swarm's average; returns the call that puts the progress made meanwhile back, after the state
-    # is published) or ``withdraw`` (the round is dropped: as if it had never been sent)
+    # ``launch`` fills the contribution and returns it as sent (it stays so until the round ends),
+    # then exactly one of ``land`` (with the swarm's average; the progress made meanwhile stays on
+    # top) or ``withdraw`` (the round is dropped: as if it had never been sent)
     def launch(self) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} rounds do not overlap training")
 
-    def land(self, average: torch.Tensor) -> Callable[[], None]:
+    def land(self, average: torch.Tensor) -> None:
         raise NotImplementedError(f"{self.name} rounds do not overlap training")
 
     def withdraw(self) -> None:
@@ -162,6 +179,7 @@ class Policy(ABC):
     @no_grad
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a state's strategy tensors in; ``TrainingState`` has checked them against ``expected_state``."""
+        self.before_outer_step()
         for name, target in self.expected_state().items():
             target.copy_(tensors[name])
 

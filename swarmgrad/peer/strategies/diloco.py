@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import pydantic
 
-from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy, ProgressCounter, StrategySettings, no_grad
+from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy, ProgressCounter, StrategySettings, nbytes, no_grad
 
 if TYPE_CHECKING:
     import torch
@@ -51,8 +50,7 @@ class DiLoCoPolicy(Policy):
         self.start = self.layout.zeros()
         self.copy_params_into(self.start)
         self.momentum = self.layout.zeros()
-        # a round in flight (overlap.py): start, momentum and the contribution from before its launch
-        self._before_launch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._launched = False  # a round in flight (overlap.py): the contribution is what it sent
 
     def weight_cap(self, batch_size: int | None) -> float | None:
         return None if batch_size is None else WEIGHT_SLACK * self.settings.inner_steps * batch_size
@@ -76,63 +74,76 @@ class DiLoCoPolicy(Policy):
         """start <- start - lr * (delta + mu * m), m <- mu * m + delta (torch SGD's Nesterov form)."""
         import torch
 
+        self.before_outer_step()
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
         torch.add(average, self.momentum, alpha=mu, out=self.momentum)
         self.start.add_(average, alpha=-lr).add_(self.momentum, alpha=-lr * mu)
         self.copy_into_params(self.start)
 
+    def held_bytes(self) -> dict[str, int]:
+        return {**super().held_bytes(), "outer_start": nbytes(self.start), "outer_momentum": nbytes(self.momentum)}
+
+    def outer_params(self) -> list[torch.Tensor]:
+        return self.layout.views(self.start)
+
     @property
     def overlap_steps(self) -> int:
         return self.settings.inner_steps
 
+    def _provisional(self, start: torch.Tensor, momentum: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+        """Where an outer step on ``sent`` alone would put ``start``: start - lr (sent + mu (mu m + sent))."""
+        lr, mu = self.settings.outer_lr, self.settings.outer_momentum
+        return start - (lr * (1 + mu)) * sent - (lr * mu * mu) * momentum
+
+    def _views(self):
+        return zip(self.params, self.layout.views(self.start), self.layout.views(self.momentum),
+                   self.layout.views(self.contribution))
+
     @no_grad
     def launch(self) -> torch.Tensor:
-        """Eager (arXiv 2502.12996): the outer step is taken at once on this peer's own
-        pseudo-gradient, standing in for the swarm's until the round lands, so the next inner phase
-        starts near where the swarm's step will put it. Returns the contribution as sent."""
+        """Eager (arXiv 2502.12996): the parameters take the outer step on this peer's own
+        pseudo-gradient at once, standing in for the swarm's until the round lands, so the next inner
+        phase starts near where the swarm's step will put it. Start and momentum stay as they were
+        (and the state served from them with them), and the contribution stays as sent until the
+        round lands: no copy of any of the three. Returns the contribution as sent."""
         self.prepare()
-        sent = self.contribution.clone()
-        self._before_launch = (self.start.clone(), self.momentum.clone(), sent)
-        self.apply(sent)
-        return sent
+        for param, start, momentum, sent in self._views():
+            param.copy_(self._provisional(start, momentum, sent).to(param.device, param.dtype))
+        self._launched = True
+        return self.contribution
 
     @no_grad
-    def land(self, average: torch.Tensor) -> Callable[[], None]:
-        """The outer step on the swarm's ``average`` in place of the provisional one: the progress
-        made since the launch is put aside, the step taken from the start before it (the parameters
-        are then the new start, for the state joiners download), and the returned call puts that
-        progress back on top."""
-        progress = self._undo_launch()
-        self.apply(average)
+    def land(self, average: torch.Tensor) -> None:
+        """The outer step on the swarm's ``average`` in place of the provisional one, keeping the
+        progress made since the launch on top: one tensor at a time, so the progress never needs a
+        model-sized buffer."""
+        import torch
 
-        @no_grad
-        def keep_local_progress() -> None:
-            for param, delta in zip(self.params, self.layout.views(progress)):
-                param.add_(delta.to(param.device, param.dtype))
-
-        return keep_local_progress
+        self._check_launched()
+        self.before_outer_step()
+        lr, mu = self.settings.outer_lr, self.settings.outer_momentum
+        for (param, start, momentum, sent), mean in zip(self._views(), self.layout.views(average)):
+            progress = param.detach().to("cpu", torch.float32) - self._provisional(start, momentum, sent)
+            momentum.mul_(mu).add_(mean)
+            start.add_(mean, alpha=-lr).add_(momentum, alpha=-lr * mu)
+            param.copy_(progress.add_(start).to(param.device, param.dtype))
 
     @no_grad
     def withdraw(self) -> None:
-        """The launch never happened: start and momentum as they were, the parameters where they
-        were sent from plus the progress made since."""
-        start, _, sent = self._before_launch
-        progress = self._undo_launch()
-        self.copy_into_params(progress.add_(start).sub_(sent))
+        """The launch never happened: the parameters where they were sent from plus the progress made
+        since (start and momentum never moved)."""
+        self._check_launched()
+        for param, start, momentum, sent in self._views():
+            back = (start - sent) - self._provisional(start, momentum, sent)
+            param.add_(back.to(param.device, param.dtype))
 
-    def _undo_launch(self) -> torch.Tensor:
-        """Restores start and momentum from before the launch; returns params - provisional start."""
-        start, momentum, _ = self._before_launch
-        self._before_launch = None
-        progress = self.layout.zeros()
-        self.copy_params_into(progress)
-        progress.sub_(self.start)
-        self.start.copy_(start)
-        self.momentum.copy_(momentum)
-        return progress
+    def _check_launched(self) -> None:
+        if not self._launched:
+            raise RuntimeError("no round was launched")
+        self._launched = False
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        # snapshots are taken right after an outer step, when start == params: only momentum is extra
+        # the served state's parameters are start's views (outer_params): only momentum is extra
         return {f"momentum/{i}": m for i, m in enumerate(self.layout.views(self.momentum))}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:

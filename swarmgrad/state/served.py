@@ -1,0 +1,132 @@
+"""The state a donor serves, read from the tensors it trains with instead of a copy made after every
+round (architecture.md, invariant 'joining is cheap'; DESIGN's memory budget).
+
+A ``ServedState`` names tensors laid out as a ``StateSnapshot`` would be (same specs, parts and
+digest), but holds them where they are: the strategy's outer parameters and momentum, which stay put
+until the next outer step, and the inner optimizer's moments, which are this peer's own (never
+compared between donors) and served as they are when asked. Only what the owner changes between
+outer steps (buffers, parameters that are not kept elsewhere) is copied when it is captured.
+
+Before the owner changes a live tensor in place it calls ``retire``: a state that a download under
+way still reads is then frozen (its live tensors, but the optimizer's, copied: the peak of a download,
+never the steady state), any other is marked stale and no longer served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Mapping
+
+import msgpack
+import torch
+
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.snapshot import DTYPES, layout
+
+
+class ServedState:
+    """Named CPU tensors served in ``PART_BYTES`` parts, without one buffer that holds them all.
+
+    ``live``: the names of tensors the owner holds and changes in place (the rest are copies this state
+    owns); ``keep_live`` says which live ones a freeze leaves as they are (the optimizer's moments:
+    they change at every inner step, are this peer's own and never compared between donors)."""
+
+    def __init__(self, version: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | None = None,
+                 live: frozenset[str] = frozenset(), keep_live: Callable[[str], bool] = lambda name: False):
+        specs = []
+        for name, tensor in tensors.items():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
+                raise ValueError(f"state tensor {name!r} has unsupported dtype {dtype}")
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(f"state tensor {name!r} must be a contiguous CPU tensor")
+            specs.append((name, dtype, tuple(tensor.shape)))
+        self.version, self.specs, self.meta = version, tuple(specs), dict(meta or {})
+        self._tensors = dict(tensors)
+        self._live = set(live)
+        self._owned = set(self._tensors) - self._live  # copies this state made (or was handed)
+        self._keep_live = keep_live  # live tensors a freeze does not copy (the optimizer's: never compared)
+        self._offsets, self.nbytes = layout(self.specs)
+        self.stale = False  # the owner changed its live tensors: nothing of it may be served any more
+        self.frozen = False  # copied for the downloads that read it: kept only while they do
+
+    @property
+    def digest(self) -> str:
+        described = msgpack.packb([[n, d, list(s)] for n, d, s in self.specs], use_bin_type=True)
+        return hashlib.sha256(described).hexdigest()[:32]
+
+    def describe(self) -> bytes:
+        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
+                             use_bin_type=True)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors, by name (views of the live ones: copy what must outlive the next outer step)."""
+        return dict(self._tensors)
+
+    def still_current(self) -> bool:
+        """Whether the tensors ``tensors()`` handed out still hold this version (a checkpoint written
+        from them in the background is whole only if so; the optimizer's change at every step)."""
+        return not (self.stale or self.frozen)
+
+    @property
+    def servable(self) -> bool:
+        return not self.stale
+
+    def read(self, start: int, length: int) -> torch.Tensor:
+        """A copy of bytes ``[start, start + length)`` of the layout, at most a part (a live tensor may
+        change once the caller yields: what it sends is what it read)."""
+        if not 0 <= start <= start + length <= self.nbytes or length > state_snapshot.PART_BYTES:
+            raise ValueError(f"bytes [{start}, {start + length}) are outside the state or longer than a part")
+        target = torch.zeros(length, dtype=torch.uint8)  # zeros: the alignment padding between tensors
+        for (name, _, _), (offset, size) in zip(self.specs, self._offsets):
+            lo, hi = max(start, offset), min(start + length, offset + size)
+            if lo < hi:
+                source = self._tensors[name].reshape(-1).view(torch.uint8)
+                target[lo - start : hi - start].copy_(source[lo - offset : hi - offset])
+        return target
+
+    @property
+    def data(self) -> _LayoutBytes:
+        """The layout's bytes, sliced as ``data[start:stop]`` (a copy of each slice): what a sketch reads."""
+        return _LayoutBytes(self)
+
+    def read_part(self, index: int) -> memoryview:
+        size = state_snapshot.PART_BYTES
+        start = index * size
+        return memoryview(self.read(start, min(size, self.nbytes - start)).numpy())
+
+    def retire(self, readers: int) -> None:
+        """The owner is about to change its live tensors: freeze them when ``readers`` downloads still
+        read this state, else stop serving it."""
+        if self.stale or not any(not self._keep_live(name) for name in self._live):
+            return
+        if readers <= 0:
+            self.stale = True
+            return
+        for name in [name for name in self._live if not self._keep_live(name)]:
+            self._tensors[name] = self._tensors[name].clone()
+            self._live.discard(name)
+            self._owned.add(name)
+        self.frozen = True
+
+    def held_bytes(self) -> int:
+        """Host bytes this state holds of its own (copies), not counting the live tensors it reads."""
+        return sum(self._tensors[name].numel() * self._tensors[name].element_size() for name in self._owned)
+
+
+class _LayoutBytes:
+    """``ServedState.data``: slices of the layout's bytes as uint8 tensors, read when asked."""
+
+    def __init__(self, state: ServedState):
+        self.state = state
+
+    def __getitem__(self, span: slice) -> torch.Tensor:
+        start, stop, _ = span.indices(self.state.nbytes)
+        pieces = []
+        while start < stop:  # at most a part per read
+            length = min(stop - start, state_snapshot.PART_BYTES)
+            pieces.append(self.state.read(start, length))
+            start += length
+        if not pieces:
+            return torch.empty(0, dtype=torch.uint8)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

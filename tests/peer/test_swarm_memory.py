@@ -1,0 +1,59 @@
+"""What a DiLoCo peer holds on the host for the swarm, beyond its model, gradients and optimizer
+(``status().swarm_memory``, DESIGN's memory budget), measured on two real peers after real rounds:
+the outer start and momentum, one contribution buffer, error feedback, and the last rounds' results
+kept in one form each; no result buffer between rounds and no copy of the state served to joiners."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from conftest import run_async
+
+import swarmgrad as sg
+
+INNER = 4
+
+
+def wide_classifier(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """8 inputs, 2 classes, 6146 parameters (enough that frames are bytes per element, not headers)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.ReLU(), torch.nn.Linear(512, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+async def train(peer: sg.Peer, model: torch.nn.Module, seed: int, steps: int) -> sg.PeerStatus:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        inputs, targets = torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        await peer.astep(batch_size=16, loss=loss)
+        await asyncio.sleep(0.01)
+    return peer.status()
+
+
+async def two_peers(steps: int) -> list[sg.PeerStatus]:
+    models = [wide_classifier() for _ in range(2)]
+    settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "int8",
+                "timing": sg.Timing(presence_refresh=0.5)}
+    async with sg.Peer(*models[0], run_id="swarm-memory", **settings) as first:
+        async with sg.Peer(*models[1], run_id="swarm-memory", initial_peers=first.maddrs, **settings) as second:
+            peers = [first, second]
+            await asyncio.gather(*(peer.await_peers(2, 20) for peer in peers))
+            return await asyncio.gather(*(train(peer, model, seed, steps)
+                                          for seed, (peer, (model, _)) in enumerate(zip(peers, models))))
+
+
+def test_a_diloco_peer_holds_its_outer_state_one_contribution_and_frames_between_rounds():
+    params = sum(p.numel() for p in wide_classifier()[0].parameters())
+    for status in run_async(two_peers(steps=6 * INNER)):
+        held = status.swarm_memory
+        assert status.rounds_ok >= 2, status
+        assert held["outer_start"] == held["outer_momentum"] == held["contribution"] == 4 * params, held
+        assert held["result"] == 0, held  # each round's average is freed once applied
+        assert held["served_state_copies"] == 0, held  # joiners read the outer start and momentum themselves
+        assert 0 < held["error_feedback"] <= 4 * params, held  # the committed residual; nothing staged
+        # the last two rounds' results, each as the int8 frames it travelled in (about a byte an
+        # element) or, where it had none (a round it stepped alone, or replayed), as bfloat16 (2): never both
+        assert 0 < held["kept_results"] <= 2 * 2 * params, held

@@ -1,0 +1,60 @@
+"""A state served from live tensors (state/served.py): the same bytes a copy would hold, no copy of
+what the owner keeps put, frozen when a download still reads it as the owner moves on, else dropped."""
+
+from __future__ import annotations
+
+import torch
+
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.served import ServedState
+from swarmgrad.state.snapshot import StateSnapshot
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"model/w": torch.randn(300, 700, generator=generator),  # 840 kB: spans a part boundary
+            "model/steps": torch.tensor([3], dtype=torch.int64),
+            "strategy/momentum/0": torch.randn(513, generator=generator),
+            "optimizer/0/exp_avg": torch.randn(300, 700, generator=generator)}
+
+
+def served(live_tensors: dict[str, torch.Tensor]) -> ServedState:
+    live = frozenset(name for name in live_tensors if name != "model/steps")
+    return ServedState(4, live_tensors, {"a": 1}, live=live, keep_live=lambda name: name.startswith("optimizer/"))
+
+
+def test_parts_hold_the_bytes_a_copy_would_without_copying_the_live_tensors():
+    live = tensors()
+    state, copy = served(live), StateSnapshot.capture(4, live, {"a": 1})
+    assert state.specs == copy.specs and state.nbytes == copy.nbytes and state.digest == copy.digest
+    assert state.describe() == copy.describe()
+    parts = state_snapshot.part_count(state.nbytes)
+    assert parts >= 2
+    for index in range(parts):
+        assert bytes(state.read_part(index)) == bytes(copy.read_part(index))
+    assert torch.equal(state.data[:], copy.data) and torch.equal(state.data[1000:1024 * 1024 + 5], copy.data[1000:1024 * 1024 + 5])
+    assert state.held_bytes() == 8  # the int64 it does not read live
+    assert state.tensors()["model/w"].data_ptr() == live["model/w"].data_ptr()
+
+
+def test_a_state_being_read_is_frozen_before_the_owner_moves_on_and_keeps_its_values():
+    live = tensors()
+    state = served(live)
+    before = state.data[:].clone()
+    state.retire(readers=1)
+    live["model/w"].add_(1.0)  # the outer step
+    live["strategy/momentum/0"].mul_(2.0)
+    assert state.servable and not state.still_current()  # served on, but what tensors() handed out moved
+    after = state.data[:]
+    offsets, _ = state_snapshot.layout(state.specs)
+    optimizer_start = offsets[-1][0]
+    assert torch.equal(after[:optimizer_start], before[:optimizer_start])  # parameters and momentum as they were
+    # the optimizer's moments are this peer's own and never compared: they stay live, not copied
+    assert state.tensors()["optimizer/0/exp_avg"].data_ptr() == live["optimizer/0/exp_avg"].data_ptr()
+    assert state.held_bytes() == 8 + 300 * 700 * 4 + 513 * 4
+
+
+def test_a_state_nobody_reads_goes_stale_instead_of_being_copied():
+    state = served(tensors())
+    state.retire(readers=0)
+    assert not state.servable and not state.still_current() and state.held_bytes() == 8
