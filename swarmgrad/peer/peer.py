@@ -240,7 +240,7 @@ class Peer:
             await training.driver.abandon()  # a round in flight is dropped before the last checkpoint
             if training.checkpointer is not None:
                 try:
-                    await training.checkpointer.save()
+                    await training.checkpointer.save_last()
                 except Exception as error:  # leaving must not fail because the disk is full
                     logger.error("final checkpoint failed: %s", error)
         await self.assembly.close()
@@ -461,7 +461,7 @@ class Peer:
         if advanced:  # the parameters are the swarm's now (the new start): the state joiners take
             training.publish_state()
             if training.checkpointer is not None and training.checkpointer.due():
-                await training.checkpointer.save()
+                training.checkpointer.save()  # on a thread: the step goes on
         if keep_local_progress is not None:
             keep_local_progress()
 
