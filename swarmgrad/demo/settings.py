@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.dht.config import NodeConfig
-
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.config_file import write_peer_config
 from swarmgrad.peer.options import PEER_OPTIONS, Given

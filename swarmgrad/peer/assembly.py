@@ -164,7 +164,8 @@ class PeerAssembly:
                              keep_result=server.publish_result, overlap=getattr(config.strategy, "overlap", "off"))
         checkpoints = self.local.checkpoints
         checkpointer = None if checkpoints.dir is None else Checkpointer(
-            checkpoints.dir, self.run_id, checkpoints.every, lambda: server.latest, self._checkpoint_extra)
+            checkpoints.dir, self.run_id, checkpoints.every, lambda: server.latest, self._checkpoint_extra,
+            hold=server.hold)
         self.training = Training(policy, state, averager, server, catch_up, driver, checkpointer, per_sample,
                                  publish_state)
         await self._join(self.training)

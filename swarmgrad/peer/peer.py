@@ -243,7 +243,7 @@ class Peer:
             await training.driver.abandon()  # a round in flight is dropped before the last checkpoint
             if training.checkpointer is not None:
                 try:
-                    await training.checkpointer.save()
+                    await training.checkpointer.save_last()
                 except Exception as error:  # leaving must not fail because the disk is full
                     logger.error("final checkpoint failed: %s", error)
         await self.assembly.close()
@@ -476,7 +476,7 @@ class Peer:
         if advanced:  # the swarm's new start: the state joiners take
             training.publish_state()
             if training.checkpointer is not None and training.checkpointer.due():
-                await training.checkpointer.save()
+                training.checkpointer.save()  # on a thread: the step goes on
 
 
 class OpenRun:

@@ -7,9 +7,10 @@ until the next outer step, and the inner optimizer's moments, which are this pee
 compared between donors) and served as they are when asked. Only what the owner changes between
 outer steps (buffers, parameters that are not kept elsewhere) is copied when it is captured.
 
-Before the owner changes a live tensor in place it calls ``retire``: a state that a download under
-way still reads is then frozen (its live tensors, but the optimizer's, copied: the peak of a download,
-never the steady state), any other is marked stale and no longer served.
+Before the owner changes its live tensors it calls ``retire``: a state that a download (or a
+checkpoint being written) still reads keeps them, and the owner goes on with copies (the peak of a
+download, never the steady state): nothing a reader already holds ever changes. Any other state
+is marked stale and no longer served.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class ServedState:
         self._keep_live = keep_live  # live tensors a freeze does not copy (the optimizer's: never compared)
         self._offsets, self.nbytes = layout(self.specs)
         self.stale = False  # the owner changed its live tensors: nothing of it may be served any more
-        self.frozen = False  # copied for the downloads that read it: kept only while they do
+        self.frozen = False  # the owner left its tensors to the readers: kept only while they read
 
     @property
     def digest(self) -> str:
@@ -66,11 +67,9 @@ class ServedState:
     def still_current(self) -> bool:
         """Whether the tensors ``tensors()`` handed out still hold this version (a checkpoint written
         from them in the background is whole only if so; the optimizer's change at every step)."""
-        return not (self.stale or self.frozen)
-
-    @property
-    def servable(self) -> bool:
         return not self.stale
+
+    servable = property(still_current)
 
     def read(self, start: int, length: int) -> torch.Tensor:
         """A copy of bytes ``[start, start + length)`` of the layout, at most a part (a live tensor may
@@ -95,19 +94,21 @@ class ServedState:
         start = index * size
         return memoryview(self.read(start, min(size, self.nbytes - start)).numpy())
 
-    def retire(self, readers: int) -> None:
-        """The owner is about to change its live tensors: freeze them when ``readers`` downloads still
-        read this state, else stop serving it."""
-        if self.stale or not any(not self._keep_live(name) for name in self._live):
-            return
+    def retire(self, readers: int) -> bool:
+        """The owner is about to change its live tensors. With ``readers`` (downloads, a checkpoint)
+        this state keeps them and True says so: the owner must go on with copies of its own and leave
+        these alone (the optimizer's moments excepted: they change at every step, are this peer's own
+        and are never compared between donors). Without, the state is stale: no longer served."""
+        moving = [name for name in self._live if not self._keep_live(name)]
+        if self.stale or not moving:
+            return False
         if readers <= 0:
             self.stale = True
-            return
-        for name in [name for name in self._live if not self._keep_live(name)]:
-            self._tensors[name] = self._tensors[name].clone()
-            self._live.discard(name)
-            self._owned.add(name)
+            return False
+        self._live.difference_update(moving)
+        self._owned.update(moving)
         self.frozen = True
+        return True
 
     def held_bytes(self) -> int:
         """Host bytes this state holds of its own (copies), not counting the live tensors it reads."""

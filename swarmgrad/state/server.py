@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Callable
 
 import torch
 
@@ -88,12 +89,27 @@ class StateServer:
         self._described[snapshot.version] = snapshot.describe()
         self._drop_old()
 
-    def retire(self) -> None:
-        """The owner is about to change the tensors its served states read (state/served.py): each
-        one a download under way reads is frozen, any other is no longer served."""
-        for version, snapshot in list(self._snapshots.items()):
-            snapshot.retire(self._readers[version])
+    def retire(self) -> bool:
+        """The owner is about to change the tensors its served states read (state/served.py): a state
+        a download under way reads keeps them, any other is no longer served. True when one kept
+        them: the owner then goes on with copies and leaves these alone."""
+        kept = [snapshot.retire(self._readers[version]) for version, snapshot in list(self._snapshots.items())]
         self._drop_old()
+        return any(kept)
+
+    def hold(self, version: int) -> Callable[[], None]:
+        """Read ``version`` outside a download (a checkpoint written from it): it is kept, and its
+        tensors left alone by the owner, until the returned call releases it. On the event loop."""
+        self._readers[version] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._reading(version, None)
+
+        return release
 
     def _drop_old(self) -> None:
         """Keep the latest ``keep`` snapshots, and the newest ``PINNED_SNAPSHOTS`` older ones that a

@@ -88,10 +88,11 @@ class StateSnapshot:
         return True  # a copy: nothing changes it
 
     frozen = False  # a copy made to serve: kept as the latest few are (state/served.py's frozen ones only while read)
-    servable = True
+    servable = property(still_current)
 
-    def retire(self, readers: int) -> None:
+    def retire(self, readers: int) -> bool:
         """Nothing to do: a snapshot is a copy (state/served.py's states are not)."""
+        return False
 
     def held_bytes(self) -> int:
         return self.nbytes

@@ -208,7 +208,7 @@ def test_restart_resumes_from_checkpoint_with_privacy_budget(swarm, tmp_path):
     assert done["reason"] == "max_steps" and done["step"] == 300, done
     first_epsilon = done["status"]["epsilon"]
     assert isinstance(first_epsilon, float) and first_epsilon > 0, done
-    assert (checkpoints / "checkpoint.pt").is_file()
+    assert (checkpoints / "latest").is_file()
 
     second = run.peer(*flags, "--max-steps", "600", name="second")
     resumed = second.ready(90)

@@ -13,10 +13,10 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import typer
 from conftest import lab_unavailable
 from typer.testing import CliRunner

@@ -1,8 +1,6 @@
-"""Unit tests of peer state: snapshots, TrainingState capture/restore, checkpoints."""
+"""Unit tests of peer state: snapshots, TrainingState capture/restore (checkpoints: test_checkpoint.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -10,7 +8,6 @@ from peer_fakes import attach, model_and_optimizer, train_steps
 
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.wire import FrameError
-from swarmgrad.peer.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from swarmgrad.peer.state import StateMismatch, TrainingState, not_optimizer
 from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.peer.strategies.sync import SyncSGD
@@ -241,69 +238,3 @@ def test_restore_with_foreign_strategy_state_changes_nothing():
     assert all(torch.equal(before[k], v) for k, v in other_model.state_dict().items()), "model was changed"
     assert other_optimizer.state_dict()["state"] == {}, "optimizer was changed"
     assert isinstance(caught.value, StateMismatch)
-
-
-# ---- checkpoints -----------------------------------------------------------------------------------
-
-
-def sample_snapshot(version: int = 3) -> StateSnapshot:
-    # 48 bytes of float32 first, so the int64 that follows is 8-byte aligned (see test_snapshot_of_mixed_dtypes...)
-    return StateSnapshot.capture(version, {"w": torch.randn(4, 3), "step": torch.tensor(4)}, {"strategy": {"name": "x"}})
-
-
-def test_checkpoint_round_trip(tmp_path):
-    assert load_checkpoint(tmp_path, "run") is None
-    snapshot = sample_snapshot()
-    path = save_checkpoint(tmp_path / "deep" / "dir", "run", snapshot, {"epsilon": 1.5, "rounds": 4})
-    assert path.name == CHECKPOINT_FILE
-    loaded, extra = load_checkpoint(tmp_path / "deep" / "dir", "run")
-    assert extra == {"epsilon": 1.5, "rounds": 4}
-    assert loaded.version == 3 and loaded.specs == snapshot.specs and loaded.meta == snapshot.meta
-    assert torch.equal(loaded.data, snapshot.data)
-    assert os.listdir(tmp_path / "deep" / "dir") == [CHECKPOINT_FILE]  # no temporary left behind
-
-
-def test_checkpoint_of_another_run_is_refused(tmp_path):
-    save_checkpoint(tmp_path, "run-a", sample_snapshot(), {})
-    with pytest.raises(ConfigError, match="run-a"):
-        load_checkpoint(tmp_path, "run-b")
-
-
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
-def test_corrupt_checkpoint_is_a_config_error(tmp_path, damage):
-    path = save_checkpoint(tmp_path, "run", sample_snapshot(), {})
-    content = path.read_bytes()
-    path.write_bytes({"garbage": b"not a checkpoint" * 10, "truncated": content[: len(content) // 2],
-                      "empty": b""}[damage])
-    with pytest.raises(ConfigError, match="cannot be read"):
-        load_checkpoint(tmp_path, "run")
-
-
-@pytest.mark.parametrize("cut", [4, 3])
-def test_checkpoint_whose_bytes_do_not_fit_the_layout_is_refused(tmp_path, cut):
-    snapshot = sample_snapshot()
-    short = StateSnapshot(snapshot.version, snapshot.specs, snapshot.meta, snapshot.data[:-cut].clone())
-    save_checkpoint(tmp_path, "run", short, {})
-    with pytest.raises(ConfigError):
-        load_checkpoint(tmp_path, "run")
-    long = StateSnapshot(snapshot.version, snapshot.specs, snapshot.meta,
-                         torch.cat([snapshot.data, torch.zeros(cut, dtype=torch.uint8)]))
-    save_checkpoint(tmp_path, "run", long, {})
-    with pytest.raises(ConfigError):
-        load_checkpoint(tmp_path, "run")
-
-
-def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    save_checkpoint(tmp_path, "run", sample_snapshot(1), {"n": 1})
-
-    def crash(payload, file):
-        file.write(b"half a checkpoint")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(tmp_path, "run", sample_snapshot(2), {"n": 2})
-    monkeypatch.undo()
-    loaded, extra = load_checkpoint(tmp_path, "run")
-    assert loaded.version == 1 and extra == {"n": 1}
-    assert os.listdir(tmp_path) == [CHECKPOINT_FILE]

@@ -1,6 +1,6 @@
 """Unit tests of the peer layer without a network: strategy (policy) math, run settings and progress
-(manifests: test_manifest.py; snapshots, training state and checkpoints: test_peer_state.py; the
-round driver: test_driver.py).
+(manifests: test_manifest.py; snapshots and training state: test_peer_state.py; checkpoints:
+test_checkpoint.py; the round driver: test_driver.py).
 
 Policies are bound to a model, an optimizer and a fake progress tracker, with no node or averager.
 """

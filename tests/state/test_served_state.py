@@ -1,5 +1,5 @@
 """A state served from live tensors (state/served.py): the same bytes a copy would hold, no copy of
-what the owner keeps put, frozen when a download still reads it as the owner moves on, else dropped."""
+what the owner keeps put; kept by its readers when the owner moves on (the owner copies), else dropped."""
 
 from __future__ import annotations
 
@@ -37,24 +37,23 @@ def test_parts_hold_the_bytes_a_copy_would_without_copying_the_live_tensors():
     assert state.tensors()["model/w"].data_ptr() == live["model/w"].data_ptr()
 
 
-def test_a_state_being_read_is_frozen_before_the_owner_moves_on_and_keeps_its_values():
+def test_a_state_being_read_keeps_its_tensors_and_the_owner_goes_on_with_copies():
     live = tensors()
     state = served(live)
     before = state.data[:].clone()
-    state.retire(readers=1)
-    live["model/w"].add_(1.0)  # the outer step
-    live["strategy/momentum/0"].mul_(2.0)
-    assert state.servable and not state.still_current()  # served on, but what tensors() handed out moved
-    after = state.data[:]
-    offsets, _ = state_snapshot.layout(state.specs)
-    optimizer_start = offsets[-1][0]
-    assert torch.equal(after[:optimizer_start], before[:optimizer_start])  # parameters and momentum as they were
-    # the optimizer's moments are this peer's own and never compared: they stay live, not copied
-    assert state.tensors()["optimizer/0/exp_avg"].data_ptr() == live["optimizer/0/exp_avg"].data_ptr()
+    assert state.retire(readers=1)  # the owner must now leave these tensors alone
+    assert state.servable and state.still_current() and state.frozen
+    owner = {name: tensor.clone() for name, tensor in live.items()}  # what the owner steps on from here
+    owner["model/w"].add_(1.0)
+    owner["strategy/momentum/0"].mul_(2.0)
+    assert torch.equal(state.data[:], before)
+    assert state.tensors()["model/w"].data_ptr() == live["model/w"].data_ptr()  # kept, not copied
+    # what it holds for its readers now counts as its own (the owner's copies are the owner's)
     assert state.held_bytes() == 8 + 300 * 700 * 4 + 513 * 4
+    assert not state.retire(readers=1)  # nothing of the owner's is live here any more
 
 
 def test_a_state_nobody_reads_goes_stale_instead_of_being_copied():
     state = served(tensors())
-    state.retire(readers=0)
+    assert not state.retire(readers=0)
     assert not state.servable and not state.still_current() and state.held_bytes() == 8

@@ -19,8 +19,8 @@ from conftest import joiner_and_donors
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies.diloco import DiLoCo, DiLoCoPolicy
 from swarmgrad.state import snapshot as state_snapshot
-from swarmgrad.state.server import StateServer
 from swarmgrad.state.served import ServedState
+from swarmgrad.state.server import StateServer
 from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
 from swarmgrad.state.transfer import download_state
 
@@ -523,7 +523,8 @@ def test_training_state_round_trip_through_a_download(swarm):
 
 class StepsOnMidDownload(CountingServer):
     """Serves a state read from live tensors and, right after its first part, takes an outer step:
-    retires what it serves, changes those tensors in place and publishes the next version."""
+    retires what it serves (going on with copies where a reader keeps it), changes its tensors in
+    place and publishes the next version."""
 
     live: dict[str, torch.Tensor] = {}
 
@@ -533,7 +534,8 @@ class StepsOnMidDownload(CountingServer):
         async def send_then_step(header, payload=b""):
             await send(header, payload)
             if header.get("t") == "part" and self.latest.version == 1:
-                self.retire()
+                if self.retire():
+                    self.live = {name: tensor.clone() for name, tensor in self.live.items()}
                 for tensor in self.live.values():
                     tensor.add_(1.0)
                 self.publish(ServedState(2, self.live, {"epoch": 2}, live=frozenset(self.live)))
@@ -544,8 +546,8 @@ class StepsOnMidDownload(CountingServer):
 
 def test_a_download_of_a_live_state_finishes_with_its_values_though_the_donor_stepped_meanwhile(swarm, monkeypatch):
     """A donor serves its state from the tensors it trains with (no copy), and copies them only when
-    a download under way still reads them as its next outer step changes them: the joiner gets every
-    byte of the version it described, and once nobody reads it the copy is gone."""
+    a download under way still reads them as its next outer step comes: the joiner gets every byte of
+    the version it described, and once nobody reads it the old tensors are gone."""
     monkeypatch.setattr(state_snapshot, "PART_BYTES", 64 * 1024)
     generator = torch.Generator().manual_seed(3)
     live = {"model/w": torch.randn(100_000, generator=generator), "strategy/m": torch.randn(5_000, generator=generator)}
@@ -559,10 +561,13 @@ def test_a_download_of_a_live_state_finishes_with_its_values_though_the_donor_st
             assert server.held_bytes()["served_state_copies"] == 0
             got = await download_state(swarm.transports[0], protocol, donor_ids(swarm)[:1], seconds=20)
             copies_while_read = server.held_bytes()["served_state_copies"]
+            stepped_on_copies = live["model/w"].data_ptr() != server.live["model/w"].data_ptr()
             await asyncio.sleep(0.5)  # the channel's end reaches the donor
-            return got, copies_while_read, sorted(server._snapshots), server.held_bytes()["served_state_copies"]
+            return (got, copies_while_read, stepped_on_copies, sorted(server._snapshots),
+                    server.held_bytes()["served_state_copies"])
 
-    got, copies_while_read, held_after, copies_after = run(swarm, scenario())
+    got, copies_while_read, stepped_on_copies, held_after, copies_after = run(swarm, scenario())
     assert_same(got, expected)
+    assert stepped_on_copies  # the joiner read the donor's own tensors while it stepped on copies
     assert copies_while_read in (0, expected.nbytes)  # the joiner may have said "done" before we looked
     assert held_after == [2] and copies_after == 0

@@ -106,8 +106,9 @@ class Policy(ABC):
         self.layout = FlatLayout(self.params)
         self.contribution = self.layout.zeros()  # what a round averages; the averager reads it in place
         # called before the strategy changes what ``outer_params`` and ``state_tensors`` view: the
-        # state server freezes or drops a state served from them (state/served.py)
-        self.before_outer_step: Callable[[], None] = lambda: None
+        # state server drops a state served from them, or keeps them for its readers and says so
+        # (True: the strategy goes on with copies; state/served.py)
+        self.before_outer_step: Callable[[], bool] = lambda: False
 
     def contribution_views(self) -> dict[str, torch.Tensor]:
         """The contribution as one named view per parameter (the averaging schema keeps their shapes)."""
@@ -145,6 +146,15 @@ class Policy(ABC):
         """Host bytes this strategy holds beyond the model and its optimizer, by what they are for."""
         return {"contribution": nbytes(self.contribution)}
 
+    def outer_step_begins(self) -> None:
+        """Before changing what ``outer_params`` and ``state_tensors`` view: where a reader keeps those
+        tensors (a download, a checkpoint), continue on copies of them."""
+        if self.before_outer_step():
+            self.leave_outer_state()
+
+    def leave_outer_state(self) -> None:
+        """Replace the tensors ``outer_params`` and ``state_tensors`` view with copies (none here)."""
+
     def outer_params(self) -> list[torch.Tensor] | None:
         """Views, in ``params`` order, of the parameters as the swarm's latest step left them, which
         the strategy keeps unchanged until its next one (DiLoCo's start): the state is served from
@@ -179,7 +189,7 @@ class Policy(ABC):
     @no_grad
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a state's strategy tensors in; ``TrainingState`` has checked them against ``expected_state``."""
-        self.before_outer_step()
+        self.outer_step_begins()
         for name, target in self.expected_state().items():
             target.copy_(tensors[name])
 

@@ -74,7 +74,7 @@ class DiLoCoPolicy(Policy):
         """start <- start - lr * (delta + mu * m), m <- mu * m + delta (torch SGD's Nesterov form)."""
         import torch
 
-        self.before_outer_step()
+        self.outer_step_begins()
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
         torch.add(average, self.momentum, alpha=mu, out=self.momentum)
         self.start.add_(average, alpha=-lr).add_(self.momentum, alpha=-lr * mu)
@@ -82,6 +82,9 @@ class DiLoCoPolicy(Policy):
 
     def held_bytes(self) -> dict[str, int]:
         return {**super().held_bytes(), "outer_start": nbytes(self.start), "outer_momentum": nbytes(self.momentum)}
+
+    def leave_outer_state(self) -> None:
+        self.start, self.momentum = self.start.clone(), self.momentum.clone()
 
     def outer_params(self) -> list[torch.Tensor]:
         return self.layout.views(self.start)
@@ -120,7 +123,7 @@ class DiLoCoPolicy(Policy):
         import torch
 
         self._check_launched()
-        self.before_outer_step()
+        self.outer_step_begins()
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
         for (param, start, momentum, sent), mean in zip(self._views(), self.layout.views(average)):
             progress = param.detach().to("cpu", torch.float32) - self._provisional(start, momentum, sent)
