@@ -300,18 +300,22 @@ def test_error_feedback_carries_the_powersgd_warm_start_per_tensor():
     assert len(feedback) == 0
 
 
-def test_error_feedback_residual_is_a_fresh_tensor_and_the_payload_keeps_the_callers_dtype():
-    feedback = ErrorFeedback(get_codec("int8"))
+@pytest.mark.parametrize("spec, kept_as", [("int8", torch.bfloat16), ("q4", torch.float32)])
+def test_error_feedback_residual_is_a_fresh_tensor_and_the_payload_keeps_the_callers_dtype(spec, kept_as):
+    """int8 drops at most half a step of 1/127 of a block's largest value: its residuals are kept as
+    bfloat16 (2 bytes an element); a codec that drops more keeps them as float32."""
+    feedback = ErrorFeedback(get_codec(spec))
     update = random_tensor((100,), seed=9)
     encoded = feedback.encode("w", update)
     feedback.commit()
     residual = feedback._residual["w"]
-    assert residual.dtype == torch.float32 and residual.shape == (100,)
-    torch.testing.assert_close(residual, update - get_codec("int8").decode(encoded))
+    assert residual.dtype == kept_as and residual.shape == (100,)
+    assert feedback.held_bytes() == 100 * residual.element_size()
+    torch.testing.assert_close(residual, (update - get_codec(spec).decode(encoded)).to(kept_as))
     assert encoded.dtype == "float32" and encoded is not None
     assert feedback.encode("w", update.double()).dtype == "float64"
     feedback.discard()
-    assert feedback.residual_norm("w") == pytest.approx(float(residual.norm()))
+    assert feedback.residual_norm("w") == pytest.approx(float(residual.float().norm()))
     assert feedback.residual_norm("unknown") == 0.0
 
 # ---- the structure of an encoded tensor -------------------------------------------------------------

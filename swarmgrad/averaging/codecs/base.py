@@ -192,6 +192,10 @@ class Codec(ABC):
     # A helper only carries another codec's averages back (`nonzero` for `sparse`): no spec names it.
     helper: ClassVar[bool] = False
     meta_keys: ClassVar[frozenset[str]] = frozenset()
+    # how ErrorFeedback keeps this codec's residuals: bfloat16 (2 bytes an element) where what the
+    # codec drops is a small share of the update (rounding it to 2^-9 of itself then loses ~nothing),
+    # float32 where it is most of it (sparsifiers, signs, low rank, few bits)
+    residual_dtype: ClassVar[torch.dtype] = torch.float32
 
     @classmethod
     def from_param(cls, text: str | None) -> Codec:

@@ -10,8 +10,11 @@ Over rounds t = 1..T with committed residuals e_t = y_t - decoded_t and y_t = u_
     sum(decoded_t) = sum(u_t) - e_T
 
 so the swarm receives every update exactly, only delayed, and ||sum(u_t) - sum(decoded_t)|| is
-the current residual norm. Not thread-safe: one owner (the averaging round) at a time.
+the current residual norm; where the codec keeps its residuals as bfloat16 (`Codec.residual_dtype`:
+int8's, which are at most half of 1/127 of a block's largest value; DESIGN's memory budget), up to
+2^-9 of each residual. Not thread-safe: one owner (the averaging round) at a time.
 """
+
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ class ErrorFeedback:
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
-        self._residual: dict[str, torch.Tensor] = {}  # committed, float32 CPU, shaped like the tensor
+        self._residual: dict[str, torch.Tensor] = {}  # committed, codec.residual_dtype CPU, shaped like the tensor
         self._warm: dict[str, torch.Tensor] = {}  # committed codec warm starts
         self._staged: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -49,7 +52,7 @@ class ErrorFeedback:
         corrected = flat.view(shape) if residual is None else flat.view(shape) + residual
         encoded = self.codec.encode(corrected, warm_start=self._warm.get(key))
         decoded = self.codec.decode(encoded, max_elements=max(1, corrected.numel()))
-        new_residual = torch.sub(corrected, decoded, out=decoded)  # reuse the decode buffer
+        new_residual = torch.sub(corrected, decoded, out=decoded).to(self.codec.residual_dtype)
         self._staged[key] = (new_residual, self.codec.next_warm_start(encoded))
         # The payload describes `tensor`, so it carries the caller's dtype, not float32's.
         return encoded if encoded.dtype == dtype else dataclasses.replace(encoded, dtype=dtype)
@@ -79,7 +82,7 @@ class ErrorFeedback:
     def residual_norm(self, key: str) -> float:
         """L2 norm of the committed residual of `key` (0.0 when there is none)."""
         residual = self._residual.get(key)
-        return 0.0 if residual is None else float(torch.linalg.vector_norm(residual))
+        return 0.0 if residual is None else float(torch.linalg.vector_norm(residual.float()))
 
     def held_bytes(self) -> int:
         """Host bytes of committed and staged residuals and warm starts."""
