@@ -77,6 +77,8 @@ class PeerStatus:
     refused_records: int = 0  # private run: member records of peers without a valid ticket, ignored
     refused_streams: int = 0  # private run: their streams, refused
     banned: dict[str, float] = field(default_factory=dict)  # peers banned here for misbehaviour -> seconds left
+    round_deadline: float | None = None  # seconds a round like the last may take now (moshpit; timing.py RoundTimer)
+    round_rate_mbps: float | None = None  # the rate it assumes: measured by rounds, else Timing.assumed_rate_mbps
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -380,6 +382,7 @@ class Peer:
     def status(self) -> PeerStatus:
         local, counters, training = self.tracker.local, self.counters, self.training
         driver, catch_up = (training.driver, training.catch_up) if training is not None else (None, None)
+        timer = training.round_timer if training is not None else None
         return PeerStatus(
             peer_id=self.node.peer_id, run_id=self.run_id, step=local.total_steps, epoch=local.epoch,
             samples=local.total_samples, samples_per_second=local.samples_per_second, loss=counters.loss,
@@ -393,6 +396,8 @@ class Peer:
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
             refused_streams=self.runtime.admission.refused_streams, banned=self.runtime.admission.misbehaviour.bans(),
+            round_deadline=timer.next_deadline if timer else None,
+            round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
         )
 
     def publish_evaluation(self, accuracy: float, loss: float | None = None, *, samples: int | None = None,
