@@ -40,7 +40,8 @@ def test_a_round_longer_than_the_old_constant_deadline_succeeds():
                 train_steps(peer, model, seed, until=lambda peer=peer: peer.status().rounds_ok >= 1, seconds=40)
                 for seed, (peer, (model, _)) in enumerate(zip(peers, models))))
 
-    nbytes = 4 * sum(p.numel() for p in model_and_optimizer()[0].parameters())  # fp32: half its contribution out, its half's average back
+    # each way, fp32: half its contribution out and its half's average back, the reverse in
+    nbytes = 4 * sum(p.numel() for p in model_and_optimizer()[0].parameters())
     for status in run_async(scenario()):
         assert status.rounds_ok == 1, status
         report = status.last_report
