@@ -107,6 +107,7 @@ class AllReduceReport:
     seconds: float = 0.0
     transports: dict[str, str] = field(default_factory=dict)
     error: str | None = None
+    timed_out: bool = False  # the round's deadline passed (the timer then grows the next one)
     # what this peer, as an owner, saw others do wrong this round: peer id -> reasons ("weight cut",
     # "clipped"), each once; for a later accountability feature to count
     suspicions: dict[str, list[str]] = field(default_factory=dict)
@@ -178,9 +179,22 @@ class GroupAllReduce:
 
     # ---- driving the round ------------------------------------------------------------------
 
+    def planned_bytes(self) -> int:
+        """Payload bytes this member moves in the round, in the busier direction (the two overlap, and
+        each has its own cap): it sends its contribution to every other owner's part and, as an
+        owner, the averages of its part to every other member; it receives the reverse."""
+        def size(codec: Codec, chunks: list[Chunk]) -> int:
+            return sum(codec.encoded_nbytes(chunk.view) for chunk in chunks)
+
+        elsewhere = [self.schema.chunks[c] for i, part in enumerate(self.parts) if i != self.index for c in part]
+        others = len(self.others)
+        sent = size(self.codec, elsewhere) + others * size(self.gather_codec, self.my_chunks)
+        received = size(self.gather_codec, elsewhere) + others * size(self.codec, self.my_chunks)
+        return max(sent, received)
+
     async def run(self, seconds: float) -> AllReduceReport:
         """Exchange everything within ``seconds``; on success ``self.result`` holds the average."""
-        started = time.monotonic()
+        started, timed_out = time.monotonic(), False
         try:
             async with timeout(seconds):
                 owners = [p for i, p in enumerate(self.plan.members) if p != self.me and len(self.parts[i])]
@@ -192,6 +206,7 @@ class GroupAllReduce:
                     self._failure.result()  # raises the first failure
                 await finished
         except (asyncio.TimeoutError, TimeoutError):
+            timed_out = True
             self._fail(AllReduceFailed(f"deadline of {seconds:.1f} s passed"))
         except AllReduceFailed as error:
             self._fail(error)
@@ -212,7 +227,7 @@ class GroupAllReduce:
             observed=[peer for peer in self._contributors if peer != self.me],
         )
         if not report.ok:
-            report.error = str(self._failure.exception())
+            report.error, report.timed_out = str(self._failure.exception()), timed_out
             report.contributors, report.observed = [], []
         return report
 

@@ -125,7 +125,9 @@ class Averager:
         self.group_size, self.min_group_size = settings.group_size, settings.min_group_size
         self.grid_dims, self.coordinates = grid_dims, list(coordinates) if coordinates is not None else None
         self.matchmaking_seconds, self.share = settings.matchmaking_seconds, share
-        self.timer = runtime.timing.round_timer(settings.round_timeout)
+        limits = runtime.limits  # a capped link bounds the rate a first round's deadline assumes
+        self.timer = runtime.timing.round_timer(settings.round_timeout, *(
+            bucket.rate if bucket is not None else None for bucket in (limits.upload, limits.download)))
         self.round_index = 0
         # with privacy the contribution is a released copy, never the tensors themselves
         self.releaser = PrivateReleaser(privacy) if privacy is not None else None
@@ -271,10 +273,16 @@ class Averager:
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce
             self._rounds_changed.notify_all()
+        nbytes = allreduce.planned_bytes()
         try:
-            return await allreduce.run(self.timer.deadline()), allreduce
+            result = await allreduce.run(self.timer.deadline(nbytes))
         finally:
             self._rounds.pop(plan.round_id, None)
+        if result.ok:
+            self.timer.observe(nbytes, result.seconds)
+        elif result.timed_out:  # the message says what the deadline assumed, and what comes next
+            result.error = f"{result.error} ({self.timer.missed(nbytes)})"
+        return result, allreduce
 
     def _apply(self, report: RoundReport, outcome: tuple[AllReduceReport, GroupAllReduce], plan: GroupPlan) -> None:
         result, allreduce = outcome
@@ -296,7 +304,6 @@ class Averager:
             self.average = allreduce.result
         if self.feedback is not None:
             self.feedback.commit()
-        self.timer.observe(result.seconds)
         report.ok = True
 
     @torch.no_grad()

@@ -33,7 +33,7 @@ class Moshpit(SettingsModel):
     matchmaking_seconds: Annotated[float, pydantic.Field(ge=0.05, le=600)] = pydantic.Field(
         2.0, description="Seconds a round's matchmaking waits for peers to declare themselves.")
     round_timeout: Optional[Annotated[float, pydantic.Field(ge=1, le=3600)]] = pydantic.Field(
-        None, description="Seconds a round may take (default: from the measured rounds).")
+        None, description="Seconds a round may take (default: its bytes at the rate rounds measured).")
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> Moshpit:

@@ -19,11 +19,11 @@ What the summary adds to the demo's:
   one epoch of the others (epochs are given), and not if it then failed with an ``error:`` line.
 * ``nan_seen``: a progress report without a finite loss (the runner reports NaN as None) after the
   same start of the peer had reported a finite one.
-* ``hung_rounds``: how many times a running peer went silent for more than 3x its round deadline.
-  Approximate: the deadline is not reported, so it is estimated like moshpit's RoundTimer (4x the
-  round time, within 5..600 s, 60 s before any estimate), taking as round time the gap between two
-  progress reports across which the epoch advanced (the training loop waits for the round).
-  With no estimate yet, a hang needs 180 s of silence to count. A peer whose last report says an
+* ``hung_rounds``: how many times a running peer went silent for more than 3x its round deadline:
+  the one its progress reports (``round_deadline``: its round's bytes at the rate it measured,
+  timing.py RoundTimer), and at least 4x the round time seen from here (the gap between two progress
+  reports across which the epoch advanced: the training loop waits for the round, matchmaking
+  included) or, before one is seen, 60 s (180 s of silence). A peer whose last report says an
   evaluation follows (``"evaluating": true``) is not watched until it reports again.
 
 The run directory (``logs`` in the summary) keeps each peer's stderr (``peer-I.log``, one section
@@ -257,6 +257,7 @@ class Lab:
         peer.rounds_total += max(0, rounds - peer.rounds_this_gen)
         peer.rounds_this_gen = max(rounds, peer.rounds_this_gen)
         peer.last_progress_t, peer.last_progress_epoch, peer.hung = t, epoch, False
+        peer.reported_deadline = number(event.get("round_deadline"))
         peer.evaluating = bool(event.get("evaluating"))
         peer.history.append({"generation": peer.generation, "t": t, "epoch": epoch,
                              "state_downloads": integer(event.get("state_downloads")),

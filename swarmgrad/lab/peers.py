@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import IO
 
 from swarmgrad.lab.scenario import PeerSpec
+from swarmgrad.timing import DEFAULT_TIMING
 
-# hung-peer watch: mirrors the moshpit RoundTimer (deadline = 4x the round estimate, 5..600 s,
-# 60 s before any estimate); a peer is hung when silent for HANG_FACTOR deadlines
-ROUND_INITIAL, ROUND_MIN, ROUND_MAX, ROUND_SLACK = 60.0, 5.0, 600.0, 4.0
+# hung-peer watch: a peer is hung when silent for HANG_FACTOR of its round deadline
 HANG_FACTOR = 3.0
 
 
@@ -39,6 +38,7 @@ class LabPeer:
     last_progress_t: float | None = None
     last_progress_epoch: int | None = None
     round_estimate: float | None = None
+    reported_deadline: float | None = None  # its status's round_deadline (from the round's bytes and rate)
     hung: bool = False
     evaluating: bool = False  # its last progress report said an evaluation follows (silence is expected)
     rounds_total: int = 0  # rounds_ok over all generations (a restart starts its counter at 0)
@@ -52,10 +52,12 @@ class LabPeer:
         self.round_estimate = seconds if self.round_estimate is None else 0.7 * self.round_estimate + 0.3 * seconds
 
     def round_deadline(self) -> float:
-        """The round deadline the peer's RoundTimer would use: estimated, since peers do not report it."""
-        if self.round_estimate is None:
-            return ROUND_INITIAL
-        return min(ROUND_MAX, max(ROUND_MIN, ROUND_SLACK * self.round_estimate))
+        """How long the peer's round may take: the deadline it reports, and at least ``round_slack`` x
+        the rounds seen from here (which include matchmaking) or, before any, a first round's least."""
+        timing = DEFAULT_TIMING  # the lab's peers run with the default timing
+        seen = timing.round_slack * self.round_estimate if self.round_estimate is not None else \
+            timing.first_round_deadline
+        return max(timing.min_round_deadline, self.reported_deadline or 0.0, seen)
 
 
 def follow_lines(stream: IO[bytes], index: int, generation: int, lines: queue.Queue) -> None:

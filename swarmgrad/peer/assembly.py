@@ -50,6 +50,7 @@ from swarmgrad.peer.strategies.base import Policy
 from swarmgrad.peer.strategies.registry import make_policy
 from swarmgrad.state.server import StateServer, state_protocol
 from swarmgrad.state.snapshot import StateTransferError
+from swarmgrad.timing import RoundTimer
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class Training:
     def accountant(self) -> Accounted | None:
         """Whichever spends the privacy budget: per-sample DP-SGD, or the averager's releases."""
         return self.per_sample if self.per_sample is not None else self.averager.releaser
+
+    @property
+    def round_timer(self) -> RoundTimer | None:
+        """Where moshpit rounds' deadlines come from (gossip has no rounds to time)."""
+        return self.averager.timer if isinstance(self.averager, Averager) else None
 
 
 def check_privacy(config: RunConfig, batch_size: int | None, dataset_size: int | None) -> None:

@@ -89,7 +89,7 @@ class CatchUp:
 
     def note_round(self, bytes_received: int, seconds: float) -> None:
         """A group round's all-reduce received ``bytes_received`` in ``seconds``: what this peer's
-        downlink gives now (a slow member only makes it look slower: a longer deadline, still capped)."""
+        downlink gives now (a slow member only makes it look slower: a longer deadline, still bounded)."""
         if bytes_received > 0 and seconds > 0:
             rate = bytes_received / seconds
             self.receive_rate = rate if self.receive_rate is None else \
@@ -97,13 +97,15 @@ class CatchUp:
 
     def replay_seconds(self, donors: int) -> float:
         """How long asking ``donors`` at once for a round's result may take: ``control_timeout``, plus
-        their results' bytes (they share this peer's downlink) at the rate its rounds measured, at most
-        ``join_timeout``. A fixed 5 s failed every replay at 5 Mbit/s: 10 MB of bfloat16 takes 16 s."""
-        control = self.timing.control_timeout
-        if self.receive_rate is None:
-            return control
+        their results' bytes (they share this peer's downlink) at the rate its rounds received, or
+        before any at the assumed rate (``Timing.assumed_rate``); at most ``round_slack`` x those bytes
+        at the assumed rate, as a first round gets. A fixed 5 s failed every replay at 5 Mbit/s: 10 MB
+        of bfloat16 takes 16 s."""
+        download = self.runtime.limits.download
+        assumed = self.timing.assumed_rate(download.rate if download is not None else None)
+        rate = max(self.receive_rate or assumed, assumed / self.timing.round_slack)
         nbytes = donors * self.policy.layout.total * torch.empty(0, dtype=RESULT_DTYPE).element_size()
-        return min(max(control, self.timing.join_timeout), control + nbytes / self.receive_rate)
+        return self.timing.control_timeout + nbytes / rate
 
     @property
     def epoch(self) -> int:

@@ -80,6 +80,8 @@ class PeerStatus:
     # host bytes the swarm's work holds beyond the model, its gradients and the optimizer, by holder
     # (outer_start, outer_momentum, contribution, error_feedback, result, kept_results, served_state_copies)
     swarm_memory: dict[str, int] = field(default_factory=dict)
+    round_deadline: float | None = None  # seconds a round like the last may take now (moshpit; timing.py RoundTimer)
+    round_rate_mbps: float | None = None  # the rate it assumes: measured by rounds, else Timing.assumed_rate_mbps
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -383,6 +385,7 @@ class Peer:
     def status(self) -> PeerStatus:
         local, counters, training = self.tracker.local, self.counters, self.training
         driver, catch_up = (training.driver, training.catch_up) if training is not None else (None, None)
+        timer = training.round_timer if training is not None else None
         return PeerStatus(
             peer_id=self.node.peer_id, run_id=self.run_id, step=local.total_steps, epoch=local.epoch,
             samples=local.total_samples, samples_per_second=local.samples_per_second, loss=counters.loss,
@@ -397,6 +400,8 @@ class Peer:
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
             refused_streams=self.runtime.admission.refused_streams, banned=self.runtime.admission.misbehaviour.bans(),
             swarm_memory=self.swarm_memory(),
+            round_deadline=timer.next_deadline if timer else None,
+            round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
         )
 
     def swarm_memory(self) -> dict[str, int]:

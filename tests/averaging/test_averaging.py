@@ -391,13 +391,15 @@ def test_the_grid_is_sized_by_the_members_that_average():
     slice holds 4 of the 16."""
     from types import SimpleNamespace
 
+    from swarmgrad.net.ratelimit import UNLIMITED
     from swarmgrad.timing import Timing
 
     members = [SimpleNamespace(role="peer", peer_id=f"p{i}") for i in range(12)] + \
         [SimpleNamespace(role="client", peer_id=f"c{i}") for i in range(4)] + \
         [SimpleNamespace(role="monitor", peer_id=f"m{i}") for i in range(20)] + \
         [SimpleNamespace(role="bootstrap", peer_id=f"b{i}") for i in range(30)]
-    runtime = SimpleNamespace(run_id="grid", node=SimpleNamespace(peer_id="p0"), timing=Timing(), members=lambda: members)
+    runtime = SimpleNamespace(run_id="grid", node=SimpleNamespace(peer_id="p0"), timing=Timing(), limits=UNLIMITED,
+                              members=lambda: members)
     averager = Averager(runtime, [torch.zeros(4)], settings=moshpit(4), codec="none")
     place, slice_peers = averager._position(0, frozenset())
     assert len(place.split(".")) == 2 and len(slice_peers) == 4 and "p0" in slice_peers

@@ -269,7 +269,7 @@ def test_faults_nan_and_hangs_from_events(tmp_path):
     assert lab.nan_reports == [{"peer": 1, "t": 37.0, "step": 50}]
     # rounds survive a restart: 1 before, +0 after
     assert lab.peers[2].rounds_total == 1 and lab.peers[0].rounds_total == 5
-    # a peer silent for 3x its round deadline (4x its round estimate, as moshpit's RoundTimer) is hung
+    # a peer silent for 3x its round deadline (what it reports, at least 4x the rounds seen) is hung
     now = time.time()
     lab.peers[0].last_progress_t, lab.peers[0].round_estimate = now - 3 * 4 * 13.0 - 1, 13.0
     lab.peers[1].last_progress_t = lab.peers[2].last_progress_t = now
@@ -277,6 +277,13 @@ def test_faults_nan_and_hangs_from_events(tmp_path):
     lab.watch_hangs()
     lab.watch_hangs()  # counted once per silence
     assert [h["peer"] for h in lab.hangs] == [0] and lab.hangs[0]["round_deadline"] == 52.0
+    # a peer whose round moves many bytes reports a longer deadline: its silence is not a hang
+    _progress(lab, 1, now, epoch=5, rounds=5)
+    assert lab.peers[1].reported_deadline is None
+    _event(lab, 1, "progress", now, step=50, epoch=5, loss=0.5, rounds_ok=5, rounds_failed=0, round_deadline=400.0)
+    lab.peers[1].last_progress_t, lab.peers[1].round_estimate = now - 3 * 4 * 13.0 - 1, 13.0
+    lab.watch_hangs()
+    assert lab.peers[1].round_deadline() == 400.0 and [h["peer"] for h in lab.hangs] == [0]
 
 
 def test_an_evaluating_peer_is_not_a_hung_round(tmp_path):

@@ -18,6 +18,7 @@ from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 import swarmgrad as sg
 from swarmgrad.net.accountability import Misbehaviour
+from swarmgrad.net.ratelimit import UNLIMITED, RateLimits
 from swarmgrad.peer import catch_up as catch_up_module
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.progress import PeerProgress
@@ -53,7 +54,7 @@ class Harness:
         self.state = TrainingState(model, optimizer, self.policy)
         self.server = KeptResults()
         self.misbehaviour = Misbehaviour()
-        runtime = SimpleNamespace(transport=object(),
+        runtime = SimpleNamespace(transport=object(), limits=UNLIMITED,
                                   reachable_first=lambda donors: list(donors),
                                   admission=SimpleNamespace(misbehaviour=self.misbehaviour,
                                                             blame=lambda peer, kind, detail: self.misbehaviour.note(
@@ -308,12 +309,15 @@ def test_two_donors_whose_results_disagree_hand_over_nothing(monkeypatch):
     torch.testing.assert_close(run_async(h.catch_up.agreed_result(["a", "b"], 0)), 1.1 * honest)
 
 
-def test_a_replays_deadline_grows_with_the_bytes_at_the_rate_the_peers_rounds_received(monkeypatch):
-    """Before any round, a replay gets control_timeout; after rounds that received at a measured rate,
-    control_timeout plus the results' bytes at that rate (10 MB of bfloat16 at 5 Mbit/s is 16 s,
-    against a fixed 5 s), and never more than join_timeout."""
+def test_a_replays_deadline_is_its_bytes_at_the_rate_the_peers_rounds_received(monkeypatch):
+    """A replay gets control_timeout plus the results' bytes: before any round at the assumed rate
+    (bounded by a download cap), after rounds at the rate they received (10 MB of bfloat16 at 5 Mbit/s
+    is 16 s, against a fixed 5 s), and never more than round_slack x the bytes at the assumed rate (a
+    member that barely moves a byte cannot make it wait for ever, nor can a bigger model outgrow it)."""
     h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
-    timing = Timing()
+    result_bytes = h.policy.layout.total * 2  # bfloat16
+    timing = h.catch_up.timing = Timing(assumed_rate_mbps=result_bytes * 8 / 1e6)  # one result a second
+    control, slack = timing.control_timeout, timing.round_slack
     deadlines: list[float] = []
 
     async def download_result(transport, protocol, donors, epoch, numel, seconds, decoder=None):
@@ -322,19 +326,20 @@ def test_a_replays_deadline_grows_with_the_bytes_at_the_rate_the_peers_rounds_re
 
     monkeypatch.setattr(catch_up_module, "download_result", download_result)
     run_async(h.catch_up.agreed_result(["donor"], 0))
-    result_bytes = h.policy.layout.total * 2  # bfloat16
-    h.catch_up.note_round(bytes_received=result_bytes, seconds=4.0)  # one result's bytes take 4 s
+    h.catch_up.note_round(bytes_received=result_bytes, seconds=0.5)  # two results a second
     run_async(h.catch_up.agreed_result(["donor"], 0))
-    h.catch_up.note_round(bytes_received=result_bytes, seconds=12.0)  # slower now: smoothed to 6 s
+    h.catch_up.note_round(bytes_received=result_bytes, seconds=1.5)  # slower now: smoothed to 4/3 a second
     run_async(h.catch_up.agreed_result(["a", "b", "c"], 0))  # three results share the link
     for _ in range(20):  # a link that (or a member who) barely moves a byte
         h.catch_up.note_round(bytes_received=1, seconds=1000.0)
     run_async(h.catch_up.agreed_result(["donor"], 0))
-    assert deadlines[0] == timing.control_timeout
-    assert deadlines[1] == pytest.approx(timing.control_timeout + 4.0)
-    # rates 1/4 and 1/12 of a result per second, averaged: 1/6; three results: 18 s
-    assert deadlines[2:5] == pytest.approx([timing.control_timeout + 18.0] * 3)
-    assert deadlines[5] == timing.join_timeout
+    h.catch_up.receive_rate = None
+    h.catch_up.runtime.limits = RateLimits.from_mbps(None, timing.assumed_rate_mbps / 2)  # a download cap
+    run_async(h.catch_up.agreed_result(["donor"], 0))
+    assert deadlines[:2] == pytest.approx([control + 1.0, control + 0.5])
+    assert deadlines[2:5] == pytest.approx([control + 3 * 0.75] * 3)
+    assert deadlines[5] == pytest.approx(control + slack * 1.0)
+    assert deadlines[6] == pytest.approx(control + 2.0)
 
 
 def test_donors_that_name_the_same_result_hand_it_over_once_and_a_liar_among_them_is_skipped(monkeypatch):
