@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e15
 SUSPECT_FACTOR = 4.0  # without a run cap, a claim this far past its bound is held against its peer
+# chunks of its part an owner reduces at once: its sums or rows take OPEN_CHUNKS x members x a chunk
+# (1 MiB of fp32 each), not its whole part (a model-sized buffer per round under a rule with rows);
+# a contributor further ahead waits, its chunks left in its socket, until the others catch up
+OPEN_CHUNKS = 8
 
 
 def gather_codec_for(codec: Codec) -> Codec:
@@ -162,10 +166,12 @@ class GroupAllReduce:
         self._channels: list[Channel] = []
         self._contributors: dict[str, float] = {}  # claimed weights of the peers that contribute to my part
         self.suspicions: dict[str, list[str]] = {}
-        # owner state for my part: weighted sums (a streaming rule) or one row per member, contributions
-        # seen, averages ready to send
+        # owner state for my part, for the chunks open now (at most OPEN_CHUNKS): weighted sums (a
+        # streaming rule) or one row per member; contributions seen, averages ready to send
         self._sums: dict[int, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}
+        self._open: set[int] = set()
+        self._open_changed = asyncio.Condition()
         self._weights: torch.Tensor | None = None  # rows kept: bounded weights in member order, once all claimed
         self._seen: dict[int, int] = {}
         self._averages: list[tuple[dict, bytes]] = []
@@ -328,20 +334,40 @@ class GroupAllReduce:
 
     def _start_my_part(self) -> None:
         for chunk in self.my_chunks:
-            own = self.contribution[chunk.start : chunk.start + chunk.length]
-            if self.feedback is not None:  # my share goes through the codec like everyone's
-                header, payload = self._encode_contribution(chunk)
-                own = self._decode_chunk(header, payload, chunk, self.codec)
-            if self.streams:
-                self._sums[chunk.index] = own * self._capped(self.me, self.weight)
-            else:
-                self._rows[chunk.index] = torch.empty((len(self.plan.members), chunk.length), dtype=torch.float32)
-                self._rows[chunk.index][self.index] = own
             self._seen[chunk.index] = 0
         if not self.my_chunks or not self.others:
             for chunk in self.my_chunks:
+                self._open_chunk(chunk)
                 self._finish_chunk(chunk)
             self._all_served.set_result(None)
+
+    def _open_chunk(self, chunk: Chunk) -> None:
+        """Start reducing one chunk of my part: my own share in its sum or its row."""
+        own = self.contribution[chunk.start : chunk.start + chunk.length]
+        if self.feedback is not None:  # my share goes through the codec like everyone's
+            header, payload = self._encode_contribution(chunk)
+            own = self._decode_chunk(header, payload, chunk, self.codec)
+        if self.streams:
+            self._sums[chunk.index] = own * self._capped(self.me, self.weight)
+        else:
+            self._rows[chunk.index] = torch.empty((len(self.plan.members), chunk.length), dtype=torch.float32)
+            self._rows[chunk.index][self.index] = own
+        self._open.add(chunk.index)
+
+    async def _opened(self, chunk: Chunk) -> None:
+        """``chunk`` is open, once fewer than OPEN_CHUNKS are (a contributor's next chunk after the
+        others' is open already: those behind never wait, so this always ends)."""
+        if chunk.index in self._open:
+            return
+        async with self._open_changed:
+            await self._open_changed.wait_for(lambda: chunk.index in self._open or len(self._open) < OPEN_CHUNKS)
+            if chunk.index not in self._open:
+                self._open_chunk(chunk)
+
+    async def _close_chunk(self, chunk: Chunk) -> None:
+        self._open.discard(chunk.index)
+        async with self._open_changed:
+            self._open_changed.notify_all()
 
     async def accept(self, channel: Channel, first: Frame) -> None:
         """Serve one contributor's stream (called by the averager's stream handler)."""
@@ -366,6 +392,7 @@ class GroupAllReduce:
         while len(done) < len(mine):
             header, length = await channel.recv_header(self.max_payload)
             chunk = self._chunk_of(_expect(header, "chunk"), mine, done)
+            await self._opened(chunk)
             await channel.recv_payload_into(scratch[:length])
             values = self._decode_chunk(header, scratch[:length], chunk, self.codec)
             if self.streams:
@@ -382,6 +409,7 @@ class GroupAllReduce:
                     rows = self._rows.pop(chunk.index)
                     outcome = await asyncio.to_thread(self.rule.aggregate, rows, weights)
                     self._finish_chunk(chunk, self._aggregated(outcome))
+                await self._close_chunk(chunk)
                 async with self._averages_changed:
                     self._averages_changed.notify_all()
 

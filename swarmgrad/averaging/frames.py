@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from typing import Any, Mapping
 
@@ -42,6 +43,16 @@ def encoded_from_frame(header: Mapping[str, Any], payload: bytes) -> Encoded:
         raise FrameError(f"bad encoded tensor: {error}") from None
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy and without ``Tensor.numpy()``, which marks
+    the tensor's storage as never resizable again (a DiLoCo policy gives its contribution's memory
+    back between rounds: peer/strategies/base.py). The view keeps the tensor object alive; whoever
+    frees its storage does so only after the view is used (the round is over)."""
+    array = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    array._tensor = tensor  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
+
+
 def encode_chunk(
     codec: Codec, values: torch.Tensor, *, known_finite: bool = False
 ) -> tuple[dict[str, Any], bytes | memoryview]:
@@ -53,7 +64,7 @@ def encode_chunk(
     if not known_finite:
         check_finite(values, "tensor to send")
     header = {"codec": "none", "shape": list(values.shape), "dtype": "float32", "meta": {}}
-    payload = memoryview(values.reshape(-1).numpy()).cast("B")
+    payload = byte_view(values)
     return {"enc": header, "sizes": [["data", len(payload)]]}, payload
 
 

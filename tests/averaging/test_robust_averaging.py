@@ -262,3 +262,37 @@ def test_clipped_gossip_among_honest_peers_still_reaches_the_weighted_mean():
             assert clipped == 0
 
     run_async(scenario())
+
+
+def test_an_owner_reduces_a_few_chunks_at_a_time_and_gets_the_same_result(monkeypatch):
+    """Under a rule that needs every member's row, an owner keeps rows only for the chunks it reduces
+    now (``OPEN_CHUNKS``), not its whole part: a model-sized buffer per round otherwise. The result is
+    the same (to float rounding: new peers, another order of members); with the window wide open every
+    chunk of the part is open at once."""
+    from swarmgrad.averaging import allreduce
+
+    most_open: list[int] = []
+    opened = allreduce.GroupAllReduce._open_chunk
+
+    def counting(self, chunk):
+        opened(self, chunk)
+        most_open.append(len(self._open))
+
+    monkeypatch.setattr(allreduce.GroupAllReduce, "_open_chunk", counting)
+    generator = torch.Generator().manual_seed(5)
+    values = [torch.randn(10 * (1 << 18), generator=generator) for _ in range(3)]  # 10 chunks, 3 or 4 per owner
+
+    async def averaged(window: int) -> torch.Tensor:
+        monkeypatch.setattr(allreduce, "OPEN_CHUNKS", window)
+        most_open.clear()
+        tensors = [value.clone() for value in values]
+        async with AsyncExitStack() as stack:
+            await one_round(stack, tensors, [1.0, 1.0, 1.0], codec="none")  # int8 would round ties either way
+        assert all(torch.equal(tensors[0], tensor) for tensor in tensors[1:])
+        return tensors[0]
+
+    windowed = run_async(averaged(1))
+    assert max(most_open) == 1
+    wide = run_async(averaged(100))
+    assert max(most_open) >= 3  # the same round without the window: a whole part open at once
+    torch.testing.assert_close(windowed, wide, rtol=1e-5, atol=1e-6)

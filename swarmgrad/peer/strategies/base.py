@@ -144,7 +144,18 @@ class Policy(ABC):
 
     def held_bytes(self) -> dict[str, int]:
         """Host bytes this strategy holds beyond the model and its optimizer, by what they are for."""
-        return {"contribution": nbytes(self.contribution)}
+        return {"contribution": self.contribution.untyped_storage().nbytes()}
+
+    def release_contribution(self) -> None:
+        """Nothing reads the contribution until the next round: give its memory back. Its views (the
+        averager's included) stay valid, and ``claim_contribution`` gives them memory again. (Never
+        call ``.numpy()`` on it: torch then keeps its storage for good; averaging/frames.py ``byte_view``.)"""
+        self.contribution.untyped_storage().resize_(0)
+
+    def claim_contribution(self) -> None:
+        storage = self.contribution.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.total * self.contribution.element_size())
 
     def outer_step_begins(self) -> None:
         """Before changing what ``outer_params`` and ``state_tensors`` view: where a reader keeps those

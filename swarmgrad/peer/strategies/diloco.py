@@ -65,6 +65,7 @@ class DiLoCoPolicy(Policy):
     def prepare(self) -> None:
         import torch
 
+        self.claim_contribution()
         for start, param, delta in zip(self.layout.views(self.start), self.params,
                                        self.layout.views(self.contribution)):
             torch.sub(start, param.detach().to("cpu", torch.float32), out=delta)
@@ -79,6 +80,7 @@ class DiLoCoPolicy(Policy):
         torch.add(average, self.momentum, alpha=mu, out=self.momentum)
         self.start.add_(average, alpha=-lr).add_(self.momentum, alpha=-lr * mu)
         self.copy_into_params(self.start)
+        self.release_contribution()  # between rounds a DiLoCo peer holds start and momentum only
 
     def held_bytes(self) -> dict[str, int]:
         return {**super().held_bytes(), "outer_start": nbytes(self.start), "outer_momentum": nbytes(self.momentum)}
@@ -130,6 +132,7 @@ class DiLoCoPolicy(Policy):
             momentum.mul_(mu).add_(mean)
             start.add_(mean, alpha=-lr).add_(momentum, alpha=-lr * mu)
             param.copy_(progress.add_(start).to(param.device, param.dtype))
+        self.release_contribution()
 
     @no_grad
     def withdraw(self) -> None:
@@ -139,6 +142,7 @@ class DiLoCoPolicy(Policy):
         for param, start, momentum, sent in self._views():
             back = (start - sent) - self._provisional(start, momentum, sent)
             param.add_(back.to(param.device, param.dtype))
+        self.release_contribution()
 
     def _check_launched(self) -> None:
         if not self._launched:
