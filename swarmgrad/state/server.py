@@ -73,7 +73,7 @@ class StateServer:
         self._results: dict[int, torch.Tensor] = {}
         self._result_digests: dict[int, str] = {}
         self._result_frames: dict[int, list[tuple[dict, bytes]]] = {}
-        self._sketches: dict[tuple[int, int, tuple[int, ...]], bytes] = {}  # (version, seed, parts) -> a sketch, oldest first
+        self._sketches: dict[tuple[int, int, tuple[int, ...]], bytes] = {}  # (version, seed, parts): oldest first
         self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
 
     async def __aenter__(self) -> StateServer:

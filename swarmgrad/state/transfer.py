@@ -12,12 +12,13 @@ since any donor may lie:
    drawn from a nonce the joiner picks (``sketch``, ``TOLERANCES``), over a sample of at most
    ``SKETCH_PARTS`` parts drawn from it (what a sample proves and what it does not: state/sketch.py).
    The coordinate-wise median of the donors' sketches is the reference; a donor agrees when each of
-   its sampled parts lies within the class's tolerance of it (``agreeing``). Fewer agreeing donors than a strict majority of those that
-   answered: StateTransferError ("the donors disagree on the state"); with a majority, the others are
-   blamed ("digest disagreement"). Parts are fetched only from agreeing donors, spread over them
-   (architecture.md, invariant 'joining is cheap'): each serves a share, with ``PIPELINE_PARTS``
-   requests in flight so its link stays busy across a round trip, and one that fails mid-way has its
-   parts, those it was asked for and had not delivered included, fetched from the others.
+   its sampled parts lies within the class's tolerance of it (``agreeing``). Fewer agreeing donors
+   than a strict majority of those that answered: StateTransferError ("the donors disagree on the
+   state"); with a majority, the others are blamed ("digest disagreement"). Parts are fetched only
+   from agreeing donors, spread over them (architecture.md, invariant 'joining is cheap'): each
+   serves a share, with ``PIPELINE_PARTS`` requests in flight so its link stays busy across a round
+   trip, and one that fails mid-way has its parts, those it was asked for and had not delivered
+   included, fetched from the others.
 3. Verification with a second nonce, drawn once the bytes are in (so no donor could shape what it
    served to the projections it would be checked with, nor know which parts would be read): the
    agreeing donors sketch a new sample again, and each sampled part of the assembled state must lie
@@ -25,7 +26,7 @@ since any donor may lie:
    served it, which serves nothing more, and every part that donor served is fetched again from
    another agreeing donor, then the state is checked with a fresh nonce and sample (at most
    ``VERIFY_PASSES`` passes).
-Nothing is used until every part passed and every floating-point value is finite. A joiner that
+Nothing is used until a check's whole sample passed and every floating-point value is finite. A joiner that
 needs only some of the tensors (``keep``) fetches, compares and checks only the parts that hold
 them. A donor that broke the protocol (a malformed description, part or sketch) is blamed "invalid
 frame", one that served NaN or Inf "bad state", on the transport's admission (accountability.py):
@@ -414,7 +415,8 @@ async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int]
     for attempt in range(VERIFY_PASSES):
         seed = random.getrandbits(63)
         sample = sample_parts(first.specs, parts, seed)
-        drawn = await asyncio.gather(*(sketch_of(offer, seed, sample) for offer in trusted), return_exceptions=True)
+        drawn = await asyncio.gather(*(sketch_of(offer, seed, sample) for offer in trusted),
+                                     return_exceptions=True)
         sketches = []
         for offer, outcome in zip(trusted, drawn):
             if isinstance(outcome, torch.Tensor) and bool(torch.isfinite(outcome).all()):

@@ -188,3 +188,31 @@ def test_a_result_above_the_frame_limit_travels_in_several_frames(swarm, monkeyp
     assert len(chunks) == math.ceil(result.numel() * 2 / (256 * 1024)) == 12
     assert max(chunks) == 256 * 1024 and sum(chunks) == result.numel() * 2
     assert "chunks" not in header and length == result.numel() * 2
+
+
+@pytest.mark.parametrize("fault", ["short", "order"])
+def test_a_result_in_chunks_that_do_not_add_up_is_refused(swarm, monkeypatch, fault):
+    monkeypatch.setattr(state_results, "RESULT_CHUNK_BYTES", 64 * 1024)
+    result = torch.randn(100_000, generator=torch.Generator().manual_seed(9))
+
+    class Faulty(StateServer):
+        async def _serve(self, channel) -> None:
+            send = channel.send
+
+            async def faulty_send(header, payload=b""):
+                if header["t"] == "result-chunk" and header["index"] == 1:
+                    header, payload = ({**header, "index": 2}, payload) if fault == "order" else (header, payload[:-2])
+                await send(header, payload)
+
+            channel.send = faulty_send
+            await super()._serve(channel)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with Faulty(swarm.transports[1], protocol) as server:
+            server.publish_result(3, result)
+            await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], 3, result.numel())
+
+    with pytest.raises(StateTransferError, match="expected chunk 1 of the result of round 3" if fault == "order"
+                       else "chunk\\(s\\) hold 199998 bytes, expected 200000"):
+        run(swarm, scenario())

@@ -469,3 +469,31 @@ def test_a_state_above_this_peers_limit_is_refused_blaming_no_donor(swarm, blame
 
     assert run(swarm, scenario()) == [[], [], []]
     assert blames.told == []
+
+
+class OlderDonor(CountingServer):
+    """Reads sketch requests as a donor from before samples did: every part, whatever was asked."""
+
+    async def _serve(self, channel) -> None:
+        recv = channel.recv
+
+        async def recv_without_parts(*args, **kwargs):
+            request = await recv(*args, **kwargs)
+            return type(request)({key: value for key, value in request.header.items() if key != "parts"},
+                                 request.payload)
+
+        channel.recv = recv_without_parts
+        await super()._serve(channel)
+
+
+def test_older_donors_that_sketch_every_part_still_hand_over_a_state(swarm, blames, monkeypatch):
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 8 * 1024)
+    honest = training_state()
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest]] * 3, [OlderDonor, CountingServer, OlderDonor]):
+            return await download_state(swarm.transports[0], protocol, swarm.ids, seconds=30)
+
+    assert_same(run(swarm, scenario()), honest)
+    assert blames.told == []
