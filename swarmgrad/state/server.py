@@ -21,10 +21,10 @@ reading the answers (state/transfer.py keeps ``PIPELINE_PARTS`` part requests in
     -> {"t": "done"}
 ``describe`` without a version describes the latest snapshot. A sketch reads the parts asked for,
 at most ``SKETCH_PARTS`` (state/sketch.py; an older joiner's request without ``parts`` gets every
-part), so its cost does not grow with the state (measured: 1.6-4 ms per MiB read); it runs off the
-event loop, one at a time; donors keep the last ``SKETCH_CACHE`` by (version, seed, parts) and answer
-at most ``SKETCHES_PER_CHANNEL`` per channel (one to compare, one per verification pass); past that
-the request is an invalid frame. A result asked for in chunks travels in frames of at most
+part), so its cost does not grow with the state (measured: 1.6-4 ms per MiB read idle, up to 70 on
+a loaded 2-core machine); it runs off the event loop, one at a time; donors keep the last
+``SKETCH_CACHE`` by (version, seed, parts) and answer at most ``SKETCHES_PER_CHANNEL`` per channel
+(one to compare, one per verification pass); past that the request is an invalid frame. A result asked for in chunks travels in frames of at most
 ``RESULT_CHUNK_BYTES`` (state/results.py): one frame is one AES-GCM message, which holds under 2 GiB.
 """
 

@@ -7,8 +7,9 @@ parts lies within its class's tolerance of it. The rules of a download: state/tr
 
 A sketch reads a sample of the state, not all of it: at most ``SKETCH_PARTS`` of the parts holding
 compared values, drawn from the nonce (``sample_parts``), so its cost (a donor's, per request, and
-the joiner's own) does not grow with the state; a full pass cost 1.6-4 ms per MiB here, and a
-state of 480M parameters missed the 15 s a sketch may take. What a check with one sample proves:
+the joiner's own) does not grow with the state. A full pass cost 1.6-4 ms per MiB on an idle
+machine (a state of 480M parameters missed the 15 s a sketch may take) and 16-70 ms per MiB on a
+loaded 2-core one (200 MB: 13 s, 800 MB: 51 s; 64 parts: 4 s whatever the state). What a check with one sample proves:
 every sampled part lies within tolerance of the median of the donors' sketches of it. What it does
 not: a part outside the sample was not looked at. A donor that altered a fraction f of the compared
 parts passes one check with probability at most (1 - f)^SKETCH_PARTS (sampling without
@@ -54,7 +55,7 @@ SKETCH_FLOOR = 1e-6
 # ±1 projections per part and class: with 8, a sketch's distance is 0.45..1.8x the true one at 99.9%
 # (chi with 8 degrees of freedom), inside the margins between measured spreads and the tolerances
 SKETCH_PROJECTIONS = 8
-# parts one sketch reads at most (64 MiB at 1 MiB parts: 0.1-0.26 s at the measured 1.6-4 ms/MiB);
+# parts one sketch reads at most (64 MiB at 1 MiB parts: 0.1-0.26 s idle, 4 s on a loaded 2-core machine);
 # a donor that altered 10% of the compared parts passes a check with probability 0.9^64 = 0.1%
 SKETCH_PARTS = 64
 VERIFY_PASSES = 3  # nonce-2 checks of what arrived: the first, and two after refetching failed parts
