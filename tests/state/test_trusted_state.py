@@ -16,12 +16,12 @@ import pytest
 import torch
 from conftest import joiner_and_donors
 
-from swarmgrad.net.wire import RemoteError
+from swarmgrad.net.wire import FrameError, RemoteError
 from swarmgrad.peer.state import OPTIMIZER_PREFIX
 from swarmgrad.state import server as state_server
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state import transfer as state_transfer
-from swarmgrad.state.server import StateServer
+from swarmgrad.state.server import StateServer, sketched_parts
 from swarmgrad.state.sketch import (
     CLASSES,
     SKETCH_PARTS,
@@ -276,6 +276,14 @@ def test_agreeing_donors_are_those_near_the_median():
     assert agreeing({"a": sketches["a"], "b": sketches["b"]}, counts) == ["a", "b"]
     assert agreeing({"a": sketches["a"], "liar": sketches["liar"]}, counts) == []
     assert agreeing({}, counts) == []
+
+
+def test_a_sketch_request_names_at_most_sketch_parts_ascending_parts():
+    assert sketched_parts({}, 3) == (0, 1, 2)  # an older joiner's request: every part
+    assert sketched_parts({"parts": [0, 2]}, 3) == (0, 2) and sketched_parts({"parts": []}, 3) == ()
+    for bad in ([2, 0], [1, 1], [100], [-1], [True], [0.0], list(range(SKETCH_PARTS + 1)), "0"):
+        with pytest.raises(FrameError, match=f"at most {SKETCH_PARTS} ascending parts of 0..99"):
+            sketched_parts({"parts": bad}, 100)
 
 
 # ---- real donors ---------------------------------------------------------------------------------
