@@ -14,6 +14,7 @@ from typing import Protocol, Sequence
 import torch
 
 from swarmgrad.eventloop import timeout
+from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
 from swarmgrad.net.wire import FrameError, RemoteError, expect_kind, field, int_field
 from swarmgrad.state.snapshot import StateTransferError
@@ -22,6 +23,10 @@ from swarmgrad.timing import DEFAULT_TIMING
 # a round's result travels as bfloat16: half the bytes, and its rounding (2^-8 relative) is below
 # what the round's own codec already changed
 RESULT_DTYPE = torch.bfloat16
+# a result travels in frames of at most this: one frame is one AES-GCM message (net/secure.py), which
+# holds under 2 GiB (1.07B bfloat16 values), and the encrypted channel receives a frame's sealed
+# bytes in a scratch buffer of its size
+RESULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 DIGEST_ELEMENTS = 1 << 22  # converted to bfloat16 this many at a time: no copy of the whole result
@@ -95,7 +100,8 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
     channel = await transport.open(donor, protocol)
     clean, result = False, None
     try:
-        await channel.send({"t": "result", "epoch": epoch, **({"frames": True} if decoder is not None else {})})
+        await channel.send({"t": "result", "epoch": epoch, "chunks": True,
+                            **({"frames": True} if decoder is not None else {})})
         header, length = await channel.recv_header(max_payload=numel * element)
         if header.get("t") != "result" or header.get("epoch") != epoch or header.get("numel") != numel:
             raise FrameError(f"expected the result of round {epoch} ({numel} values), got {header.get('t')!r} "
@@ -116,10 +122,16 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
                 raise FrameError(f"the result's frames hold {result.numel()} values, expected {numel}")
             received = result.to(RESULT_DTYPE)  # what the donor keeps and names the digest of
         else:
-            if length != numel * element:
-                raise FrameError(f"the result is {length} bytes, expected {numel * element}")
             received = torch.empty(numel, dtype=RESULT_DTYPE)
-            await channel.recv_payload_into(memoryview(received.view(torch.uint8).numpy()))
+            target = memoryview(received.view(torch.uint8).numpy())
+            if "chunks" in header:
+                if length:
+                    raise FrameError("a result in chunks with a payload")
+                await _read_chunks(channel, epoch, int_field(header, "chunks", 0, len(target)), target)
+            else:  # an older donor sends it in one frame
+                if length != len(target):
+                    raise FrameError(f"the result is {length} bytes, expected {len(target)}")
+                await channel.recv_payload_into(target)
         await channel.send({"t": "done"})
         clean = True
     finally:
@@ -131,3 +143,19 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
     if not bool(torch.isfinite(result).all()):
         raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")
     return result
+
+
+async def _read_chunks(channel: Channel, epoch: int, count: int, target: memoryview) -> None:
+    """The ``count`` chunks of a result, in order, each of at most ``RESULT_CHUNK_BYTES``, into
+    ``target``, which they must fill exactly."""
+    filled = 0
+    for index in range(count):
+        header, length = await channel.recv_header(max_payload=min(RESULT_CHUNK_BYTES, len(target) - filled))
+        if header.get("t") != "result-chunk" or header.get("epoch") != epoch or header.get("index") != index \
+                or not length:
+            raise FrameError(f"expected chunk {index} of the result of round {epoch}, got {header.get('t')!r} "
+                             f"{header.get('index')!r} of round {header.get('epoch')!r} ({length} bytes)")
+        await channel.recv_payload_into(target[filled : filled + length])
+        filled += length
+    if filled != len(target):
+        raise FrameError(f"the result's {count} chunk(s) hold {filled} bytes, expected {len(target)}")

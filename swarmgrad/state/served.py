@@ -84,15 +84,11 @@ class ServedState:
                 target[lo - start : hi - start].copy_(source[lo - offset : hi - offset])
         return target
 
-    @property
-    def data(self) -> _LayoutBytes:
-        """The layout's bytes, sliced as ``data[start:stop]`` (a copy of each slice): what a sketch reads."""
-        return _LayoutBytes(self)
-
-    def read_part(self, index: int) -> memoryview:
+    def read_part(self, index: int) -> torch.Tensor:
+        """The bytes of part ``index``, as served (a copy: see ``read``)."""
         size = state_snapshot.PART_BYTES
         start = index * size
-        return memoryview(self.read(start, min(size, self.nbytes - start)).numpy())
+        return self.read(start, min(size, self.nbytes - start))
 
     def retire(self, readers: int) -> bool:
         """The owner is about to change its live tensors. With ``readers`` (downloads, a checkpoint)
@@ -114,20 +110,3 @@ class ServedState:
         """Host bytes this state holds of its own (copies), not counting the live tensors it reads."""
         return sum(self._tensors[name].numel() * self._tensors[name].element_size() for name in self._owned)
 
-
-class _LayoutBytes:
-    """``ServedState.data``: slices of the layout's bytes as uint8 tensors, read when asked."""
-
-    def __init__(self, state: ServedState):
-        self.state = state
-
-    def __getitem__(self, span: slice) -> torch.Tensor:
-        start, stop, _ = span.indices(self.state.nbytes)
-        pieces = []
-        while start < stop:  # at most a part per read
-            length = min(stop - start, state_snapshot.PART_BYTES)
-            pieces.append(self.state.read(start, length))
-            start += length
-        if not pieces:
-            return torch.empty(0, dtype=torch.uint8)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -4,21 +4,28 @@ reads) and the results of its last rounds, served to joiners (state/transfer.py)
 missed a round and replay it (state/results.py, peer/catch_up.py).
 
 Protocol (one channel per donor, any number of requests on it, then ``done``: on the direct data
-plane the connection is pooled, so the end of an exchange is said, not inferred from a close):
+plane the connection is pooled, so the end of an exchange is said, not inferred from a close).
+Requests are answered one at a time, in the order they came, so a joiner may send several before
+reading the answers (state/transfer.py keeps ``PIPELINE_PARTS`` part requests in flight):
     -> {"t": "describe"[, "version"]}         <- {"t": "state", "version", "digest", "nbytes"} + msgpack(specs, meta)
-    -> {"t": "sketch", "version", "seed"}     <- {"t": "sketch", "version", "seed", "parts", "classes", "k"}
-                                                 + float32[parts][classes][k]
+    -> {"t": "sketch", "version", "seed",     <- {"t": "sketch", "version", "seed", "parts", "classes", "k"}
+        "parts": [ascending indices]}            + float32[parts][classes][k]
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
-    -> {"t": "result", "epoch"[, "frames"]}   <- {"t": "result", "epoch", "numel"} + bfloat16 bytes, or, when
-                                                 asked for frames and kept: {"t": "result", "epoch", "numel",
-                                                 "frames": n} then the n chunk frames it travelled in
+    -> {"t": "result", "epoch"[, "frames"]    <- {"t": "result", "epoch", "numel"} + bfloat16 bytes, or, when
+        [, "chunks"]}                            asked for chunks: {"t": "result", "epoch", "numel", "chunks": n}
+                                                 then n frames {"t": "result-chunk", "epoch", "index"} + at most
+                                                 RESULT_CHUNK_BYTES of those bytes each, or, when asked for frames
+                                                 and kept: {"t": "result", "epoch", "numel", "frames": n} then the
+                                                 n chunk frames it travelled in
     -> {"t": "digest", "epoch"}               <- {"t": "digest", "epoch", "sha256"} (of those bytes)
     -> {"t": "done"}
-``describe`` without a version describes the latest snapshot. A sketch costs the donor about one
-pass over its state (measured: 24 ms per MiB of compared values, on a loaded 2-core machine), off the
-event loop: donors compute one at a time, keep the last
-``SKETCH_CACHE`` by (version, seed), and answer at most ``SKETCHES_PER_CHANNEL`` per channel (one to
-compare, one per verification pass); past that the request is an invalid frame.
+``describe`` without a version describes the latest snapshot. A sketch reads the parts asked for,
+at most ``SKETCH_PARTS`` (state/sketch.py; an older joiner's request without ``parts`` gets every
+part), so its cost does not grow with the state (measured: 1.6-4 ms per MiB read idle, up to 70 on
+a loaded 2-core machine); it runs off the event loop, one at a time; donors keep the last
+``SKETCH_CACHE`` by (version, seed, parts) and answer at most ``SKETCHES_PER_CHANNEL`` per channel
+(one to compare, one per verification pass); past that the request is an invalid frame. A result asked for in chunks travels in frames of at most
+``RESULT_CHUNK_BYTES`` (state/results.py): one frame is one AES-GCM message, which holds under 2 GiB.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
 from swarmgrad.net.wire import FrameError, field, int_field
+from swarmgrad.state import results as state_results
+from swarmgrad.state import sketch as state_sketch
 from swarmgrad.state.results import RESULT_DTYPE, result_digest
 from swarmgrad.state.served import ServedState
 from swarmgrad.state.sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
@@ -45,7 +54,7 @@ KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or
 # 8 s), and a download whose version the donor dropped failed on every retry; bounded, since each
 # held snapshot is a copy of the whole state and any peer may open a channel
 PINNED_SNAPSHOTS = 2
-SKETCH_CACHE = 4  # sketches a donor keeps, by (version, seed)
+SKETCH_CACHE = 4  # sketches a donor keeps, by (version, seed, parts)
 
 
 def state_protocol(run_id: str) -> str:
@@ -67,7 +76,7 @@ class StateServer:
         self._result_numel: dict[int, int] = {}
         self._result_digests: dict[int, str] = {}
         self._result_frames: dict[int, list[tuple[dict, bytes]]] = {}
-        self._sketches: dict[tuple[int, int], bytes] = {}  # (version, seed) -> a sketch, oldest first
+        self._sketches: dict[tuple[int, int, tuple[int, ...]], bytes] = {}  # (version, seed, parts): oldest first
         self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
 
     async def __aenter__(self) -> StateServer:
@@ -206,10 +215,10 @@ class StateServer:
                     if snapshot is None:
                         await channel.send_error(f"version {version} is no longer held here")
                         return
-                    parts = part_count(snapshot.nbytes)
-                    await channel.send({"t": "sketch", "version": version, "seed": seed, "parts": parts,
+                    parts = sketched_parts(request.header, part_count(snapshot.nbytes))
+                    await channel.send({"t": "sketch", "version": version, "seed": seed, "parts": len(parts),
                                         "classes": len(CLASSES), "k": SKETCH_PROJECTIONS},
-                                       await self._sketch(snapshot, seed))
+                                       await self._sketch(snapshot, seed, parts))
                 elif request.kind == "part":
                     version = field(request.header, "version", int)
                     snapshot = self._snapshots.get(version)
@@ -217,7 +226,8 @@ class StateServer:
                         await channel.send_error(f"version {version} is no longer held here")
                         return
                     index = int_field(request.header, "index", 0, max(0, part_count(snapshot.nbytes) - 1))
-                    await channel.send({"t": "part", "version": version, "index": index}, snapshot.read_part(index))
+                    await channel.send({"t": "part", "version": version, "index": index},
+                                       memoryview(snapshot.read_part(index).numpy()))
                 elif request.kind in ("result", "digest"):
                     epoch = field(request.header, "epoch", int)
                     if epoch not in self._results:
@@ -226,19 +236,29 @@ class StateServer:
                     if request.kind == "digest":
                         await channel.send({"t": "digest", "epoch": epoch, "sha256": self._result_digests[epoch]})
                     else:
-                        await self._send_result(channel, epoch, request.header.get("frames") is True)
+                        await self._send_result(channel, epoch, request.header.get("frames") is True,
+                                                request.header.get("chunks") is True)
                 else:
                     raise FrameError(f"unexpected request {request.kind!r}")
         finally:
             self._reading(reading, None)
 
-    async def _send_result(self, channel: Channel, epoch: int, frames_asked: bool) -> None:
-        """A kept result: in the frames it travelled in when asked for them and kept, else as bfloat16."""
+    async def _send_result(self, channel: Channel, epoch: int, frames_asked: bool, chunks_asked: bool) -> None:
+        """A kept result: in the frames it travelled in when asked for them and kept, else as bfloat16,
+        in chunks of at most ``RESULT_CHUNK_BYTES`` when asked for chunks (an older peer reads one frame)."""
         result, frames = self._results[epoch], self._result_frames.get(epoch)
         numel = self._result_numel[epoch]
         if result is not None and (frames is None or not frames_asked):
-            await channel.send({"t": "result", "epoch": epoch, "numel": numel},
-                               memoryview(result.view(torch.uint8).numpy()))
+            data = memoryview(result.view(torch.uint8).numpy())
+            if not chunks_asked:
+                await channel.send({"t": "result", "epoch": epoch, "numel": numel}, data)
+                return
+            size = state_results.RESULT_CHUNK_BYTES
+            count = -(-len(data) // size)
+            await channel.send({"t": "result", "epoch": epoch, "numel": numel, "chunks": count})
+            for index in range(count):
+                await channel.send({"t": "result-chunk", "epoch": epoch, "index": index},
+                                   data[index * size : (index + 1) * size])
             return
         if not frames_asked:  # kept as frames only: a peer that replays rounds decodes them
             await channel.send_error(f"the result of round {epoch} is kept only in the frames it travelled in")
@@ -247,14 +267,28 @@ class StateServer:
         for header, payload in frames:
             await channel.send(header, payload)
 
-    async def _sketch(self, snapshot: StateSnapshot | ServedState, seed: int) -> bytes:
-        """The sketch of ``snapshot`` for ``seed``, computed off the event loop, one at a time, kept for reuse."""
-        key = (snapshot.version, seed)
+    async def _sketch(self, snapshot: StateSnapshot | ServedState, seed: int, parts: tuple[int, ...]) -> bytes:
+        """The sketch of ``parts`` of ``snapshot`` for ``seed``, computed off the event loop, one at a
+        time, kept for reuse."""
+        key = (snapshot.version, seed, parts)
         async with self._sketching:
             if key not in self._sketches:
-                parts = list(range(part_count(snapshot.nbytes)))
-                drawn = await asyncio.to_thread(sketch, snapshot.data, snapshot.specs, seed, parts)
+                drawn = await asyncio.to_thread(sketch, snapshot.read_part, snapshot.specs, seed, parts)
                 self._sketches[key] = drawn.numpy().tobytes()
                 while len(self._sketches) > SKETCH_CACHE:
                     self._sketches.pop(next(iter(self._sketches)))
             return self._sketches[key]
+
+
+def sketched_parts(header: dict, count: int) -> tuple[int, ...]:
+    """The parts a sketch request asks for, of a state of ``count`` parts: at most ``SKETCH_PARTS``,
+    ascending, each once; every part where it names none (an older joiner)."""
+    if "parts" not in header:
+        return tuple(range(count))
+    parts = header["parts"]
+    most = state_sketch.SKETCH_PARTS
+    if not (isinstance(parts, list) and len(parts) <= most
+            and all(type(index) is int and 0 <= index < count for index in parts)
+            and all(a < b for a, b in zip(parts, parts[1:]))):
+        raise FrameError(f"a sketch asks for at most {most} ascending parts of 0..{count - 1}")
+    return tuple(parts)

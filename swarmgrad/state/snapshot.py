@@ -23,7 +23,7 @@ from swarmgrad.net.wire import FrameError
 PART_BYTES = 1024 * 1024
 ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
-MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024
+MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024  # a joiner's default: it allocates the whole state up front
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -32,6 +32,16 @@ DTYPES: dict[str, torch.dtype] = {
 
 class StateTransferError(SwarmgradError):
     """No donor could hand over a complete, valid state."""
+
+
+class StateTooLarge(StateTransferError):
+    """A donor's state is larger than this peer agreed to download: this peer's limit, no donor's fault."""
+
+    def __init__(self, nbytes: int, max_bytes: int):
+        super().__init__(f"the state is {nbytes} bytes ({nbytes / 2**30:.1f} GiB), above this peer's limit of "
+                         f"{max_bytes} bytes ({max_bytes / 2**30:.1f} GiB); raise download_state's max_bytes "
+                         f"to take it")
+        self.nbytes, self.max_bytes = nbytes, max_bytes
 
 
 @dataclass(frozen=True)
@@ -77,12 +87,13 @@ class StateSnapshot:
         return {name: self.data[start : start + length].view(DTYPES[dtype]).reshape(shape)
                 for (name, dtype, shape), (start, length) in zip(self.specs, offsets)}
 
+    def read_part(self, index: int) -> torch.Tensor:
+        """The bytes of part ``index``, as served (the one place a donor reads its snapshot's data)."""
+        return part_of(self.data, index)
+
     def describe(self) -> bytes:
         return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
                              use_bin_type=True)
-
-    def read_part(self, index: int) -> memoryview:
-        return memoryview(self.data[index * PART_BYTES : (index + 1) * PART_BYTES].numpy())
 
     def still_current(self) -> bool:
         return True  # a copy: nothing changes it
@@ -150,6 +161,11 @@ def parts_holding(specs: Sequence[tuple[str, str, tuple[int, ...]]], keep: Calla
         if length and keep(name):
             parts.update(range(start // PART_BYTES, (start + length - 1) // PART_BYTES + 1))
     return sorted(parts)
+
+
+def part_of(data: torch.Tensor, index: int) -> torch.Tensor:
+    """Part ``index`` of a state's byte buffer ``data`` (a view)."""
+    return data[index * PART_BYTES : (index + 1) * PART_BYTES]
 
 
 def part_count(nbytes: int) -> int:

@@ -9,24 +9,31 @@ since any donor may lie:
 2. Agreement by sketches: honest donors never hold identical bytes (each peer's optimizer moments
    are its own, and moshpit groups leave parameters a little apart), so donors are compared up to a
    tolerance, by sketches: a few random ±1 projections per part of each tolerance class's values,
-   drawn from a nonce the joiner picks (``sketch``, ``TOLERANCES``). The coordinate-wise median of
-   the donors' sketches is the reference; a donor agrees when each of its parts lies within the
-   class's tolerance of it (``agreeing``). Fewer agreeing donors than a strict majority of those that
-   answered: StateTransferError ("the donors disagree on the state"); with a majority, the others are
-   blamed ("digest disagreement"). Parts are fetched only from agreeing donors, spread over them
-   (architecture.md, invariant 'joining is cheap'): each serves a share, and one that fails mid-way has its parts
-   fetched from the others.
+   drawn from a nonce the joiner picks (``sketch``, ``TOLERANCES``), over a sample of at most
+   ``SKETCH_PARTS`` parts drawn from it (what a sample proves and what it does not: state/sketch.py).
+   The coordinate-wise median of the donors' sketches is the reference; a donor agrees when each of
+   its sampled parts lies within the class's tolerance of it (``agreeing``). Fewer agreeing donors
+   than a strict majority of those that answered: StateTransferError ("the donors disagree on the
+   state"); with a majority, the others are blamed ("digest disagreement"). Parts are fetched only
+   from agreeing donors, spread over them (architecture.md, invariant 'joining is cheap'): each
+   serves a share, with ``PIPELINE_PARTS`` requests in flight so its link stays busy across a round
+   trip, and one that fails mid-way has its parts, those it was asked for and had not delivered
+   included, fetched from the others.
 3. Verification with a second nonce, drawn once the bytes are in (so no donor could shape what it
-   served to the projections it would be checked with): the agreeing donors sketch again, and each
-   part of the assembled state must lie within tolerance of their median. A part that does not is
-   blamed ("bad state") on the donor that served it, which serves nothing more, and fetched again
-   from another agreeing donor, then checked with a fresh nonce (at most ``VERIFY_PASSES`` passes).
-Nothing is used until every part passed and every floating-point value is finite. A joiner that
+   served to the projections it would be checked with, nor know which parts would be read): the
+   agreeing donors sketch a new sample again, and each sampled part of the assembled state must lie
+   within tolerance of their median. A part that does not is blamed ("bad state") on the donor that
+   served it, which serves nothing more, and every part that donor served is fetched again from
+   another agreeing donor, then the state is checked with a fresh nonce and sample (at most
+   ``VERIFY_PASSES`` passes).
+Nothing is used until a check's whole sample passed and every floating-point value is finite. A joiner that
 needs only some of the tensors (``keep``) fetches, compares and checks only the parts that hold
 them. A donor that broke the protocol (a malformed description, part or sketch) is blamed "invalid
 frame", one that served NaN or Inf "bad state", on the transport's admission (accountability.py):
 enough of that bans it. A swarm of two (one donor) stays joinable: a single donor is its own
-majority, and what it serves is checked for consistency with its own sketches only.
+majority, and what it serves is checked for consistency with its own sketches only. A state larger
+than this peer's ``max_bytes`` is this peer's limit, not a donor's fault: a strict majority offering
+one is a StateTooLarge that blames nobody.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
@@ -43,7 +50,7 @@ import torch
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
-from swarmgrad.net.wire import FrameError, RemoteError, expect_kind, field, int_field
+from swarmgrad.net.wire import FrameError, RemoteError, expect_kind, field
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state.sketch import (
     CLASSES,
@@ -54,6 +61,7 @@ from swarmgrad.state.sketch import (
     majority_version,
     parts_within,
     reference_sketch,
+    sample_parts,
     sketch,
 )
 from swarmgrad.state.snapshot import (
@@ -61,16 +69,25 @@ from swarmgrad.state.snapshot import (
     MAX_DESCRIPTION_BYTES,
     MAX_STATE_BYTES,
     StateSnapshot,
+    StateTooLarge,
     StateTransferError,
     layout,
     names_in,
     parse_description,
     part_count,
+    part_of,
     parts_holding,
 )
 from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)
+
+# part requests a joiner keeps in flight per donor. One at a time, a donor served a part per round
+# trip: 1 MiB / 50 ms = 21 MB/s whatever its link. With n in flight it keeps sending while requests
+# travel, up to n parts per round trip: 8 MiB / 50 ms = 168 MB/s (1.3 Gbit/s; 670 Mbit/s at 100 ms).
+# It costs the joiner no memory (parts land in the state's buffer); a donor that fails hands its n
+# parts on, and the last donor to finish may hold n parts while the others idle.
+PIPELINE_PARTS = 8
 
 
 @dataclass
@@ -107,6 +124,7 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
     if not donors:
         raise StateTransferError("no peer to download the state from")
     offers: list[_Offer] = []
+    too_large: list[StateTooLarge] = []
     blame: Blame = lambda donor, kind, detail: _blame(transport, donor, kind, detail)
     # one part (or sketch) may take a quarter of the budget (a slow donor's parts move to the
     # others), and never less than 2 s: 4 MiB at 20 Mbit/s
@@ -121,10 +139,14 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
             for donor, outcome in zip(donors, described):
                 if isinstance(outcome, _Offer):
                     offers.append(outcome)
+                elif isinstance(outcome, StateTooLarge):  # this peer's limit: no donor's fault
+                    too_large.append(outcome)
                 else:
                     logger.info("donor %s cannot share its state: %s", donor, outcome)
                     if isinstance(outcome, FrameError):
                         blame(donor, "invalid frame", str(outcome))
+            if len(too_large) * 2 > len(too_large) + len(offers):
+                raise StateTooLarge(min(error.nbytes for error in too_large), max_bytes)
             if not offers:
                 raise StateTransferError(f"none of {len(donors)} peer(s) offered a state at version >= {min_version}")
             version = majority_version([offer.version for offer in offers])
@@ -143,8 +165,8 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
                         blame(offer.donor, "invalid frame", str(outcome))
             sources = await _agreeing_sources(holders, version, keep, part_seconds, blame)
 
-            async def sketch_of(offer: _Offer, seed: int) -> torch.Tensor:
-                return await _verification_sketch(transport, protocol, offer, seed, part_seconds)
+            async def sketch_of(offer: _Offer, seed: int, parts: list[int]) -> torch.Tensor:
+                return await _verification_sketch(transport, protocol, offer, seed, parts, part_seconds)
 
             return await _fetch(sources, part_seconds=part_seconds, keep=keep, blame=blame, sketch_of=sketch_of,
                                 moving=moving)
@@ -173,7 +195,11 @@ async def _describe(transport: Transport, protocol: str, donor: str, max_bytes: 
 
 async def _described(donor: str, channel: Channel, max_bytes: int) -> _Offer:
     reply = expect_kind(await channel.recv(max_payload=MAX_DESCRIPTION_BYTES), "state")
-    nbytes = int_field(reply.header, "nbytes", 0, max_bytes)
+    nbytes = field(reply.header, "nbytes", int)
+    if nbytes < 0:
+        raise FrameError(f"a state of {nbytes} bytes")
+    if nbytes > max_bytes:
+        raise StateTooLarge(nbytes, max_bytes)
     specs, meta = parse_description(bytes(reply.payload), nbytes)
     return _Offer(donor, channel, field(reply.header, "version", int), field(reply.header, "digest", str),
                   nbytes, specs, meta)
@@ -202,47 +228,49 @@ async def _hold(offer: _Offer, version: int, max_bytes: int, seconds: float) -> 
     return True
 
 
-async def _ask_sketch(channel: Channel, version: int, seed: int, nbytes: int) -> torch.Tensor:
-    """The donor's sketch of ``version`` for ``seed``: [parts, classes, k] float32, of the right size."""
-    parts = part_count(nbytes)
-    size = parts * len(CLASSES) * SKETCH_PROJECTIONS * 4
-    await channel.send({"t": "sketch", "version": version, "seed": seed})
-    reply = expect_kind(await channel.recv(max_payload=size), "sketch")
-    shape = (parts, len(CLASSES), SKETCH_PROJECTIONS)
+async def _ask_sketch(channel: Channel, version: int, seed: int, nbytes: int, parts: list[int]) -> torch.Tensor:
+    """The donor's sketch of ``parts`` of ``version`` for ``seed``: [len(parts), classes, k] float32,
+    of the right size (an older donor sketches every part: its rows for ``parts`` are taken)."""
+    total, row = part_count(nbytes), len(CLASSES) * SKETCH_PROJECTIONS * 4
+    await channel.send({"t": "sketch", "version": version, "seed": seed, "parts": parts})
+    reply = expect_kind(await channel.recv(max_payload=max(len(parts), total) * row), "sketch")
     said = tuple(reply.header.get(key) for key in ("version", "seed", "parts", "classes", "k"))
-    if said != (version, seed, *shape) or len(reply.payload) != size:
-        raise FrameError(f"expected a sketch of version {version} (seed {seed}) of shape {shape} in {size} bytes, "
-                         f"got {said} in {len(reply.payload)} bytes")
-    if not size:
+    rows = total if said[2] == total else len(parts)
+    shape = (rows, len(CLASSES), SKETCH_PROJECTIONS)
+    if said != (version, seed, *shape) or len(reply.payload) != rows * row:
+        raise FrameError(f"expected a sketch of version {version} (seed {seed}) of shape {shape} in {rows * row} "
+                         f"bytes, got {said} in {len(reply.payload)} bytes")
+    if not rows:
         return torch.zeros(shape)
-    return torch.frombuffer(bytearray(reply.payload), dtype=torch.float32).reshape(shape)
+    drawn = torch.frombuffer(bytearray(reply.payload), dtype=torch.float32).reshape(shape)
+    return drawn if rows == len(parts) else drawn[parts]
 
 
-async def _sketch_on(offer: _Offer, seed: int, seconds: float) -> torch.Tensor:
+async def _sketch_on(offer: _Offer, seed: int, parts: list[int], seconds: float) -> torch.Tensor:
     try:
         async with timeout(seconds):
-            return await _ask_sketch(offer.channel, offer.version, seed, offer.nbytes)
+            return await _ask_sketch(offer.channel, offer.version, seed, offer.nbytes, parts)
     except BaseException:
         offer.broken = True  # a half-read reply may be left on it
         await offer.channel.abort()
         raise
 
 
-async def _verification_sketch(transport: Transport, protocol: str, offer: _Offer, seed: int,
+async def _verification_sketch(transport: Transport, protocol: str, offer: _Offer, seed: int, parts: list[int],
                                seconds: float) -> torch.Tensor:
     """``offer``'s donor's sketch for ``seed``, on its channel, or on a new one where that failed
     (a donor whose part timed out may still answer a sketch) or was closed after its last part
     (the other donors fetched the rest before this one's next request could find it closed)."""
     if not offer.broken:
         try:
-            return await _sketch_on(offer, seed, seconds)
+            return await _sketch_on(offer, seed, parts, seconds)
         except (EOFError, ConnectionError, OSError) as error:
             logger.info("donor %s closed its stream (%s); asking for the sketch on a new one", offer.donor, error)
     async with timeout(seconds):
         channel = await transport.open(offer.donor, protocol)
         clean = False
         try:
-            drawn = await _ask_sketch(channel, offer.version, seed, offer.nbytes)
+            drawn = await _ask_sketch(channel, offer.version, seed, offer.nbytes, parts)
             await channel.send({"t": "done"})
             clean = True
             return drawn
@@ -260,9 +288,10 @@ async def _agreeing_sources(holders: list[_Offer], version: int, keep: Callable[
     digest = Counter(offer.digest for offer in holders).most_common(1)[0][0]
     same = [offer for offer in holders if offer.digest == digest]
     answered = [offer for offer in holders if offer.digest != digest]  # a layout of their own: disagree
-    parts = parts_holding(same[0].specs, keep)
     seed = random.getrandbits(63)
-    drawn = await asyncio.gather(*(_sketch_on(offer, seed, seconds) for offer in same), return_exceptions=True)
+    sample = sample_parts(same[0].specs, parts_holding(same[0].specs, keep), seed)
+    drawn = await asyncio.gather(*(_sketch_on(offer, seed, sample, seconds) for offer in same),
+                                 return_exceptions=True)
     sketches: dict[str, torch.Tensor] = {}
     not_finite = []
     for offer, outcome in zip(same, drawn):
@@ -272,15 +301,14 @@ async def _agreeing_sources(holders: list[_Offer], version: int, keep: Callable[
                 blame(offer.donor, "invalid frame", str(outcome))
             continue
         answered.append(offer)
-        outcome = outcome[parts]
         if bool(torch.isfinite(outcome).all()):
             sketches[offer.donor] = outcome
         else:
-            names = names_in(offer.specs, [parts[row] for row in
+            names = names_in(offer.specs, [sample[row] for row in
                                             (~torch.isfinite(outcome)).flatten(1).any(1).nonzero().flatten().tolist()])
             not_finite.append(f"{offer.donor} holds NaN or Inf in {', '.join(map(repr, names[:3]))}")
             blame(offer.donor, "bad state", f"NaN or Inf in {', '.join(names[:3])}")
-    agree = set(agreeing(sketches, compared_values(same[0].specs, parts)))
+    agree = set(agreeing(sketches, compared_values(same[0].specs, sample)))
     sources = [offer for offer in same if offer.donor in agree]
     if len(sources) * 2 <= len(answered):
         raise StateTransferError(f"the donors disagree on the state at version {version}: {len(sources)} of "
@@ -299,10 +327,10 @@ def _blame(transport: Transport, donor: str, kind: str, detail: str) -> None:
 
 async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None,
                  blame: Blame = lambda donor, kind, detail: None,
-                 sketch_of: Callable[[_Offer, int], Awaitable[torch.Tensor]] | None = None,
+                 sketch_of: Callable[[_Offer, int, list[int]], Awaitable[torch.Tensor]] | None = None,
                  moving: Callable[[], None] = lambda: None) -> StateSnapshot:
     """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on.
-    ``sketch_of(donor, seed)``: a donor's sketch, to verify what arrived with (``_verify``).
+    ``sketch_of(donor, seed, parts)``: a donor's sketch, to verify what arrived with (``_verify``).
     ``blame(donor, kind, detail)``: told of a donor that sent an invalid part, a part that failed
     verification, or parts holding NaN or Inf. ``moving()``: called as each part lands."""
     first = sources[0]
@@ -332,29 +360,38 @@ async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.
         queue.put_nowait(index)
 
     async def worker(offer: _Offer) -> None:
-        while not queue.empty():
-            index = queue.get_nowait()
-            try:
+        asked: deque[int] = deque()  # requested of this donor and not landed yet: it answers in order
+        try:
+            while True:
                 async with timeout(part_seconds):
-                    await offer.channel.send({"t": "part", "version": offer.version, "index": index})
+                    while len(asked) < PIPELINE_PARTS and not queue.empty():
+                        index = queue.get_nowait()
+                        asked.append(index)
+                        await offer.channel.send({"t": "part", "version": offer.version, "index": index})
+                        await asyncio.sleep(0)  # the donors take parts in turn: a small state is spread too
+                    if not asked:
+                        return
+                    index = asked[0]
                     header, length = await offer.channel.recv_header(max_payload=size)
                     expect_kind_header(header, "part", offer.version, index)
                     expected = min(size, offer.nbytes - index * size)
                     if length != expected:
                         raise FrameError(f"part {index} is {length} bytes, expected {expected}")
                     await offer.channel.recv_payload_into(target[index * size : index * size + length])
+                asked.popleft()
                 done[index] = offer.donor
                 moving()
-            except (FrameError, RemoteError, EOFError, OSError, ConnectionError, asyncio.TimeoutError,
-                    TimeoutError) as error:
-                logger.info("donor %s failed on part %d: %s; the others take over", offer.donor, index, error)
-                if isinstance(error, FrameError):
-                    blame(offer.donor, "invalid frame", str(error))
-                queue.put_nowait(index)  # another donor fetches it
-                healthy.remove(offer)
-                offer.broken = True
-                await offer.channel.abort()  # nothing more may land in the buffer from this donor
-                return
+        except (FrameError, RemoteError, EOFError, OSError, ConnectionError, asyncio.TimeoutError,
+                TimeoutError) as error:
+            logger.info("donor %s failed on part %s (%d asked of it): %s; the others take over", offer.donor,
+                        asked[0] if asked else "-", len(asked), error)
+            if isinstance(error, FrameError):
+                blame(offer.donor, "invalid frame", str(error))
+            for index in asked:  # other donors fetch them
+                queue.put_nowait(index)
+            healthy.remove(offer)
+            offer.broken = True
+            await offer.channel.abort()  # nothing more may land in the buffer from this donor
 
     while not queue.empty() and healthy:  # a donor that failed late leaves parts for another pass
         await asyncio.gather(*(worker(offer) for offer in list(healthy)))
@@ -365,23 +402,25 @@ async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.
 
 async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int], data: torch.Tensor,
                   done: dict[int, str], part_seconds: float, blame: Blame,
-                  sketch_of: Callable[[_Offer, int], Awaitable[torch.Tensor]]) -> None:
-    """Check every fetched part against the median of the agreeing donors' sketches for a nonce
-    drawn now, once the bytes are in. A part off by more than the tolerance is blamed on the donor
-    that served it, which is trusted no more, and fetched again from the others, then checked with
-    a fresh nonce; at most ``VERIFY_PASSES`` passes. A strict majority of the donors still trusted
-    must answer each pass (a lone liar cannot vouch for itself). StateTransferError when a pass
-    cannot be made or parts still fail after the last."""
+                  sketch_of: Callable[[_Offer, int, list[int]], Awaitable[torch.Tensor]]) -> None:
+    """Check a sample of the fetched parts (``sample_parts``) against the median of the agreeing
+    donors' sketches for a nonce drawn now, once the bytes are in. A part off by more than the
+    tolerance is blamed on the donor that served it, which is trusted no more, and every part it
+    served (the sample only found some) is fetched again from the others, then the state is checked
+    with a fresh nonce and sample; at most ``VERIFY_PASSES`` passes. A strict majority of the donors
+    still trusted must answer each pass (a lone liar cannot vouch for itself). StateTransferError
+    when a pass cannot be made or sampled parts still fail after the last."""
     first = sources[0]
     trusted = list(sources)
-    checking = list(parts)
     for attempt in range(VERIFY_PASSES):
         seed = random.getrandbits(63)
-        drawn = await asyncio.gather(*(sketch_of(offer, seed) for offer in trusted), return_exceptions=True)
+        sample = sample_parts(first.specs, parts, seed)
+        drawn = await asyncio.gather(*(sketch_of(offer, seed, sample) for offer in trusted),
+                                     return_exceptions=True)
         sketches = []
         for offer, outcome in zip(trusted, drawn):
-            if isinstance(outcome, torch.Tensor) and bool(torch.isfinite(outcome[checking]).all()):
-                sketches.append(outcome[checking])
+            if isinstance(outcome, torch.Tensor) and bool(torch.isfinite(outcome).all()):
+                sketches.append(outcome)
             else:
                 logger.info("donor %s did not sketch the state to verify it: %s", offer.donor, outcome)
                 if isinstance(outcome, FrameError):
@@ -389,25 +428,25 @@ async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int]
         if len(sketches) * 2 <= len(trusted):
             raise StateTransferError(f"too few donors sketched the state to verify it: {len(sketches)} of {len(trusted)}")
         reference = reference_sketch(torch.stack(sketches))
-        local = await asyncio.to_thread(sketch, data, first.specs, seed, checking)
-        fine = parts_within(local, reference, compared_values(first.specs, checking)).tolist()
-        failed = [index for index, good in zip(checking, fine) if not good]
+        local = await asyncio.to_thread(sketch, lambda index: part_of(data, index), first.specs, seed, sample)
+        fine = parts_within(local, reference, compared_values(first.specs, sample)).tolist()
+        failed = [index for index, good in zip(sample, fine) if not good]
         if not failed:
             return
         culprits = Counter(done[index] for index in failed)
         for donor, count in culprits.items():
-            logger.info("donor %s served %d part(s) that do not match the donors' sketches; fetching them again",
-                        donor, count)
+            logger.info("donor %s served %d sampled part(s) that do not match the donors' sketches; fetching "
+                        "all it served again", donor, count)
             blame(donor, "bad state", f"{count} part(s) of version {first.version} off the donors' sketches")
         trusted = [offer for offer in trusted if offer.donor not in culprits]
         healthy[:] = [offer for offer in healthy if offer.donor not in culprits]
         if attempt + 1 == VERIFY_PASSES or not healthy:
             break
-        for index in failed:
+        suspect = [index for index in parts if done[index] in culprits]
+        for index in suspect:
             done.pop(index)
-        await _fetch_parts(healthy, failed, data, done, part_seconds, blame)
-        checking = failed
-    raise StateTransferError(f"{len(failed)} part(s) of the state failed verification; not using it")
+        await _fetch_parts(healthy, suspect, data, done, part_seconds, blame)
+    raise StateTransferError(f"{len(failed)} sampled part(s) of the state failed verification; not using it")
 
 
 def _check_finite(snapshot: StateSnapshot, keep: Callable[[str], bool] | None, sources: dict[int, str],

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
@@ -15,6 +16,7 @@ from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.result_frames import ResultDecoder
 from swarmgrad.net.wire import RemoteError
+from swarmgrad.state import results as state_results
 from swarmgrad.state import server as state_server
 from swarmgrad.state.results import download_result, download_result_digest, result_digest
 from swarmgrad.state.server import StateServer
@@ -142,5 +144,76 @@ def test_a_result_of_another_size_or_not_finite_is_refused(swarm, bad):
             return await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], 4,
                                          999 if bad == "size" else 1000)
 
-    with pytest.raises(StateTransferError, match="2000 bytes exceeds" if bad == "size" else "NaN or Inf"):
+    with pytest.raises(StateTransferError, match=r"\(999 values\), got 'result' of round 4 \(1000" if bad == "size"
+                       else "NaN or Inf"):
+        run(swarm, scenario())
+
+
+def test_a_result_above_the_frame_limit_travels_in_several_frames(swarm, monkeypatch):
+    """A result larger than one frame may hold (a lowered RESULT_CHUNK_BYTES stands in for AES-GCM's
+    2 GiB) comes in chunks of at most that, read into one tensor; an older peer that does not ask for
+    chunks still gets it in one frame."""
+    monkeypatch.setattr(state_results, "RESULT_CHUNK_BYTES", 256 * 1024)
+    result = torch.randn(1_500_001, generator=torch.Generator().manual_seed(8))  # 3 MB of bfloat16
+    sent: list[tuple[str, int]] = []
+
+    class Watched(StateServer):
+        async def _serve(self, channel) -> None:
+            send = channel.send
+
+            async def watched_send(header, payload=b""):
+                sent.append((header["t"], len(payload)))
+                await send(header, payload)
+
+            channel.send = watched_send
+            await super()._serve(channel)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with Watched(swarm.transports[1], protocol) as server:
+            server.publish_result(3, result)
+            got = await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], 3, result.numel())
+            channel = await swarm.transports[0].open(donor_ids(swarm)[0], protocol)
+            try:
+                await channel.send({"t": "result", "epoch": 3})  # an older peer's request
+                header, length = await channel.recv_header(max_payload=result.numel() * 2)
+                await channel.recv_payload_into(memoryview(bytearray(length)))
+                await channel.send({"t": "done"})
+            finally:
+                await channel.close()
+            return got, header, length
+
+    got, header, length = run(swarm, scenario())
+    assert torch.equal(got, result.to(torch.bfloat16).float())
+    chunks = [size for kind, size in sent if kind == "result-chunk"]
+    assert len(chunks) == math.ceil(result.numel() * 2 / (256 * 1024)) == 12
+    assert max(chunks) == 256 * 1024 and sum(chunks) == result.numel() * 2
+    assert "chunks" not in header and length == result.numel() * 2
+
+
+@pytest.mark.parametrize("fault", ["short", "order"])
+def test_a_result_in_chunks_that_do_not_add_up_is_refused(swarm, monkeypatch, fault):
+    monkeypatch.setattr(state_results, "RESULT_CHUNK_BYTES", 64 * 1024)
+    result = torch.randn(100_000, generator=torch.Generator().manual_seed(9))
+
+    class Faulty(StateServer):
+        async def _serve(self, channel) -> None:
+            send = channel.send
+
+            async def faulty_send(header, payload=b""):
+                if header["t"] == "result-chunk" and header["index"] == 1:
+                    header, payload = ({**header, "index": 2}, payload) if fault == "order" else (header, payload[:-2])
+                await send(header, payload)
+
+            channel.send = faulty_send
+            await super()._serve(channel)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with Faulty(swarm.transports[1], protocol) as server:
+            server.publish_result(3, result)
+            await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], 3, result.numel())
+
+    with pytest.raises(StateTransferError, match="expected chunk 1 of the result of round 3" if fault == "order"
+                       else "chunk\\(s\\) hold 199998 bytes, expected 200000"):
         run(swarm, scenario())

@@ -16,25 +16,28 @@ import pytest
 import torch
 from conftest import joiner_and_donors
 
-from swarmgrad.net.wire import RemoteError
+from swarmgrad.net.wire import FrameError, RemoteError
 from swarmgrad.peer.state import OPTIMIZER_PREFIX
 from swarmgrad.state import server as state_server
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state import transfer as state_transfer
-from swarmgrad.state.server import StateServer
+from swarmgrad.state.server import StateServer, sketched_parts
 from swarmgrad.state.sketch import (
     CLASSES,
+    SKETCH_PARTS,
     SKETCH_PROJECTIONS,
     SKETCHES_PER_CHANNEL,
     agreeing,
+    compared_parts,
     compared_values,
     majority_version,
     parts_within,
     reference_sketch,
+    sample_parts,
     sketch,
     tolerance_of,
 )
-from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
+from swarmgrad.state.snapshot import StateSnapshot, StateTooLarge, StateTransferError
 from swarmgrad.state.transfer import download_state
 
 _protocols = itertools.count()
@@ -206,26 +209,26 @@ def test_which_tensors_are_compared_and_how_closely():
 def test_a_sketch_depends_on_its_seed_and_keeps_distances():
     honest = training_state()
     parts = list(range(parts_of(honest)))
-    first, again = sketch(honest.data, honest.specs, 1, parts), sketch(honest.data, honest.specs, 1, parts)
+    first, again = sketch(honest.read_part, honest.specs, 1, parts), sketch(honest.read_part, honest.specs, 1, parts)
     assert first.shape == (len(parts), len(CLASSES), SKETCH_PROJECTIONS) and first.dtype == torch.float32
     assert torch.equal(first, again)
-    assert not torch.equal(first, sketch(honest.data, honest.specs, 2, parts))
+    assert not torch.equal(first, sketch(honest.read_part, honest.specs, 2, parts))
     # parts holding only optimizer moments sketch to zeros: two peers' moments never disagree
     own = training_state(optimizer_seed=1)
     optimizer_only = [index for index in parts if not compared_values(honest.specs, [index]).any()]
-    assert optimizer_only and torch.equal(sketch(own.data, own.specs, 1, optimizer_only),
+    assert optimizer_only and torch.equal(sketch(own.read_part, own.specs, 1, optimizer_only),
                                           torch.zeros(len(optimizer_only), len(CLASSES), 8))
     # integer tensors (counters each peer keeps, like BatchNorm's num_batches_tracked) are not compared
     counted = {"model/w": torch.ones(1000), "model/bn.num_batches_tracked": torch.tensor(5)}
     one = StateSnapshot.capture(1, counted)
     other = StateSnapshot.capture(1, {**counted, "model/bn.num_batches_tracked": torch.tensor(90_000)})
-    assert torch.equal(sketch(one.data, one.specs, 1, [0]), sketch(other.data, other.specs, 1, [0]))
+    assert torch.equal(sketch(one.read_part, one.specs, 1, [0]), sketch(other.read_part, other.specs, 1, [0]))
     assert compared_values(one.specs, [0]).tolist() == [[0.0, 1000.0]]
     # a state 5% apart sketches about 5% apart (8 projections: within 0.3..2x, seed by seed)
     apart = training_state(spread=0.05)
     ratios = []
     for seed in range(20):
-        a, b = sketch(honest.data, honest.specs, seed, [0]), sketch(apart.data, apart.specs, seed, [0])
+        a, b = sketch(honest.read_part, honest.specs, seed, [0]), sketch(apart.read_part, apart.specs, seed, [0])
         ratios.append(float((a - b)[0, 1].norm() / a[0, 1].norm()) / 0.05)
     assert 0.3 < min(ratios) and max(ratios) < 2.0 and 0.7 < sum(ratios) / len(ratios) < 1.3, ratios
 
@@ -268,11 +271,19 @@ def test_agreeing_donors_are_those_near_the_median():
     states = {"a": honest, "b": training_state(optimizer_seed=1, spread=0.02, momentum_spread=0.7),
               "c": training_state(optimizer_seed=2, spread=0.02, momentum_spread=0.7, spread_seed=2),
               "liar": scaled(honest, -10.0), "noisy": noisy(honest, 0.5)}
-    sketches = {name: sketch(state.data, state.specs, 3, parts) for name, state in states.items()}
+    sketches = {name: sketch(state.read_part, state.specs, 3, parts) for name, state in states.items()}
     assert agreeing(sketches, counts) == ["a", "b", "c"]
     assert agreeing({"a": sketches["a"], "b": sketches["b"]}, counts) == ["a", "b"]
     assert agreeing({"a": sketches["a"], "liar": sketches["liar"]}, counts) == []
     assert agreeing({}, counts) == []
+
+
+def test_a_sketch_request_names_at_most_sketch_parts_ascending_parts():
+    assert sketched_parts({}, 3) == (0, 1, 2)  # an older joiner's request: every part
+    assert sketched_parts({"parts": [0, 2]}, 3) == (0, 2) and sketched_parts({"parts": []}, 3) == ()
+    for bad in ([2, 0], [1, 1], [100], [-1], [True], [0.0], list(range(SKETCH_PARTS + 1)), "0"):
+        with pytest.raises(FrameError, match=f"at most {SKETCH_PARTS} ascending parts of 0..99"):
+            sketched_parts({"parts": bad}, 100)
 
 
 # ---- real donors ---------------------------------------------------------------------------------
@@ -301,7 +312,7 @@ def test_a_donor_serving_a_poisoned_state_is_outvoted_and_blamed(swarm, blames):
 
 def test_poisoned_parts_behind_honest_sketches_are_caught_and_fetched_again(swarm, blames):
     """The liar sketches an honest copy, so it agrees; the parts it serves are 10x their norm off. The check with
-    a nonce drawn once the bytes are in catches them, and they come again from the others."""
+    a nonce drawn once the bytes are in catches them, and all it served comes again from the others."""
     honest = training_state()
     liar = type("Liar", (ServesPoison,), {"poison": noisy(honest, 10.0)})
 
@@ -313,11 +324,10 @@ def test_poisoned_parts_behind_honest_sketches_are_caught_and_fetched_again(swar
 
     got, (first, poisoner, second) = run(swarm, scenario())
     assert_same(got, honest)
-    # its parts holding compared values were poisoned (the first three parts, one to each donor, hold
-    # the model's), caught and fetched again from the others; its optimizer-only parts were not touched
-    poisoned = [index for index in poisoner if compared_values(honest.specs, [index]).any()]
-    assert poisoned, poisoner
-    assert sorted(first + second) == sorted([*(i for i in range(parts_of(honest)) if i not in poisoner), *poisoned])
+    # its parts holding compared values were poisoned (the first parts, taken by the donors in turn,
+    # hold the model's) and caught; everything it served was fetched again from the others
+    assert [index for index in poisoner if compared_values(honest.specs, [index]).any()], poisoner
+    assert sorted(first + second) == list(range(parts_of(honest)))
     assert blames.told == [(swarm.ids[1], "bad state")]
 
 
@@ -371,12 +381,13 @@ def test_two_donors_that_disagree_wildly_hand_over_nothing(swarm, blames):
 
 def test_a_donor_answers_a_few_sketches_per_channel_and_computes_each_once(swarm, monkeypatch):
     honest = training_state()
+    everything = list(range(parts_of(honest)))
     computed = []
     real_sketch = state_server.sketch
 
-    def counting_sketch(data, specs, seed, parts):
+    def counting_sketch(read_part, specs, seed, parts):
         computed.append(seed)
-        return real_sketch(data, specs, seed, parts)
+        return real_sketch(read_part, specs, seed, parts)
 
     monkeypatch.setattr(state_server, "sketch", counting_sketch)
 
@@ -387,9 +398,9 @@ def test_a_donor_answers_a_few_sketches_per_channel_and_computes_each_once(swarm
             try:
                 answers = []
                 for _ in range(SKETCHES_PER_CHANNEL):
-                    answers.append(await state_transfer._ask_sketch(channel, 7, 42, honest.nbytes))
+                    answers.append(await state_transfer._ask_sketch(channel, 7, 42, honest.nbytes, everything))
                 with pytest.raises(RemoteError, match="more than 4 sketch requests"):
-                    await state_transfer._ask_sketch(channel, 7, 43, honest.nbytes)
+                    await state_transfer._ask_sketch(channel, 7, 43, honest.nbytes, everything)
             finally:
                 await channel.close()
             return answers
@@ -397,4 +408,100 @@ def test_a_donor_answers_a_few_sketches_per_channel_and_computes_each_once(swarm
     answers = run(swarm, scenario())
     assert computed == [42]  # the same nonce again comes from the cache
     assert all(torch.equal(answer, answers[0]) for answer in answers)
-    assert torch.equal(answers[0], real_sketch(honest.data, honest.specs, 42, list(range(parts_of(honest)))))
+    assert torch.equal(answers[0], real_sketch(honest.read_part, honest.specs, 42, everything))
+
+
+def test_a_sketch_reads_a_bounded_sample_however_large_the_state(swarm, monkeypatch):
+    """Parts of 8 KiB make the state ~200 compared parts: every sketch, the donors' and the joiner's
+    own, reads at most SKETCH_PARTS of them, and the download still agrees and verifies."""
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 8 * 1024)
+    honest = training_state()
+    compared = compared_parts(honest.specs, range(parts_of(honest)))
+    assert len(compared) > 3 * SKETCH_PARTS
+    read: list[set[int]] = []
+
+    def counting(real):
+        def counted(read_part, specs, seed, parts):
+            seen: set[int] = set()
+            read.append(seen)
+            return real(lambda index: seen.add(index) or read_part(index), specs, seed, parts)
+        return counted
+
+    monkeypatch.setattr(state_server, "sketch", counting(state_server.sketch))
+    monkeypatch.setattr(state_transfer, "sketch", counting(state_transfer.sketch))
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest]] * 3):
+            return await download_state(swarm.transports[0], protocol, swarm.ids, seconds=20)
+
+    assert_same(run(swarm, scenario()), honest)
+    assert len(read) == 3 + 3 + 1  # each donor's comparison and verification sketches, the joiner's own
+    assert all(len(seen) == SKETCH_PARTS and seen <= set(compared) for seen in read)
+    # the sample is drawn from the nonce: another nonce reads other parts
+    assert sample_parts(honest.specs, compared, 1) != sample_parts(honest.specs, compared, 2)
+
+
+def test_a_poisoner_caught_in_a_sample_has_everything_it_served_fetched_again(swarm, blames, monkeypatch):
+    """Sketches read a sample (8 KiB parts: ~200 compared, 64 read), so most poisoned parts are never
+    read; the one caught in it is trusted with nothing it served, and the state comes out exact."""
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 8 * 1024)
+    honest = training_state()
+    assert len(compared_parts(honest.specs, range(parts_of(honest)))) > 3 * SKETCH_PARTS
+    liar = type("Liar", (ServesPoison,), {"poison": noisy(honest, 10.0)})
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest]] * 3, [CountingServer, liar, CountingServer]) as servers:
+            got = await download_state(swarm.transports[0], protocol, swarm.ids, seconds=30)
+            return got, [server.served for server in servers]
+
+    got, (first, poisoner, second) = run(swarm, scenario())
+    assert_same(got, honest)
+    assert len(poisoner) > SKETCH_PARTS and sorted(first + second) == list(range(parts_of(honest)))
+    assert blames.told == [(swarm.ids[1], "bad state")]
+
+
+def test_a_state_above_this_peers_limit_is_refused_blaming_no_donor(swarm, blames):
+    honest = training_state()
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest]] * 3) as servers:
+            with pytest.raises(StateTooLarge, match=f"the state is {honest.nbytes} bytes .* above this peer's "
+                                                    f"limit of {honest.nbytes - 1} bytes .* raise download_state's "
+                                                    f"max_bytes"):
+                await download_state(swarm.transports[0], protocol, swarm.ids, seconds=20,
+                                     max_bytes=honest.nbytes - 1)
+            return [server.served for server in servers]
+
+    assert run(swarm, scenario()) == [[], [], []]
+    assert blames.told == []
+
+
+class OlderDonor(CountingServer):
+    """Reads sketch requests as a donor from before samples did: every part, whatever was asked."""
+
+    async def _serve(self, channel) -> None:
+        recv = channel.recv
+
+        async def recv_without_parts(*args, **kwargs):
+            request = await recv(*args, **kwargs)
+            return type(request)({key: value for key, value in request.header.items() if key != "parts"},
+                                 request.payload)
+
+        channel.recv = recv_without_parts
+        await super()._serve(channel)
+
+
+def test_older_donors_that_sketch_every_part_still_hand_over_a_state(swarm, blames, monkeypatch):
+    monkeypatch.setattr(state_snapshot, "PART_BYTES", 8 * 1024)
+    honest = training_state()
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [[honest]] * 3, [OlderDonor, CountingServer, OlderDonor]):
+            return await download_state(swarm.transports[0], protocol, swarm.ids, seconds=30)
+
+    assert_same(run(swarm, scenario()), honest)
+    assert blames.told == []
