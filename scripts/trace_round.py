@@ -69,12 +69,14 @@ NOTES = {
                                                   "owner, this peer's part reduced, the averages received",
     ("averaging.allreduce", "averaging.codecs"): "encode with error feedback (staged), decode what arrives",
     ("averaging.allreduce", "averaging.rules"): "weights bounded; the part's aggregate by the run's rule (off the loop)",
-    ("peer.driver", "state.server"): "**the round's result kept**: a bfloat16 copy (or the frames it travelled in) "
-                                     "for peers a round behind",
+    ("peer.driver", "state.server"): "**the round's result kept** for peers a round behind: the frames it travelled "
+                                     "in (a bfloat16 copy where there are none)",
+    ("peer.strategies", "state.server"): "before the outer step changes start and momentum: a state a download reads "
+                                         "keeps them (the strategy steps on copies), any other is no longer served",
     ("peer.peer", "peer.assembly"): "the swarm's new start published for joiners",
-    ("peer.assembly", "peer.state"): "**the state snapshot**: model, optimizer and strategy state",
-    ("peer.state", "state.snapshot"): "copied into one flat snapshot joiners download",
-    ("peer.assembly", "state.server"): "the snapshot published (the last two kept)",
+    ("peer.assembly", "peer.state"): "**the state published**: model, optimizer and strategy state",
+    ("peer.state", "state.served"): "read from the outer start, momentum and optimizer tensors themselves: no copy",
+    ("peer.assembly", "state.server"): "the state published (older ones kept only while a download reads them)",
     ("", "averaging.moshpit"): "served: the other member's contribution to this peer's part",
 }
 
