@@ -34,7 +34,7 @@ import torch
 
 from swarmgrad.averaging.codecs import Codec, ErrorFeedback
 from swarmgrad.averaging.codecs.base import all_finite
-from swarmgrad.averaging.frames import check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
+from swarmgrad.averaging.frames import byte_view, check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
 from swarmgrad.averaging.rules import RULE_NAMES, get_rule
 from swarmgrad.averaging.rules.base import Aggregate, bound_weights
@@ -199,7 +199,11 @@ class GroupAllReduce:
         return max(sent, received)
 
     async def run(self, seconds: float) -> AllReduceReport:
-        """Exchange everything within ``seconds``; on success ``self.result`` holds the average."""
+        """Exchange everything within ``seconds``; on success ``self.result`` holds the average. The
+        result may be the contribution itself: a chunk's average lands only once this member's share
+        of it was encoded (its owner averages it after receiving it; an owner opens its own chunk
+        before finishing it), so nothing is read after it is overwritten. A failed round then leaves
+        the contribution partly overwritten: the caller fills it again before a retry."""
         started, timed_out = time.monotonic(), False
         try:
             async with timeout(seconds):
@@ -314,7 +318,7 @@ class GroupAllReduce:
                 target = self.result[chunk.start : chunk.start + chunk.length]
                 if self.gather_codec.name == "none":  # straight from the socket into the result
                     check_raw_header(header, length, chunk.view)
-                    await channel.recv_payload_into(memoryview(target.numpy()).cast("B"))
+                    await channel.recv_payload_into(byte_view(target))
                     if not all_finite(target):
                         raise FrameError(f"chunk {chunk.index} holds NaN or Inf")
                 else:

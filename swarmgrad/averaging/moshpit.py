@@ -179,7 +179,7 @@ class Averager:
 
     async def step(
         self, weight: float = 1.0, round_index: int | None = None, expected_peers: int | None = None,
-        attempt: int = 0,
+        attempt: int = 0, in_place: bool = False,
     ) -> RoundReport:
         """Meet this round's group, average, and write the result into the tensors.
 
@@ -189,7 +189,9 @@ class Averager:
         progress), so matchmaking ends as soon as they are all there. With ``privacy`` the tensors must be an *update*
         (a gradient or pseudo-gradient): it is clipped and noised before it leaves; past the budget the peer stops
         releasing and the report says so. The tensors are changed only when the round succeeds, and must not be changed
-        by anyone else while the step runs.
+        by anyone else while the step runs. ``in_place`` (``write_back=False``): the average lands in the
+        contribution buffer itself, no buffer of its own (a failed round leaves it partly overwritten:
+        the caller fills it again before a retry).
         """
         if self.matchmaker is None:
             raise RuntimeError("use `async with Averager(...)` before calling step()")
@@ -219,7 +221,7 @@ class Averager:
         if plan is None:
             report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
         else:
-            result = await self._allreduce(plan, weight)
+            result = await self._allreduce(plan, weight, in_place and not self.write_back)
             self._apply(report, result, plan)
         report.seconds = time.monotonic() - started
         return report
@@ -229,7 +231,8 @@ class Averager:
         in place is its caller's): error feedback, a result not yet taken, a released or gathered copy."""
         held = {"error_feedback": self.feedback.held_bytes() if self.feedback is not None else 0,
                 "result": sum(t.numel() * 4 for t in (self._result, self.average) if t is not None)
-                + sum(r.result.numel() * 4 for r in self._rounds.values() if r.result is not self._result)}
+                + sum(r.result.numel() * 4 for r in self._rounds.values()
+                      if r.result is not self._result and r.result is not self._buffer)}
         if not self.tensors or self._buffer.data_ptr() != self.tensors[0].data_ptr():
             held["release"] = self._buffer.numel() * 4
         return held
@@ -262,12 +265,19 @@ class Averager:
             return False
         return True
 
-    async def _allreduce(self, plan: GroupPlan, weight: float) -> tuple[AllReduceReport, GroupAllReduce]:
+    async def _allreduce(self, plan: GroupPlan, weight: float,
+                         in_place: bool) -> tuple[AllReduceReport, GroupAllReduce]:
         assert self.runtime.transport is not None
+        if in_place:
+            result = self._buffer
+        elif self._result is not None:
+            result = self._result
+        else:
+            result = torch.empty(self.schema.total, dtype=torch.float32)
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
             self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True,
-            result=self._result if self._result is not None else torch.empty(self.schema.total, dtype=torch.float32),
+            result=result,
             weight_cap=self.aggregation.weight_cap,
         )
         async with self._rounds_changed:

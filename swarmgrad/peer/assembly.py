@@ -194,7 +194,7 @@ class PeerAssembly:
         averager = Averager(self.runtime, policy.contribution_views(), name=policy.averages, settings=config.averaging,
                             codec=config.compression, privacy=privacy, write_back=False,
                             aggregation=Aggregation(rule=config.aggregator, weight_cap=cap))
-        return averager, MoshpitBackend(averager)
+        return averager, MoshpitBackend(averager, in_place=policy.average_in_place)
 
     async def _join(self, training: Training) -> None:
         """Resume from the checkpoint, then take the swarm's state if it is further along."""

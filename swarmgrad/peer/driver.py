@@ -48,14 +48,16 @@ class AveragingBackend(Protocol):
 
 
 class MoshpitBackend:
-    """A moshpit Averager over the policy's contribution; the average is read where it landed."""
+    """A moshpit Averager over the policy's contribution; the average is read where it landed: in the
+    contribution itself while ``in_place()`` says nothing reads it again (a round run in turn, whose
+    retries fill it afresh), else in a buffer of its own."""
 
-    def __init__(self, averager: Averager):
-        self.averager = averager
+    def __init__(self, averager: Averager, in_place: Callable[[], bool] = lambda: False):
+        self.averager, self.in_place = averager, in_place
 
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
         report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch,
-                                          expected_peers=expected_peers, attempt=attempt)
+                                          expected_peers=expected_peers, attempt=attempt, in_place=self.in_place())
         if not report.ok:
             return RoundOutcome(False, None, report)
         if self.averager.write_back:

@@ -210,6 +210,31 @@ def test_write_back_false_leaves_the_tensors_and_hands_out_the_average():
     run_async(scenario())
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_in_place_lands_the_average_in_the_contribution_itself(codec):
+    """``in_place``: no buffer of the round's own; the average overwrites the contribution (several
+    chunks, a part owned by each member, so every chunk is overwritten only after it was sent)."""
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            runtimes = await start_runtimes(stack, 2)
+            generator = torch.Generator().manual_seed(4)
+            values = [torch.randn(3 * (1 << 18) + 7, generator=generator) for _ in range(2)]
+            flats = [value.clone() for value in values]
+            averagers = [await stack.enter_async_context(
+                Averager(runtime, [flat], settings=moshpit(2), grid_dims=1, codec=codec, write_back=False))
+                for runtime, flat in zip(runtimes, flats)]
+            reports = await asyncio.gather(*(a.step(weight=1.0, in_place=True) for a in averagers))
+            assert all(r.ok for r in reports), [r.error for r in reports]
+            for averager, flat in zip(averagers, flats):
+                average, _ = averager.take_average()
+                assert average.data_ptr() == flat.data_ptr()  # the contribution's own memory
+                torch.testing.assert_close(average, (values[0] + values[1]) / 2, rtol=0,
+                                           atol=1e-6 if codec == "none" else 0.05)
+            assert torch.equal(flats[0], flats[1])
+
+    run_async(scenario())
+
+
 @pytest.mark.parametrize("codec, tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 3e-2)])
 def test_lossy_codecs_average_within_their_bound(codec, tolerance):
     async def scenario():

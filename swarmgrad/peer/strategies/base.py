@@ -157,6 +157,11 @@ class Policy(ABC):
         if storage.nbytes() == 0:
             storage.resize_(self.layout.total * self.contribution.element_size())
 
+    def average_in_place(self) -> bool:
+        """Whether a round's average may land in the contribution itself (nothing reads the
+        contribution after it is sent, and a retry fills it again)."""
+        return False
+
     def outer_step_begins(self) -> None:
         """Before changing what ``outer_params`` and ``state_tensors`` view: where a reader keeps those
         tensors (a download, a checkpoint), continue on copies of them."""

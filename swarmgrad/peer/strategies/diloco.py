@@ -85,6 +85,9 @@ class DiLoCoPolicy(Policy):
     def held_bytes(self) -> dict[str, int]:
         return {**super().held_bytes(), "outer_start": nbytes(self.start), "outer_momentum": nbytes(self.momentum)}
 
+    def average_in_place(self) -> bool:
+        return not self._launched  # a round in flight resends what it sent, and lands on it if alone
+
     def leave_outer_state(self) -> None:
         self.start, self.momentum = self.start.clone(), self.momentum.clone()
 
