@@ -126,12 +126,12 @@ class TrainingState:
         for key, value in strategy_part.items():
             if value.shape != expected[key].shape:
                 raise StateMismatch(f"strategy state {key} is {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
-        with torch.no_grad():
-            self.model.load_state_dict({key: value.clone() for key, value in model_part.items()})
+        with torch.no_grad():  # both copy into the live tensors: no clone of the state first
+            self.model.load_state_dict(model_part)
         if optimizer_state is not None:
             current = self.optimizer.state_dict()
             self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": current["param_groups"]})
-        self.strategy.load_state_tensors({key: value.clone() for key, value in strategy_part.items()})
+        self.strategy.load_state_tensors(strategy_part)
 
     def _optimizer_state(self, tensors: dict[str, torch.Tensor], scalars: Any) -> dict[int, dict[str, Any]]:
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
