@@ -58,8 +58,9 @@ NOTES = {
     ("peer.driver", "peer.progress"): "is the swarm ahead (catch up instead), who else is at this epoch, how "
                                       "many to expect; marks this peer as averaging; after the round, the next epoch",
     ("peer.progress", "dht.membership"): "the presence record is stored again at once (by the heartbeat's task)",
-    ("peer.driver", "peer.strategies"): "`prepare` writes start − params into the flat contribution (one pass); "
-                                        "`apply` takes the outer Nesterov step from the average where it landed",
+    ("peer.driver", "peer.strategies"): "`prepare` writes start − params into the flat contribution (one pass), "
+                                        "where the average lands too (`average_in_place`); `apply` takes the outer "
+                                        "Nesterov step from it and gives the contribution's memory back",
     ("peer.driver", "averaging.moshpit"): "the round key from this peer's cell of the grid (no network)",
     ("averaging.moshpit", "averaging.matchmaking"): "declares a signed match record under the round key and reads "
                                                     "the others'; the leader invites and sends the plan",

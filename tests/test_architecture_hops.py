@@ -30,6 +30,6 @@ def test_the_documented_hop_table_is_the_traced_round() -> None:
             break
     assert traced == documented, "the round's path changed: run `python scripts/trace_round.py`"
     assert not tracer.stale_notes(table), "NOTES in scripts/trace_round.py names hops the round no longer takes"
-    snapshot = [hop for hop in table if hop.module == "state.snapshot" and "StateSnapshot.capture" in hop.functions]
+    served = [hop for hop in table if hop.module == "state.served" and "ServedState.__init__" in hop.functions]
     kept = [hop for hop in table if hop.module == "state.server" and "StateServer.publish_result" in hop.functions]
-    assert snapshot and kept, "the table must say where the state snapshot and the kept result are taken"
+    assert served and kept, "the table must say where the state joiners take is published and the result kept"

@@ -195,7 +195,7 @@ def test_metrics_of_the_dashboard_and_of_a_peer_parse(run):
     assert 0.5 < peer[("swarmgrad_peer_eval_accuracy", ())] <= 1.0
     assert ("swarmgrad_peer_state_downloads_total", ()) in peer and ("swarmgrad_peer_epsilon", ()) not in peer
     held = {labels[0][1]: value for (name, labels), value in peer.items() if name == "swarmgrad_peer_swarm_memory_bytes"}
-    assert held["outer_start"] == held["outer_momentum"] == held["contribution"] > 0, held
+    assert held["outer_start"] == held["outer_momentum"] > 0 and "contribution" in held, held
 
 
 def test_page_views_cost_the_swarm_no_dht_reads(run):
