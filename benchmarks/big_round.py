@@ -12,10 +12,10 @@ and peer 1 downloads it as a peer that missed the round would (``download_result
 decoded to exactly what peer 0 applied; or bfloat16 in chunks), checked bit for bit against what it
 should be. Everything runs in one process on one event loop; the inputs are seeded.
 
-Memory: about 4 model-sized float32 buffers per peer during a q2 round (the input, the average, error
-feedback's residual and its staged successor), 2 without compression; the inputs and residuals are
-freed before the replay: on this machine (24 GiB) 600 million elements is about the largest q2 round
-two peers in one process hold.
+The average lands in the input's own memory (``in_place``, as a DiLoCo round run in turn does), so
+a q2 round holds 3 model-sized float32 buffers per peer at its peak (the input, error feedback's
+residual and its staged successor), 1 without compression; the residuals are freed before the
+replay. The inputs are drawn a piece at a time from seeds, so the check draws them again.
 """
 
 from __future__ import annotations
@@ -68,15 +68,22 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def piece(elements: int, seed: int, start: int) -> torch.Tensor:
+    """Elements [start, start + PIECE) of input ``seed``: drawn a piece at a time, so any piece can be
+    drawn again without the whole input (the round overwrites it with the average)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + start // PIECE)
+    return torch.randn(min(PIECE, elements - start), generator=generator)
+
+
 def seeded(elements: int, seed: int) -> torch.Tensor:
-    return torch.randn(elements, generator=torch.Generator().manual_seed(seed))
+    return torch.cat([piece(elements, seed, start) for start in range(0, elements, PIECE)])
 
 
-def relative_error(result: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> float:
-    """|result - (first + second) / 2| / |(first + second) / 2|, a piece at a time."""
+def relative_error(result: torch.Tensor, elements: int) -> float:
+    """|result - mean| / |mean| of the two inputs, drawn again a piece at a time."""
     error = norm = 0.0
-    for start in range(0, result.numel(), PIECE):
-        mean = (first[start : start + PIECE] + second[start : start + PIECE]) / 2
+    for start in range(0, elements, PIECE):
+        mean = (piece(elements, 0, start) + piece(elements, 1, start)) / 2
         error += float((result[start : start + PIECE] - mean).pow(2).sum())
         norm += float(mean.pow(2).sum())
     return (error / norm) ** 0.5
@@ -88,7 +95,7 @@ def peak_rss_gb() -> float:
 
 async def one_codec(codec: str, elements: int) -> Row:
     log(f"{codec}: two peers of {elements / 1e6:.0f}M elements ({elements * 4 / 1e9:.1f} GB fp32 each)")
-    tensors = [seeded(elements, 0), seeded(elements, 1)]  # write_back=False: the round only reads them
+    tensors = [seeded(elements, 0), seeded(elements, 1)]
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(SwarmNode(NodeConfig()))
         second = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
@@ -98,7 +105,9 @@ async def one_codec(codec: str, elements: int) -> Row:
             codec=codec, write_back=False, aggregation=Aggregation(rule="mean")))
             for runtime, tensor in zip(runtimes, tensors)]
         started = time.monotonic()
-        reports = await asyncio.gather(*(averager.step(weight=1.0, round_index=0) for averager in averagers))
+        # in place, as a DiLoCo round run in turn: the average lands in the input's own memory
+        reports = await asyncio.gather(*(averager.step(weight=1.0, round_index=0, in_place=True)
+                                         for averager in averagers))
         seconds = time.monotonic() - started
         if not all(report.ok for report in reports):
             error = "; ".join(str(report.error) for report in reports if not report.ok)
@@ -106,10 +115,9 @@ async def one_codec(codec: str, elements: int) -> Row:
         taken = [averager.take_average() for averager in averagers]
         results = [average for average, _ in taken]
         same = torch.equal(results[0], results[1])
-        error = relative_error(results[0], *tensors)
+        error = relative_error(results[0], elements)
         log(f"{codec}: round in {seconds:.1f} s, relative error {error:.2e}, same on both: {same}")
-        for tensor, averager in zip(tensors, averagers):  # what the replay does not need
-            tensor.untyped_storage().resize_(0)
+        for averager in averagers:  # what the replay does not need
             if averager.feedback is not None:
                 averager.feedback.reset()
         gc.collect()
