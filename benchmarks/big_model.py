@@ -10,9 +10,9 @@ layers (fp32, each 4,196,352 parameters; the table says the exact count), an Ada
 random 8 x 2048 batches from a seeded generator, loss = mean square of the output. Two peers start
 the run (``sg.Peer(..., strategy=sg.DiLoCo(inner_steps=5, overlap="off"), averaging=sg.Moshpit(group_size=3),
 compression=codec)``, one process each); once both finished ``--join-after`` rounds a third process
-joins and downloads the swarm's state; then all three train until the swarm is ``--rounds -
---join-after + 1`` rounds past the epoch at which the joiner came in (and at least ``--rounds``), and
-leave together. The three processes start at once and build their models first (the joiner too, so
+joins and downloads the swarm's state; then all three train until the joiner has averaged ``--rounds
+- --join-after`` rounds, or the swarm went three times that many rounds past its arrival without it
+(then it reads so in its ok column), and end together at the next epoch (at least ``--rounds``). The three processes start at once and build their models first (the joiner too, so
 that it enters at once when told); the joiner then drops its Adam moments: a fresh joiner takes the
 whole state.
 On ``lab`` every peer has its own network namespace with ``--mbps`` up and down and a ``--rtt-ms``
@@ -296,7 +296,7 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
                            "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                            "bytes_received": after["bytes_received"] - before["bytes_received"]})
             steady.append(rss)
-            send({"event": "epoch", "epoch": peer.epoch})
+            send({"event": "epoch", "epoch": peer.epoch, "rounds_ok": after["rounds_ok"]})
         else:
             steps.append(seconds)
     return {"steps": steps, "rounds": rounds}
@@ -506,55 +506,84 @@ class Case:
     deadline_s: float
 
 
+JOINER_PATIENCE = 3  # the swarm waits at most this many times the joiner's rounds for it to average them
+
+
+@dataclass
+class Conductor:
+    """The parent's side of one case: who enters the swarm when, and the epoch everyone ends at.
+
+    The joiner enters once both starters did ``join_after`` rounds. The end: the epoch after the one
+    at which the joiner averaged its ``rounds - join_after``-th round (at least ``rounds``), or, if it
+    has not by then, once the swarm is ``JOINER_PATIENCE`` times that many rounds past its arrival
+    (a joiner that never catches up shows as such instead of running the case into its deadline)."""
+
+    case: Case
+    group: Group
+    built: set[int] = field(default_factory=set)
+    went: set[int] = field(default_factory=set)  # told to enter the swarm
+    epochs: dict[int, int] = field(default_factory=lambda: {0: 0, 1: 0})
+    maddrs: list[str] | None = None
+    arrival: int | None = None  # the swarm's epoch when the joiner was in
+    joiner_ok: int = 0
+    end: int | None = None
+
+    def handle(self, index: int, message: dict) -> None:
+        event = message["event"]
+        if event == "built":
+            self.built.add(index)
+        elif event == "ready" and index == 0:
+            self.maddrs = message["maddrs"]
+        elif event == "ready" and index == 2:
+            self.arrival = max(self.epochs.values())
+            log(f"  the joiner is in at epoch {message['epoch']}, the swarm at {self.arrival}")
+        elif event == "epoch":
+            self.epochs[index] = message["epoch"]
+            if index == 2:
+                self.joiner_ok = message["rounds_ok"]
+        self._admit()
+        self._maybe_end()
+
+    def _admit(self) -> None:
+        ready = {0} if self.maddrs is None else {0, 1}
+        if self.maddrs is not None and min(self.epochs[0], self.epochs[1]) >= self.case.join_after:
+            ready.add(2)
+        for index in sorted((self.built & ready) - self.went):
+            self.went.add(index)
+            if index == 2:
+                log(f"  the joiner enters at epoch {max(self.epochs.values())}")
+            self.group.tell({"go": self.maddrs or []}, only=index)
+
+    def _maybe_end(self) -> None:
+        if self.end is not None or self.arrival is None:
+            return
+        wanted = self.case.rounds - self.case.join_after
+        swarm = max(self.epochs.values())
+        if self.joiner_ok >= wanted or swarm >= self.arrival + JOINER_PATIENCE * wanted:
+            self.end = max(self.case.rounds, swarm + 1)
+            log(f"  the joiner averaged {self.joiner_ok} round(s); everyone ends at epoch {self.end}")
+            self.group.tell({"end_epoch": self.end})
+
+
 def run_case(case: Case, network: Network, log_dir: Path, cap_bytes: float) -> list[dict]:
-    """All three processes build their models at once; the two starters enter the swarm, the joiner
-    once both did ``join_after`` rounds; everyone trains to the end epoch. Results by peer."""
+    """All three processes build their models at once; the two starters enter the swarm, then the
+    joiner (``Conductor``); everyone trains to the end epoch. Results by peer."""
     group = Group(network, log_dir, cap_bytes, time.monotonic() + case.deadline_s)
     run_id = f"bigmodel-{case.network}-{case.codec}-{case.size}-{os.getpid()}"
     for index, role in enumerate(("starter", "starter", "joiner")):
         group.start(WorkerConfig(role, index, case.layers, case.codec, run_id, network.host(index), case.inner_steps,
                                  case.overlap, case.deadline_s))
-    results: dict[int, dict] = {}
-    built: set[int] = set()
-    went: set[int] = set()  # told to enter the swarm
-    epochs, maddrs, finished = {0: 0, 1: 0}, None, False
+    conductor, results, finished = Conductor(case, group), {}, False
     try:
         while len(results) < PEERS:
             index, message = group.next_event()
-            event = message["event"]
-            if event == "built":
-                built.add(index)
-                if index == 0:
-                    went.add(0)
-                    group.tell({"go": []}, only=0)
-            elif event == "ready" and index == 0:
-                maddrs = message["maddrs"]
-            elif event == "epoch":
-                epochs[index] = message["epoch"]
-            elif event == "ready" and index == 2:
-                end = max(case.rounds, max(epochs.values()) + case.rounds - case.join_after + 1)
-                log(f"  the joiner is in at epoch {message['epoch']}; everyone ends at epoch {end}")
-                group.tell({"end_epoch": end})
-            elif event == "result":
+            if message["event"] == "result":
                 results[index] = message
-            if maddrs is not None and 1 in built - went:
-                went.add(1)
-                group.tell({"go": maddrs}, only=1)
-            if maddrs is not None and 2 in built - went and min(epochs[0], epochs[1]) >= case.join_after:
-                went.add(2)
-                log(f"  the joiner enters at epoch {max(epochs.values())}")
-                group.tell({"go": maddrs}, only=2)
+            conductor.handle(index, message)
         finished = True
     finally:
         group.close(grace_s=30.0 if finished else 2.0)
     return [results[i] for i in range(PEERS)]
-
-
-def _await(group: Group, index: int, event: str) -> dict:
-    while True:
-        got, message = group.next_event()
-        if got == index and message["event"] == event:
-            return message
 
 
 # ---------------------------------------------------------------- summaries
@@ -616,11 +645,12 @@ def summarize_case(peers: list[dict]) -> dict:
 
 
 def case_deadline(params: int, rounds: int, args: argparse.Namespace) -> float:
-    """Generous: startup, a state at 16 B/param over the link twice, rounds of int8 ten times over."""
+    """Generous: startup, a state at 16 B/param over the link twice, and the rounds a joiner may take
+    (``Conductor``) at ten times an int8 round's bytes."""
     if args.deadline_s:
         return args.deadline_s
     rate = args.mbps * 1e6 / 8
-    return 120 + 3 * params / 1e6 + 32 * params / rate + rounds * (10 + 10 * params / rate)
+    return 120 + 3 * params / 1e6 + 32 * params / rate + rounds * JOINER_PATIENCE * (10 + 10 * params / rate)
 
 
 def run_one(case: Case, args: argparse.Namespace, log_dir: Path) -> dict:
@@ -838,16 +868,11 @@ def main(argv: list[str] | None = None) -> int:
                 if record["status"] == "failed":
                     record["log_tails"] = _tails(log_dir)
                 records.append(record)
+                if args.out:  # after each case: a long invocation cut short keeps what it measured
+                    Path(args.out).write_text(json.dumps(make_report(args, records, load, started), indent=2))
     finally:
         restore_handlers(saved)
-    report = {"config": {key: getattr(args, key) for key in ("sizes", "codecs", "networks", "rounds", "join_after",
-                                                             "inner_steps", "overlap", "mbps", "rtt_ms",
-                                                             "swarm_bytes_per_param")},
-              "machine": {"cpus": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(),
-                          "mem_available_end": mem_available()},
-              "cases": records, "wall_s": time.monotonic() - started}  # fmt: skip
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    report = make_report(args, records, load, started)
     if args.png:
         write_png(records, args.png)
     if args.json:
@@ -857,6 +882,15 @@ def main(argv: list[str] | None = None) -> int:
         for record in records:
             console.print(render(record, args))
     return 1 if any(record["status"] == "failed" for record in records) else 0
+
+
+def make_report(args: argparse.Namespace, records: list[dict], load: tuple[float, ...], started: float) -> dict:
+    keys = ("sizes", "codecs", "networks", "rounds", "join_after", "inner_steps", "overlap", "mbps", "rtt_ms",
+            "swarm_bytes_per_param")
+    return {"config": {key: getattr(args, key) for key in keys},
+            "machine": {"cpus": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(),
+                        "mem_available_end": mem_available()},
+            "cases": records, "wall_s": time.monotonic() - started}
 
 
 @contextlib.contextmanager

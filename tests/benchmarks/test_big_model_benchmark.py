@@ -63,6 +63,56 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     assert bm.summarize_peer(result, None)["wire_s"] is None  # loopback: no link rate
 
 
+class FakeGroup:
+    def __init__(self) -> None:
+        self.told: list[tuple[dict, int | None]] = []
+
+    def tell(self, message: dict, only: int | None = None) -> None:
+        self.told.append((message, only))
+
+
+def _conductor(rounds: int = 8, join_after: int = 3) -> tuple[bm.Conductor, FakeGroup]:
+    case = bm.Case("loopback", "int8", "20M", 1, 1, rounds, join_after, 5, "off", 100.0)
+    group = FakeGroup()
+    return bm.Conductor(case, group), group
+
+
+def _enter_the_joiner(conductor: bm.Conductor, group: FakeGroup) -> None:
+    for index in range(3):
+        conductor.handle(index, {"event": "built"})
+    assert group.told == [({"go": []}, 0)]  # peer 0 first: the others need its address
+    conductor.handle(0, {"event": "ready", "maddrs": ["/ip4/127.0.0.1/tcp/1/p2p/A"], "epoch": 0})
+    assert group.told[-1] == ({"go": ["/ip4/127.0.0.1/tcp/1/p2p/A"]}, 1)
+    for epoch in (1, 2, 3):
+        conductor.handle(0, {"event": "epoch", "epoch": epoch, "rounds_ok": epoch})
+        assert len(group.told) == 2  # the joiner waits for both starters
+        conductor.handle(1, {"event": "epoch", "epoch": epoch, "rounds_ok": epoch})
+    assert group.told[-1] == ({"go": ["/ip4/127.0.0.1/tcp/1/p2p/A"]}, 2)
+    conductor.handle(2, {"event": "ready", "maddrs": [], "epoch": 3})
+    assert conductor.arrival == 3 and conductor.end is None
+
+
+def test_the_swarm_ends_the_epoch_after_the_joiner_averaged_its_rounds():
+    conductor, group = _conductor()
+    _enter_the_joiner(conductor, group)
+    for epoch in range(4, 9):
+        conductor.handle(0, {"event": "epoch", "epoch": epoch, "rounds_ok": epoch})
+        conductor.handle(2, {"event": "epoch", "epoch": epoch, "rounds_ok": epoch - 3})
+    assert conductor.end == 9 and group.told[-1] == ({"end_epoch": 9}, None)
+
+
+def test_a_joiner_that_never_averages_ends_the_case_after_the_patience():
+    conductor, group = _conductor()
+    _enter_the_joiner(conductor, group)
+    last = 3 + bm.JOINER_PATIENCE * 5
+    for epoch in range(4, last):
+        conductor.handle(0, {"event": "epoch", "epoch": epoch, "rounds_ok": epoch})
+        conductor.handle(2, {"event": "epoch", "epoch": epoch, "rounds_ok": 0})
+    assert conductor.end is None
+    conductor.handle(1, {"event": "epoch", "epoch": last, "rounds_ok": last})
+    assert conductor.end == last + 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # above the run's own limits, so those fire first and say why
 def test_quick_big_model_benchmark_trains_joins_and_measures(tmp_path):
