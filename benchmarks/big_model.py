@@ -4,6 +4,7 @@ download and the training loop's stalls, for 20M to 200M parameters, on loopback
     .venv/bin/python benchmarks/big_model.py --networks loopback [--sizes 20M,60M] [--codecs int8,q2]
     sudo .venv/bin/python benchmarks/big_model.py [--networks lab,loopback] [--mbps 100] [--rtt-ms 40]
         [--rounds 8] [--join-after 3] [--json] [--out FILE.json] [--png FILE.png] [--quick]
+    .venv/bin/python benchmarks/big_model.py --render FILE.json [--png FILE.png]   # a saved report again
 
 For each network, codec and size P: a model of ``round(P / 4,196,352)`` ``torch.nn.Linear(2048, 2048)``
 layers (fp32, each 4,196,352 parameters; the table says the exact count), an Adam inner optimizer,
@@ -18,15 +19,18 @@ whole state.
 On ``lab`` every peer has its own network namespace with ``--mbps`` up and down and a ``--rtt-ms``
 round trip (swarmgrad/lab/network.py; needs root); on ``loopback`` links are unshaped. Rounds run in
 turn (``--overlap off``), so one ``step()`` call holds one whole round; ``--overlap auto`` measures the
-default instead (a round's launch and landing are then two calls, and only the landing counts as one).
+default instead (a round's launch and landing are then two calls; a call counts as a swarm step only
+where the ``status()`` counters below moved).
 
 What each peer process measures and reports to the parent (one JSON line):
 
 * ``rounds ok / failed``: ``peer.status().rounds_ok`` / ``rounds_failed`` at the end (the joiner's
   include none of the starters').
-* ``round s``: the median duration of the ``step()`` calls that ran a swarm step: calls after which
-  ``status()``'s epoch, rounds_ok, rounds_failed, solo_steps, state_downloads or rounds_replayed moved
-  (the local Adam step of that call included).
+* swarm-step calls: the ``step()`` calls after which ``status()``'s epoch, rounds_ok, rounds_failed,
+  solo_steps, state_downloads or rounds_replayed moved. ``round s``: the median duration of those
+  that attempted a round (rounds_ok or rounds_failed moved; the local Adam step of the call
+  included); the others only caught up (a replay or a state download; ``catch_up_calls`` and
+  ``catch_up_s`` in the JSON).
 * ``wire s``: per such round, this peer's bytes at its link rate, max(sent / up, received / down),
   from the ``bytes_sent`` / ``bytes_received`` deltas of ``status()`` over the call; the median over
   rounds. The two directions are separate links, so the larger one bounds the round; the sum over
@@ -42,10 +46,10 @@ What each peer process measures and reports to the parent (one JSON line):
   ``swarm mem``: whatever ``status()`` reports under a key holding "memory", if it has one.
 * the joiner's ``download s`` beside its state's bytes at the downlink rate: the time spent in
   ``swarmgrad.peer.catch_up.download_state`` (wrapped in the joiner's process) and the bytes of the
-  snapshot it returned; ``verify``: the share of that time spent in ``swarmgrad.state.transfer._verify``
+  snapshots it returned, summed over its downloads (``state MB ... in N`` where it took N); ``verify``: the share of that time spent in ``swarmgrad.state.transfer._verify``
   (the donors' second sketches and the local one, after the bytes are in). ``status()`` and the logs do
   not expose either: where these private functions are renamed the figures read n/a.
-* ``stall``: the longest ``step()`` call that ran no swarm step, beside the median of those calls,
+* ``stall``: the longest ``step()`` call that was no swarm-step call, beside the median of those calls,
   and their ratio (the training loop's worst pause outside rounds: e.g. serving the joiner's state).
 
 Before a size starts, the peers' memory is estimated as 3 x (16 + ``--swarm-bytes-per-param``) bytes
@@ -597,6 +601,21 @@ def per_param(value: float | None, params: int) -> float | None:
     return None if value is None else value / params
 
 
+def round_figures(rounds: list[dict], rate: float | None) -> dict:
+    """Round time and wire time over the calls that attempted a round (ok or failed); the calls that
+    only caught up (a replay or a state download moved the epoch) are counted apart."""
+    attempted = [r for r in rounds if r["ok"] + r["failed"] > 0]
+    caught_up = [r for r in rounds if r["ok"] + r["failed"] == 0]
+    return {
+        "round_s": median([r["seconds"] for r in attempted]),
+        "wire_s": median([max(r["bytes_sent"], r["bytes_received"]) / rate for r in attempted]) if rate else None,
+        "wire_sum_s": median([(r["bytes_sent"] + r["bytes_received"]) / rate for r in attempted]) if rate else None,
+        "round_mb_sent": median([r["bytes_sent"] / MB for r in attempted]),
+        "round_mb_received": median([r["bytes_received"] / MB for r in attempted]),
+        "catch_up_calls": len(caught_up), "catch_up_s": sum(r["seconds"] for r in caught_up),
+    }
+
+
 def summarize_peer(result: dict, rate: float | None) -> dict:
     """The numbers of one peer's row (the docstring says what each is)."""
     params, baseline = result["params"], result["baseline_rss"]
@@ -608,12 +627,7 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
     download = result.get("download") or {}
     row = {
         "role": result["role"], "index": result["index"], "params": params, "epoch": result["epoch"],
-        "rounds_ok": result["rounds_ok"], "rounds_failed": result["rounds_failed"],
-        "round_s": median([r["seconds"] for r in rounds]),
-        "wire_s": median([max(r["bytes_sent"], r["bytes_received"]) / rate for r in rounds]) if rate else None,
-        "wire_sum_s": median([(r["bytes_sent"] + r["bytes_received"]) / rate for r in rounds]) if rate else None,
-        "round_mb_sent": median([r["bytes_sent"] / MB for r in rounds]),
-        "round_mb_received": median([r["bytes_received"] / MB for r in rounds]),
+        "rounds_ok": result["rounds_ok"], "rounds_failed": result["rounds_failed"], **round_figures(rounds, rate),
         "steady_bytes_per_param": per_param(steady, params),
         "peak_bytes_per_param": per_param(result["peak_rss"] - baseline, params),
         "hwm_bytes_per_param": per_param(result["hwm"] - baseline, params),
@@ -722,6 +736,14 @@ def memory_cell(value: dict | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in value.items())[:40]
 
 
+def state_cell(peer: dict) -> str:
+    """The state's MB, and how many downloads they took where more than one."""
+    if peer["download_bytes"] is None:
+        return "n/a"
+    count = peer["state_downloads"]
+    return f"{peer['download_bytes'] / MB:.0f}" + (f" in {count}" if count > 1 else "")
+
+
 COLUMNS = ("peer", "ok/failed", "round s", "wire s", "steady B/param", "peak B/param", "daemon MB",
            "swarm mem", "download s", "state MB", "state wire s", "verify", "stall s", "median step s", "stall ratio")
 
@@ -734,8 +756,7 @@ def table_rows(record: dict) -> list[tuple[str, ...]]:
             f"{peer['role']} {peer['index']}", f"{peer['rounds_ok']}/{peer['rounds_failed']}", fmt(peer["round_s"]),
             fmt(peer["wire_s"]), fmt(peer["steady_bytes_per_param"], 1), fmt(peer["peak_bytes_per_param"], 1),
             fmt(None if peer["daemon_rss"] is None else peer["daemon_rss"] / MB, 0), memory_cell(peer["swarm_memory"]),
-            fmt(peer["download_s"]) if joiner else "", fmt(None if peer["download_bytes"] is None else
-                                                           peer["download_bytes"] / MB, 0) if joiner else "",
+            fmt(peer["download_s"]) if joiner else "", state_cell(peer) if joiner else "",
             fmt(peer["download_wire_s"]) if joiner else "", fmt(peer["verify_share"]) if joiner else "",
             fmt(peer["stall_s"], 3), fmt(peer["median_step_s"], 3), fmt(peer["stall_ratio"], 1),
         ))  # fmt: skip
@@ -754,11 +775,11 @@ def render(record: dict, args: argparse.Namespace) -> Any:
         table.add_row(record["reason"])
         return table
     table = Table(title=title, title_justify="left", caption=(
-        "round s: median step() call holding a swarm step; wire s: max(sent/up, received/down) of that "
+        "round s: median step() call that attempted a round; wire s: max(sent/up, received/down) of that "
         "round at the link rate. B/param: host RSS beyond model, gradients and Adam (steady: before each "
         "swarm step after the first, median; peak: 50 ms samples). daemon MB: the peer's p2pd. download "
-        "s: the joiner's state download, beside its bytes at the link rate; verify: share spent in the "
-        "verification pass. stall: the longest step() outside rounds, beside the median step."))
+        "s: the joiner's state downloads (all of them, as state MB), beside their bytes at the link rate; "
+        "verify: share spent in the verification pass. stall: the longest step() outside rounds, beside the median step."))
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("peer", "swarm mem") else "right")
     for row in table_rows(record):
@@ -817,6 +838,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
     parser.add_argument("--png", default=None, help="write round seconds and bytes/param against P here")
+    parser.add_argument("--render", default=None, help="print (and plot) a saved --out report instead of running")
     parser.add_argument("--logs", default=None, help="keep each peer's log in this directory")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -852,10 +874,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         worker(WorkerConfig(**json.loads(args.worker)))
         return 0
-    from rich.console import Console
-
     from swarmgrad.lab.signals import restore_handlers, terminate_on_signals
 
+    if args.render:
+        return output(args, rerender(Path(args.render), args))
     started, load = time.monotonic(), os.getloadavg()
     saved = terminate_on_signals()  # SIGTERM unwinds like Ctrl-C: every group and lab is removed
     records: list[dict] = []
@@ -872,7 +894,14 @@ def main(argv: list[str] | None = None) -> int:
                     Path(args.out).write_text(json.dumps(make_report(args, records, load, started), indent=2))
     finally:
         restore_handlers(saved)
-    report = make_report(args, records, load, started)
+    return output(args, make_report(args, records, load, started))
+
+
+def output(args: argparse.Namespace, report: dict) -> int:
+    """The tables (or the JSON on stdout) and the PNG; exit status 1 if a case failed."""
+    from rich.console import Console
+
+    records = report["cases"]
     if args.png:
         write_png(records, args.png)
     if args.json:
@@ -882,6 +911,20 @@ def main(argv: list[str] | None = None) -> int:
         for record in records:
             console.print(render(record, args))
     return 1 if any(record["status"] == "failed" for record in records) else 0
+
+
+def rerender(path: Path, args: argparse.Namespace) -> dict:
+    """A saved report, its round figures and summaries computed again by this version's rules."""
+    report = json.loads(path.read_text())
+    for key in ("mbps", "rtt_ms"):
+        setattr(args, key, report["config"][key])
+    for record in report["cases"]:
+        rate = args.mbps * 1e6 / 8 if record["network"] == "lab" else None
+        for peer in record["peers"]:
+            peer.update(round_figures(peer["rounds"], rate))
+        if record["status"] == "ok":
+            record["summary"] = summarize_case(record["peers"])
+    return report
 
 
 def make_report(args: argparse.Namespace, records: list[dict], load: tuple[float, ...], started: float) -> dict:

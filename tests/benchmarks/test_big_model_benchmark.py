@@ -54,9 +54,12 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
               "rounds": [{"epoch": e, "seconds": s, "rss_before": rss, "ok": 1, "failed": 0,
                           "bytes_sent": 1_250_000, "bytes_received": 2_500_000}
                          for e, s, rss in ((3, 9.0, 500_000), (4, 2.0, 90_000), (5, 3.0, 110_000))]}
+    result["rounds"].append({"epoch": 7, "seconds": 30.0, "rss_before": 100_000, "ok": 0, "failed": 0,
+                             "bytes_sent": 0, "bytes_received": 0})  # a call that only caught up
     row = bm.summarize_peer(result, rate)
     assert row["round_s"] == 3.0 and row["wire_s"] == pytest.approx(0.2) and row["wire_sum_s"] == pytest.approx(0.3)
-    assert row["steady_bytes_per_param"] == 90.0  # the first round's sample is left out: median(80, 100)
+    assert row["catch_up_calls"] == 1 and row["catch_up_s"] == 30.0  # not a round
+    assert row["steady_bytes_per_param"] == 90.0  # the first round's sample is left out: median(80, 90, 100)
     assert row["peak_bytes_per_param"] == 140.0 and row["hwm_bytes_per_param"] == 150.0
     assert row["stall_ratio"] == pytest.approx(5.0) and row["download_wire_s"] == pytest.approx(2.0)
     assert row["verify_share"] == pytest.approx(0.25)
