@@ -280,6 +280,7 @@ def swarm_memory(peer: Any) -> dict[str, Any] | None:
 def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: Any, deadline: float) -> dict:
     """Step until the parent's end epoch; every step() call timed, swarm steps told apart."""
     steps: list[float] = []
+    step_epochs: list[int] = []  # the epoch each of those steps ran in
     rounds: list[dict] = []
     steady: list[int] = []
     index = 0
@@ -303,7 +304,8 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
             send({"event": "epoch", "epoch": peer.epoch, "rounds_ok": after["rounds_ok"]})
         else:
             steps.append(seconds)
-    return {"steps": steps, "rounds": rounds}
+            step_epochs.append(after["epoch"])
+    return {"steps": steps, "step_epochs": step_epochs, "rounds": rounds}
 
 
 def worker(cfg: WorkerConfig) -> None:
@@ -569,9 +571,10 @@ class Conductor:
             self.group.tell({"end_epoch": self.end})
 
 
-def run_case(case: Case, network: Network, log_dir: Path, cap_bytes: float) -> list[dict]:
+def run_case(case: Case, network: Network, log_dir: Path, cap_bytes: float) -> tuple[list[dict], dict]:
     """All three processes build their models at once; the two starters enter the swarm, then the
-    joiner (``Conductor``); everyone trains to the end epoch. Results by peer."""
+    joiner (``Conductor``); everyone trains to the end epoch. Results by peer, and the swarm's epochs
+    at the joiner's arrival and at the end."""
     group = Group(network, log_dir, cap_bytes, time.monotonic() + case.deadline_s)
     run_id = f"bigmodel-{case.network}-{case.codec}-{case.size}-{os.getpid()}"
     for index, role in enumerate(("starter", "starter", "joiner")):
@@ -587,7 +590,7 @@ def run_case(case: Case, network: Network, log_dir: Path, cap_bytes: float) -> l
         finished = True
     finally:
         group.close(grace_s=30.0 if finished else 2.0)
-    return [results[i] for i in range(PEERS)]
+    return [results[i] for i in range(PEERS)], {"joiner_arrival": conductor.arrival, "end_epoch": conductor.end}
 
 
 # ---------------------------------------------------------------- summaries
@@ -624,6 +627,8 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
     steady = median([float(v - baseline) for v in after_first])
     steps = result["steps"]
     stall, typical = (max(steps), statistics.median(steps)) if steps else (None, None)
+    step_epochs = result.get("step_epochs") or []
+    stall_epoch = step_epochs[steps.index(stall)] if stall is not None and len(step_epochs) == len(steps) else None
     download = result.get("download") or {}
     row = {
         "role": result["role"], "index": result["index"], "params": params, "epoch": result["epoch"],
@@ -632,7 +637,7 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
         "peak_bytes_per_param": per_param(result["peak_rss"] - baseline, params),
         "hwm_bytes_per_param": per_param(result["hwm"] - baseline, params),
         "baseline_rss": baseline, "daemon_rss": result["daemon_rss"], "swarm_memory": result["swarm_memory"],
-        "stall_s": stall, "median_step_s": typical,
+        "stall_s": stall, "stall_epoch": stall_epoch, "median_step_s": typical,
         "stall_ratio": stall / typical if stall is not None and typical else None,
         "state_downloads": result["state_downloads"], "enter_s": result["enter_s"],
         "download_s": download.get("download_s"), "download_bytes": download.get("download_bytes"),
@@ -685,12 +690,13 @@ def run_one(case: Case, args: argparse.Namespace, log_dir: Path) -> dict:
     started = time.monotonic()
     try:
         with Network(case.network, args.mbps, args.rtt_ms) as network:
-            results = run_case(case, network, log_dir, available - HEADROOM)
+            results, epochs = run_case(case, network, log_dir, available - HEADROOM)
             rate = network.rate_bytes()
     except (GroupFailed, OSError, RuntimeError) as error:
         record.update(status="failed", reason=str(error))
         log(f"{case.network}/{case.codec}/{case.size} failed: {error}")
         return record
+    record.update(epochs)
     record["peers"] = [summarize_peer(result, rate) for result in results]
     record["summary"] = summarize_case(record["peers"])
     record["wall_s"] = time.monotonic() - started
@@ -769,8 +775,10 @@ def render(record: dict, args: argparse.Namespace) -> Any:
     link = f"{args.mbps:g} Mbit/s up and down, {args.rtt_ms:g} ms RTT" if record["network"] == "lab" else "unshaped"
     title = (f"{record['network']} ({link}), {record['codec']}, {record['size']}: {record['layers']} x "
              f"Linear(2048, 2048) = {record['params']:,} parameters, DiLoCo H={record['inner_steps']}")
+    if record.get("joiner_arrival") is not None:
+        title += f"; the joiner came in at epoch {record['joiner_arrival']}, all ended at {record['end_epoch']}"
     if record["status"] != "ok":
-        table = Table(title=title, title_justify="left")
+        table = Table(title=title, title_justify="left", min_width=min(len(title), 160))
         table.add_column("status")
         table.add_row(record["reason"])
         return table
