@@ -187,13 +187,14 @@ class PeakSampler(threading.Thread):
 
 
 class Commands(threading.Thread):
-    """Lines from the parent on stdin: {"go": [initial peers]}, {"end_epoch": E} and {"leave": true}."""
+    """Lines from the parent on stdin: {"go": [initial peers]}, {"end_epoch": E}, {"stop": true} (end
+    now, short of the end epoch) and {"leave": true}."""
 
     def __init__(self) -> None:
         super().__init__(name="parent-commands", daemon=True)
         self.initial_peers: list[str] = []
         self.end_epoch: int | None = None
-        self.go, self.leave = threading.Event(), threading.Event()
+        self.go, self.stop, self.leave = threading.Event(), threading.Event(), threading.Event()
 
     def run(self) -> None:
         for line in sys.stdin:
@@ -203,9 +204,12 @@ class Commands(threading.Thread):
                 self.go.set()
             if "end_epoch" in message:
                 self.end_epoch = int(message["end_epoch"])
+            if message.get("stop"):
+                self.stop.set()
             if message.get("leave"):
                 self.leave.set()
         self.go.set()
+        self.stop.set()
         self.leave.set()  # the parent is gone
 
 
@@ -284,7 +288,7 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
     rounds: list[dict] = []
     steady: list[int] = []
     index = 0
-    while commands.end_epoch is None or peer.epoch < commands.end_epoch:
+    while not commands.stop.is_set() and (commands.end_epoch is None or peer.epoch < commands.end_epoch):
         if time.monotonic() > deadline:
             raise TimeoutError(f"reached epoch {peer.epoch} of {commands.end_epoch} before the deadline")
         loss = backward(model, batches[index % len(batches)])
@@ -367,7 +371,7 @@ def run_worker(cfg: WorkerConfig, send: Any) -> None:
                   "enter_s": enter_s, "rounds_ok": status.rounds_ok, "rounds_failed": status.rounds_failed,
                   "state_downloads": status.state_downloads, "epoch": status.epoch, "swarm_memory": memory,
                   "daemon_rss": statistics.median(daemon_rss) if daemon_rss else None,
-                  "download": download, **record}
+                  "download": download, "stopped": commands.stop.is_set(), **record}
         send({"event": "result", **result})
         commands.leave.wait(max(1.0, deadline - time.monotonic()))  # groupmates may still finish a round with us
     sampler.stopped.set()
@@ -456,8 +460,9 @@ class Group:
                 except (BrokenPipeError, OSError):
                     pass
 
-    def next_event(self) -> tuple[int, dict]:
-        """The next line from a peer; GroupFailed on the deadline, the memory cap or a peer's error."""
+    def next_event(self) -> tuple[int, dict] | None:
+        """The next line from a peer, None after 0.5 s without one; GroupFailed on the deadline, the
+        memory cap or a peer's error."""
         while True:
             if time.monotonic() > self.deadline:
                 raise GroupFailed("the case ran past its deadline")
@@ -467,7 +472,7 @@ class Group:
             try:
                 index, message = self.events.get(timeout=0.5)
             except queue.Empty:
-                continue
+                return None
             if message["event"] == "error":
                 raise GroupFailed(f"peer {index}: {message['error']}")
             if message["event"] == "exit":
@@ -513,6 +518,7 @@ class Case:
 
 
 JOINER_PATIENCE = 3  # the swarm waits at most this many times the joiner's rounds for it to average them
+STRAGGLER_S = 60.0  # a peer still short of the end epoch this long after the others reported is stopped
 
 
 @dataclass
@@ -522,7 +528,9 @@ class Conductor:
     The joiner enters once both starters did ``join_after`` rounds. The end: the epoch after the one
     at which the joiner averaged its ``rounds - join_after``-th round (at least ``rounds``), or, if it
     has not by then, once the swarm is ``JOINER_PATIENCE`` times that many rounds past its arrival
-    (a joiner that never catches up shows as such instead of running the case into its deadline)."""
+    (a joiner that never catches up shows as such instead of running the case into its deadline).
+    A peer that has not reached the end epoch ``STRAGGLER_S`` after the others reported is told to
+    stop where it is (a joiner that cannot take the state, e.g. when the donors disagree)."""
 
     case: Case
     group: Group
@@ -533,6 +541,8 @@ class Conductor:
     arrival: int | None = None  # the swarm's epoch when the joiner was in
     joiner_ok: int = 0
     end: int | None = None
+    reported: dict[int, float] = field(default_factory=dict)  # peer -> when its result came
+    stopped: set[int] = field(default_factory=set)
 
     def handle(self, index: int, message: dict) -> None:
         event = message["event"]
@@ -547,8 +557,21 @@ class Conductor:
             self.epochs[index] = message["epoch"]
             if index == 2:
                 self.joiner_ok = message["rounds_ok"]
+        elif event == "result":
+            self.reported[index] = time.monotonic()
         self._admit()
         self._maybe_end()
+
+    def tick(self, now: float) -> None:
+        """Stop the peers still training ``STRAGGLER_S`` after all the others reported."""
+        if len(self.reported) < PEERS - 1 or len(self.reported) == PEERS:
+            return
+        if now - max(self.reported.values()) > STRAGGLER_S:
+            for index in set(range(PEERS)) - set(self.reported) - self.stopped:
+                self.stopped.add(index)
+                log(f"  peer {index} is stopped at epoch {self.epochs.get(index)}: short of {self.end} "
+                    f"{STRAGGLER_S:.0f} s after the others")
+                self.group.tell({"stop": True}, only=index)
 
     def _admit(self) -> None:
         ready = {0} if self.maddrs is None else {0, 1}
@@ -583,7 +606,11 @@ def run_case(case: Case, network: Network, log_dir: Path, cap_bytes: float) -> t
     conductor, results, finished = Conductor(case, group), {}, False
     try:
         while len(results) < PEERS:
-            index, message = group.next_event()
+            conductor.tick(time.monotonic())
+            got = group.next_event()
+            if got is None:
+                continue
+            index, message = got
             if message["event"] == "result":
                 results[index] = message
             conductor.handle(index, message)
@@ -632,6 +659,7 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
     download = result.get("download") or {}
     row = {
         "role": result["role"], "index": result["index"], "params": params, "epoch": result["epoch"],
+        "stopped": result.get("stopped", False),
         "rounds_ok": result["rounds_ok"], "rounds_failed": result["rounds_failed"], **round_figures(rounds, rate),
         "steady_bytes_per_param": per_param(steady, params),
         "peak_bytes_per_param": per_param(result["peak_rss"] - baseline, params),
@@ -759,7 +787,8 @@ def table_rows(record: dict) -> list[tuple[str, ...]]:
     for peer in record["peers"]:
         joiner = peer["role"] == "joiner"
         rows.append((
-            f"{peer['role']} {peer['index']}", f"{peer['rounds_ok']}/{peer['rounds_failed']}", fmt(peer["round_s"]),
+            f"{peer['role']} {peer['index']}" + (f" (stopped at {peer['epoch']})" if peer.get("stopped") else ""),
+            f"{peer['rounds_ok']}/{peer['rounds_failed']}", fmt(peer["round_s"]),
             fmt(peer["wire_s"]), fmt(peer["steady_bytes_per_param"], 1), fmt(peer["peak_bytes_per_param"], 1),
             fmt(None if peer["daemon_rss"] is None else peer["daemon_rss"] / MB, 0), memory_cell(peer["swarm_memory"]),
             fmt(peer["download_s"]) if joiner else "", state_cell(peer) if joiner else "",

@@ -116,6 +116,22 @@ def test_a_joiner_that_never_averages_ends_the_case_after_the_patience():
     assert conductor.end == last + 1
 
 
+def test_a_peer_short_of_the_end_is_stopped_a_while_after_the_others_reported():
+    conductor, group = _conductor()
+    _enter_the_joiner(conductor, group)
+    conductor.end = 9
+    conductor.handle(0, {"event": "result"})
+    conductor.tick(bm.time.monotonic() + 2 * bm.STRAGGLER_S)
+    assert group.told[-1][0] != {"stop": True}  # one starter is still out: nobody is stopped yet
+    conductor.handle(1, {"event": "result"})
+    conductor.tick(bm.time.monotonic())
+    assert group.told[-1][0] != {"stop": True}
+    conductor.tick(bm.time.monotonic() + bm.STRAGGLER_S + 1)
+    assert group.told[-1] == ({"stop": True}, 2) and conductor.stopped == {2}
+    conductor.tick(bm.time.monotonic() + bm.STRAGGLER_S + 2)
+    assert group.told.count(({"stop": True}, 2)) == 1  # told once
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # above the run's own limits, so those fire first and say why
 def test_quick_big_model_benchmark_trains_joins_and_measures(tmp_path):
