@@ -4,7 +4,7 @@ download and the training loop's stalls, for 20M to 200M parameters, on loopback
     .venv/bin/python benchmarks/big_model.py --networks loopback [--sizes 20M,60M] [--codecs int8,q2]
     sudo .venv/bin/python benchmarks/big_model.py [--networks lab,loopback] [--mbps 100] [--rtt-ms 40]
         [--rounds 8] [--join-after 3] [--json] [--out FILE.json] [--png FILE.png] [--quick]
-    .venv/bin/python benchmarks/big_model.py --render FILE.json [--png FILE.png]   # a saved report again
+    .venv/bin/python benchmarks/big_model.py --render FILE.json[,FILE.json] [--png FILE.png]  # saved reports again
 
 For each network, codec and size P: a model of ``round(P / 4,196,352)`` ``torch.nn.Linear(2048, 2048)``
 layers (fp32, each 4,196,352 parameters; the table says the exact count), an Adam inner optimizer,
@@ -793,7 +793,7 @@ def table_rows(record: dict) -> list[tuple[str, ...]]:
             fmt(None if peer["daemon_rss"] is None else peer["daemon_rss"] / MB, 0), memory_cell(peer["swarm_memory"]),
             fmt(peer["download_s"]) if joiner else "", state_cell(peer) if joiner else "",
             fmt(peer["download_wire_s"]) if joiner else "", fmt(peer["verify_share"]) if joiner else "",
-            fmt(peer["stall_s"], 3), fmt(peer["median_step_s"], 3), fmt(peer["stall_ratio"], 1),
+            fmt(peer["stall_s"], 3) + (f" @{peer['stall_epoch']}" if peer.get("stall_epoch") is not None else ""), fmt(peer["median_step_s"], 3), fmt(peer["stall_ratio"], 1),
         ))  # fmt: skip
     return rows
 
@@ -816,7 +816,7 @@ def render(record: dict, args: argparse.Namespace) -> Any:
         "round at the link rate. B/param: host RSS beyond model, gradients and Adam (steady: before each "
         "swarm step after the first, median; peak: 50 ms samples). daemon MB: the peer's p2pd. download "
         "s: the joiner's state downloads (all of them, as state MB), beside their bytes at the link rate; "
-        "verify: share spent in the verification pass. stall: the longest step() outside rounds, beside the median step."))
+        "verify: share spent in the verification pass. stall: the longest step() outside rounds (@ the epoch it ran in), beside the median step."))
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("peer", "swarm mem") else "right")
     for row in table_rows(record):
@@ -875,7 +875,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
     parser.add_argument("--png", default=None, help="write round seconds and bytes/param against P here")
-    parser.add_argument("--render", default=None, help="print (and plot) a saved --out report instead of running")
+    parser.add_argument("--render", default=None, help="print (and plot) saved --out reports (FILE,FILE...) instead of running")
     parser.add_argument("--logs", default=None, help="keep each peer's log in this directory")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -914,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarmgrad.lab.signals import restore_handlers, terminate_on_signals
 
     if args.render:
-        return output(args, rerender(Path(args.render), args))
+        return output(args, rerender([Path(path) for path in args.render.split(",")], args))
     started, load = time.monotonic(), os.getloadavg()
     saved = terminate_on_signals()  # SIGTERM unwinds like Ctrl-C: every group and lab is removed
     records: list[dict] = []
@@ -950,9 +950,11 @@ def output(args: argparse.Namespace, report: dict) -> int:
     return 1 if any(record["status"] == "failed" for record in records) else 0
 
 
-def rerender(path: Path, args: argparse.Namespace) -> dict:
-    """A saved report, its round figures and summaries computed again by this version's rules."""
-    report = json.loads(path.read_text())
+def rerender(paths: list[Path], args: argparse.Namespace) -> dict:
+    """Saved reports as one (their cases in turn), round figures and summaries computed again by
+    this version's rules."""
+    reports = [json.loads(path.read_text()) for path in paths]
+    report = {**reports[0], "cases": [record for each in reports for record in each["cases"]]}
     for key in ("mbps", "rtt_ms"):
         setattr(args, key, report["config"][key])
     for record in report["cases"]:
