@@ -680,9 +680,11 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
 
 
 def summarize_case(peers: list[dict]) -> dict:
-    """The case's point in the PNG: the starters' median round, the peers' median RAM per parameter."""
+    """The case's point in the PNG: the starters' median round and wire time, the peers' median steady
+    and largest peak RAM per parameter."""
     starters = [p for p in peers if p["role"] == "starter"]
     return {"round_s": median([p["round_s"] for p in starters if p["round_s"] is not None]),
+            "wire_s": median([p["wire_s"] for p in starters if p.get("wire_s") is not None]),
             "steady_bytes_per_param": median([p["steady_bytes_per_param"] for p in peers
                                               if p["steady_bytes_per_param"] is not None]),
             "peak_bytes_per_param": max((p["peak_bytes_per_param"] for p in peers), default=None)}
@@ -838,12 +840,17 @@ def write_png(records: list[dict], path: str) -> None:
     for (codec, network), points in sorted(lines.items()):
         points.sort(key=lambda r: r["params"])
         x = [r["params"] / 1e6 for r in points]
-        label = f"{codec}, {network}"
-        rounds_axis.plot(x, [r["summary"]["round_s"] for r in points], marker="o", label=label)
-        memory_axis.plot(x, [r["summary"]["steady_bytes_per_param"] for r in points], marker="o", label=f"{label} steady")
-        memory_axis.plot(x, [r["summary"]["peak_bytes_per_param"] for r in points], marker="x", linestyle="--",
+        label, summaries = f"{codec}, {network}", [r["summary"] for r in points]
+        [line] = rounds_axis.plot(x, [s["round_s"] for s in summaries], marker="o", label=f"{label} round")
+        color = line.get_color()
+        if any(s.get("wire_s") is not None for s in summaries):
+            rounds_axis.plot(x, [s.get("wire_s") for s in summaries], marker=".", linestyle=":", color=color,
+                             label=f"{label} wire")
+        memory_axis.plot(x, [s["steady_bytes_per_param"] for s in summaries], marker="o", color=color,
+                         label=f"{label} steady")
+        memory_axis.plot(x, [s["peak_bytes_per_param"] for s in summaries], marker="x", linestyle="--", color=color,
                          label=f"{label} peak")
-    rounds_axis.set(xlabel="parameters (M)", ylabel="median round (s)", title="round time")
+    rounds_axis.set(xlabel="parameters (M)", ylabel="seconds", title="median round, and its bytes at the link rate")
     memory_axis.set(xlabel="parameters (M)", ylabel="host bytes per parameter beyond model + Adam",
                     title="swarm memory")
     for axis in (rounds_axis, memory_axis):
@@ -939,6 +946,8 @@ def output(args: argparse.Namespace, report: dict) -> int:
     from rich.console import Console
 
     records = report["cases"]
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
     if args.png:
         write_png(records, args.png)
     if args.json:
