@@ -32,7 +32,8 @@ configure_logging(20)
 # average (user + system time 1268 s over 1294 s of wall time), so two workers share the machine's
 # two cores. These modules run whole swarms or labs; they all go to one worker, one at a time, so two
 # of them never load the machine at once, and lab tests never see another lab's namespaces appear.
-HEAVY_MODULES = {"test_attacks_benchmark", "test_bandwidth_sweep", "test_cli", "test_docs", "test_scale_benchmark"}
+HEAVY_MODULES = {"test_attacks_benchmark", "test_bandwidth_sweep", "test_big_model_benchmark", "test_cli", "test_docs",
+                 "test_scale_benchmark"}
 
 
 def _heavy(item: pytest.Item) -> bool:
