@@ -37,6 +37,7 @@ import torch
 from swarmgrad.dht.evaluations import Evaluation, evaluation
 from swarmgrad.dht.membership import reachability
 from swarmgrad.eventloop import BackgroundLoop
+from swarmgrad.hostmemory import return_freed_memory
 from swarmgrad.peer.assembly import Fingerprint, PeerAssembly, Training, check_privacy
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.keywords import peer_settings
@@ -129,6 +130,7 @@ class Peer:
                 batch_size: int | None, dataset_size: int | None, background: BackgroundLoop | None) -> None:
         self.assembly, self.model, self.optimizer = assembly, model, optimizer
         self.batch_size, self.dataset_size = batch_size, dataset_size
+        return_freed_memory()  # a round's freed buffers go back to the system (hostmemory.py)
         self.run_id, self.timing = assembly.run_id, assembly.timing
         self.runtime, self.node, self.tracker = assembly.runtime, assembly.node, assembly.tracker
         self.counters, self.evaluations = assembly.counters, assembly.evaluations
