@@ -6,10 +6,11 @@ Per codec, from the largest model measured (the inputs are printed with the tabl
 
 * host RAM beyond model, gradients and Adam: the starters' measured bytes per parameter (steady, and
   peak), times P; the model, its gradients and Adam's moments (16 bytes per parameter) beside it.
-* round time = the loopback round (the CPU's share: encoding, reducing, decoding, the outer step,
-  per parameter, times P) + this peer's bytes of a round (measured bytes per parameter, the busier
-  direction) at the link rate. An upper bound where encoding and sending overlap (they stream chunk
-  by chunk); the measured lab round is printed beside the same sum at its own size as a check.
+* round time = the CPU's share of a round (encoding, reducing, decoding, the outer step: the loopback
+  round per parameter where one was measured, else the lab round less its wire time) times P, plus
+  this peer's bytes of a round (measured bytes per parameter, the busier direction) at the link
+  rate. An upper bound where encoding and sending overlap (they stream chunk by chunk); with a
+  loopback case, the measured lab round is printed beside the same sum at its own size as a check.
 * join time = the state a fresh joiner takes (model, outer momentum and Adam's moments: 16 bytes per
   parameter) at the link rate, divided by the download efficiency measured in the lab (bytes at the
   link rate / download seconds), plus the verification (a fixed sample of parts: its measured seconds).
@@ -47,15 +48,17 @@ def starters(case: dict, key: str) -> float:
 
 def inputs(found: list[dict], codec: str, link_mbps: float) -> dict[str, float] | None:
     lab, loopback = largest(found, "lab", codec), largest(found, "loopback", codec)
-    if lab is None or loopback is None:
+    if lab is None:
         return None
     joiner = next(peer for peer in lab["peers"] if peer["role"] == "joiner")
     link = link_mbps * 1e6 / 8
     sent = max(starters(lab, "round_mb_sent"), starters(lab, "round_mb_received")) * 1e6
+    cpu_s_per_param = (starters(loopback, "round_s") / loopback["params"] if loopback is not None else
+                       (starters(lab, "round_s") - starters(lab, "wire_s")) / lab["params"])
     return {
-        "lab_params": lab["params"], "loopback_params": loopback["params"],
+        "lab_params": lab["params"], "loopback_params": loopback["params"] if loopback is not None else None,
         "steady_bpp": starters(lab, "steady_bytes_per_param"), "peak_bpp": starters(lab, "peak_bytes_per_param"),
-        "cpu_s_per_param": starters(loopback, "round_s") / loopback["params"],
+        "cpu_s_per_param": cpu_s_per_param,
         "wire_bytes_per_param": sent / lab["params"],
         "lab_round_s": starters(lab, "round_s"), "lab_wire_s": starters(lab, "wire_s"),
         "download_efficiency": (joiner["download_bytes"] / link) / joiner["download_s"],
@@ -73,13 +76,15 @@ def table(found: list[dict], sizes: list[float], rates_mbps: list[float], link_m
             continue
         check = measured["lab_params"] * measured["cpu_s_per_param"] + \
             measured["wire_bytes_per_param"] * measured["lab_params"] / (link_mbps * 1e6 / 8)
-        notes.append(f"- {codec}: from {measured['lab_params'] / 1e6:.0f}M in the lab and "
-                     f"{measured['loopback_params'] / 1e6:.0f}M on loopback: {measured['steady_bpp']:.1f} / "
+        loopback = measured["loopback_params"]
+        notes.append(f"- {codec}: from {measured['lab_params'] / 1e6:.0f}M in the lab"
+                     f"{f' and {loopback / 1e6:.0f}M on loopback' if loopback else ''}: {measured['steady_bpp']:.1f} / "
                      f"{measured['peak_bpp']:.1f} B/param; CPU {measured['cpu_s_per_param'] * 1e9:.1f} s per 1B "
                      f"params a round; {measured['wire_bytes_per_param']:.2f} wire bytes per param a round; download "
                      f"at {measured['download_efficiency']:.2f} of the link; verify "
-                     f"{measured['verify_s']:.1f} s. Check: the lab round measured {measured['lab_round_s']:.1f} s, "
-                     f"the sum predicts {check:.1f} s.")
+                     f"{measured['verify_s']:.1f} s. " + (
+                         f"Check: the lab round measured {measured['lab_round_s']:.1f} s, the sum predicts {check:.1f} s."
+                         if loopback else "The CPU's share is the lab round less its wire time (no loopback case)."))
         for size in sizes:
             for mbps in rates_mbps:
                 rate = mbps * 1e6 / 8
