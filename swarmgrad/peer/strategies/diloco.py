@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import pydantic
@@ -103,7 +104,8 @@ class DiLoCoPolicy(Policy):
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
         return start - (lr * (1 + mu)) * sent - (lr * mu * mu) * momentum
 
-    def _views(self):
+    def _views(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each parameter with its views of start, momentum and the contribution."""
         return zip(self.params, self.layout.views(self.start), self.layout.views(self.momentum),
                    self.layout.views(self.contribution))
 
