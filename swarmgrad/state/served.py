@@ -15,14 +15,12 @@ is marked stale and no longer served.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Callable, Mapping
 
-import msgpack
 import torch
 
 from swarmgrad.state import snapshot as state_snapshot
-from swarmgrad.state.snapshot import DTYPES, layout
+from swarmgrad.state.snapshot import describe_state, layout, layout_digest, specs_of
 
 
 class ServedState:
@@ -34,15 +32,10 @@ class ServedState:
 
     def __init__(self, version: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | None = None,
                  live: frozenset[str] = frozenset(), keep_live: Callable[[str], bool] = lambda name: False):
-        specs = []
         for name, tensor in tensors.items():
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise ValueError(f"state tensor {name!r} has unsupported dtype {dtype}")
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError(f"state tensor {name!r} must be a contiguous CPU tensor")
-            specs.append((name, dtype, tuple(tensor.shape)))
-        self.version, self.specs, self.meta = version, tuple(specs), dict(meta or {})
+        self.version, self.specs, self.meta = version, specs_of(tensors), dict(meta or {})
         self._tensors = dict(tensors)
         self._live = set(live)
         self._owned = set(self._tensors) - self._live  # copies this state made (or was handed)
@@ -53,12 +46,10 @@ class ServedState:
 
     @property
     def digest(self) -> str:
-        described = msgpack.packb([[n, d, list(s)] for n, d, s in self.specs], use_bin_type=True)
-        return hashlib.sha256(described).hexdigest()[:32]
+        return layout_digest(self.specs)
 
     def describe(self) -> bytes:
-        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
-                             use_bin_type=True)
+        return describe_state(self.specs, self.meta)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors, by name (views of the live ones: copy what must outlive the next outer step)."""
@@ -68,8 +59,6 @@ class ServedState:
         """Whether the tensors ``tensors()`` handed out still hold this version (a checkpoint written
         from them in the background is whole only if so; the optimizer's change at every step)."""
         return not self.stale
-
-    servable = property(still_current)
 
     def read(self, start: int, length: int) -> torch.Tensor:
         """A copy of bytes ``[start, start + length)`` of the layout, at most a part (a live tensor may

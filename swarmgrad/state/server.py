@@ -130,7 +130,7 @@ class StateServer:
         for version in list(self._snapshots):
             snapshot = self._snapshots[version]
             unread = self._readers[version] <= 0 and version != max(self._snapshots)
-            if (version in older and version not in read) or not snapshot.servable or \
+            if (version in older and version not in read) or not snapshot.still_current() or \
                     (snapshot.frozen and unread):
                 self._snapshots.pop(version)
                 self._described.pop(version)

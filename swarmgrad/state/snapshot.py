@@ -56,12 +56,7 @@ class StateSnapshot:
     @classmethod
     def capture(cls, version: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StateSnapshot:
         """A copy of ``tensors`` (any device), safe to serve while training goes on."""
-        specs = []
-        for name, tensor in tensors.items():
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise ValueError(f"state tensor {name!r} has unsupported dtype {dtype}")
-            specs.append((name, dtype, tuple(tensor.shape)))
+        specs = specs_of(tensors)
         offsets, total = layout(specs)
         data = torch.zeros(total, dtype=torch.uint8)
         for (start, length), tensor in zip(offsets, tensors.values()):
@@ -78,8 +73,7 @@ class StateSnapshot:
         """Identifies the layout (names, dtypes, shapes), not the values: donors with equal digests lay
         their bytes out alike, so their parts and sketches compare part by part (values agree only up
         to a tolerance: ``agreeing``)."""
-        described = msgpack.packb([[n, d, list(s)] for n, d, s in self.specs], use_bin_type=True)
-        return hashlib.sha256(described).hexdigest()[:32]
+        return layout_digest(self.specs)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Views into ``data`` with their names, dtypes and shapes."""
@@ -92,14 +86,12 @@ class StateSnapshot:
         return part_of(self.data, index)
 
     def describe(self) -> bytes:
-        return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in self.specs], "meta": self.meta},
-                             use_bin_type=True)
+        return describe_state(self.specs, self.meta)
 
     def still_current(self) -> bool:
         return True  # a copy: nothing changes it
 
     frozen = False  # a copy made to serve: kept as the latest few are (state/served.py's frozen ones only while read)
-    servable = property(still_current)
 
     def retire(self, readers: int) -> bool:
         """Nothing to do: a snapshot is a copy (state/served.py's states are not)."""
@@ -107,6 +99,30 @@ class StateSnapshot:
 
     def held_bytes(self) -> int:
         return self.nbytes
+
+
+Specs = tuple[tuple[str, str, tuple[int, ...]], ...]  # name, dtype, shape
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> Specs:
+    """The layout's specs of named tensors; ValueError for a dtype a state cannot carry."""
+    specs = []
+    for name, tensor in tensors.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ValueError(f"state tensor {name!r} has unsupported dtype {dtype}")
+        specs.append((name, dtype, tuple(tensor.shape)))
+    return tuple(specs)
+
+
+def layout_digest(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> str:
+    described = msgpack.packb([[n, d, list(s)] for n, d, s in specs], use_bin_type=True)
+    return hashlib.sha256(described).hexdigest()[:32]
+
+
+def describe_state(specs: Sequence[tuple[str, str, tuple[int, ...]]], meta: dict[str, Any]) -> bytes:
+    """What a donor says of a state before its parts: the specs and the metadata."""
+    return msgpack.packb({"specs": [[n, d, list(s)] for n, d, s in specs], "meta": meta}, use_bin_type=True)
 
 
 def element_size(dtype: str) -> int:

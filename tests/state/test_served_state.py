@@ -47,7 +47,7 @@ def test_a_state_being_read_keeps_its_tensors_and_the_owner_goes_on_with_copies(
     state = served(live)
     before = all_bytes(state).clone()
     assert state.retire(readers=1)  # the owner must now leave these tensors alone
-    assert state.servable and state.still_current() and state.frozen
+    assert state.still_current() and state.frozen
     owner = {name: tensor.clone() for name, tensor in live.items()}  # what the owner steps on from here
     owner["model/w"].add_(1.0)
     owner["strategy/momentum/0"].mul_(2.0)
@@ -61,4 +61,4 @@ def test_a_state_being_read_keeps_its_tensors_and_the_owner_goes_on_with_copies(
 def test_a_state_nobody_reads_goes_stale_instead_of_being_copied():
     state = served(tensors())
     assert not state.retire(readers=0)
-    assert not state.servable and not state.still_current() and state.held_bytes() == 8
+    assert not state.still_current() and state.held_bytes() == 8
