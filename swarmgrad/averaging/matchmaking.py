@@ -21,6 +21,10 @@ members it refuses. The leader leaves out a member refused by a strict majority 
 then every member that still refuses one who stays (``left_out``). A liar that refuses an honest
 peer thus loses only its own seat, and an honest peer that banned a liar before the others sits
 rounds out until half of them have.
+
+Of the members the caller expects (the moshpit grid's slice), matchmaking waits only for those seen
+alive (attendance.py): a listed member that never declares costs at most one window, and one whose
+record stands behind no live peer (it never answers a probe) costs none.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Callable
 
 import pydantic
 
 from swarmgrad.averaging.allreduce import GroupPlan
+from swarmgrad.averaging.attendance import Attendance
 from swarmgrad.averaging.settings import MAX_GROUP
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
@@ -152,6 +157,8 @@ class Matchmaker:
         self.reply_timeout = reply_timeout
         self.schema_digest, self.codec, self.aggregator = schema_digest, codec, aggregator
         self._looking: dict[str, _Looking] = {}
+        self.attendance = Attendance()
+        self._probes: set[asyncio.Task] = set()
 
     @property
     def reply_deadline(self) -> float:
@@ -172,8 +179,19 @@ class Matchmaker:
         expected members are grouped as if declared, so a read that missed one splits no group.
         ``unreachable``: the members others cannot dial, ``clients`` those nobody can reach at all;
         a group's leader is its first member others can dial (it must reach everyone to invite
-        them), else its first one reachable through a relay, which then owns every part."""
+        them), else its first one reachable through a relay, which then owns every part.
+        Of ``expected_members`` only those seen alive are waited for and grouped as if declared
+        (attendance.py); the others are probed meanwhile, and take part when they declare."""
         me = self.node.peer_id
+        waited = None
+        if expected_members is not None:
+            # nobody can dial a client to probe it: it is waited for until it misses a window
+            for peer in self.attendance.to_probe(expected_members - clients, me):
+                self._start_probe(peer)
+            listed, attendance = expected_members, self.attendance
+
+            def waited() -> frozenset[str]:
+                return attendance.waited_for(listed, me) | ((listed & clients) - set(attendance.suspects()))
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
         began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
@@ -189,18 +207,27 @@ class Matchmaker:
                 enough = group_size if expected is None else max(min_group_size, min(group_size, expected))
                 peers = await self._wait_for_peers(
                     key, looking, ready_at, enough, expected_members, min_group_size, grace=grace,
-                    poll=min(FIRST_POLL, window / 4),
+                    poll=min(FIRST_POLL, window / 4), waited=waited,
                 )
                 seen.update(at=time.monotonic() - began, peers=len(peers))
             finally:
                 await declaring
                 seen["stored"] = time.monotonic() - began
             declared = set(peers)
-            if expected_members is not None:
+            if waited is not None:
+                waiting_for = waited()
+                for peer in declared - {me}:
+                    self.attendance.seen_alive(peer)
+                if not looking.committed and time.time() >= ready_at:
+                    # waited the window out: who did not come is not waited for again
+                    missing = waiting_for - declared
+                    if missing:
+                        logger.debug("%s: %s never declared; not waited for until seen alive", key, sorted(missing))
+                    self.attendance.missed(missing)
                 # the caller knows who belongs here (the moshpit grid): every member then computes the
                 # same group and leader even when a read missed a declaration (a holder that did not
                 # answer in time); an expected peer that is not looking declines and is left out
-                peers = sorted(declared | expected_members)
+                peers = sorted(declared | waiting_for)
             group = self._my_group(key, peers, group_size) if not looking.committed else []
             if group and leader_of(group, unreachable, clients) == me:
                 looking.committed = True
@@ -233,17 +260,24 @@ class Matchmaker:
 
     async def _wait_for_peers(
         self, key: str, looking: _Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
-        min_group_size: int, grace: float, poll: float,
+        min_group_size: int, grace: float, poll: float, waited: Callable[[], frozenset[str]] | None = None,
     ) -> list[str]:
         """Peers declared under ``key``, read until the window ends or ``enough`` of them, or exactly
-        the ``expected`` ones, are there (no need to wait out the window then), or until an invitation
-        commits us. If too few for a group have shown up when the window ends, read on for up to
-        ``grace`` more: on a loaded machine a declaration can take longer than the window to become readable."""
+        the ``expected`` ones, or all those of them ``waited()`` names (at least a group's worth)
+        and none outside them, are there (no need to wait out the window then), or until an
+        invitation commits us. If too few for a group have shown up when the window ends, read on for
+        up to ``grace`` more: on a loaded machine a declaration can take longer than the window to
+        become readable."""
         while True:
             peers = await self._declared(key)
             now = time.time()
-            if looking.committed or len(peers) >= enough or expected == set(peers):
+            declared = set(peers)
+            if looking.committed or len(peers) >= enough or expected == declared:
                 return peers
+            if expected is not None and waited is not None:
+                alive = waited()
+                if len(alive) >= min_group_size and alive <= declared <= expected:
+                    return peers
             if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):
                 return peers
             try:
@@ -251,6 +285,37 @@ class Matchmaker:
             except asyncio.TimeoutError:
                 pass
             poll = min(2 * poll, max(FIRST_POLL, grace / POLLS_PER_WINDOW))
+
+    def _start_probe(self, peer: str) -> None:
+        task = asyncio.ensure_future(self.probe(peer))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def probe(self, peer: str) -> bool:
+        """Whether ``peer`` answers on this matchmaking protocol now (a record alone cannot); told to
+        the attendance either way."""
+        channel = None
+        try:
+            async with timeout(self.reply_deadline):
+                channel = await self.transport.open(peer, self.protocol)
+                await channel.send({"t": "probe"})
+                expect_kind(await channel.recv(max_payload=0), "alive")
+            self.attendance.answered(peer)
+            return True
+        except Exception as error:  # not there, or not a peer of this averager: not waited for
+            logger.debug("probe of %s failed: %s: %s", peer, type(error).__name__, error)
+            self.attendance.probe_failed(peer)
+            return False
+        finally:
+            if channel is not None:
+                await channel.close()
+
+    async def close(self) -> None:
+        """Stop the probes in flight."""
+        for task in list(self._probes):
+            task.cancel()
+        if self._probes:
+            await asyncio.wait(list(self._probes))
 
     async def _plan(self, looking: _Looking, window: float) -> GroupPlan | None:
         """The plan a leader sends (None: a cancel, or none within the window and two replies)."""
@@ -292,6 +357,7 @@ class Matchmaker:
         for peer, task in invitations.items():
             if not task.cancelled() and task.exception() is None and task.result() is not None:
                 accepted[peer] = task.result()
+                self.attendance.seen_alive(peer)
         dropped = left_out(me, {peer: invitee.refuses for peer, invitee in accepted.items()})
         staying = {me, *accepted} - dropped
         for peer in sorted(dropped):
@@ -344,10 +410,15 @@ class Matchmaker:
     async def serve(self, channel: Channel) -> None:
         """Control-protocol handler: answer one invitation, then wait for the leader's decision."""
         async with timeout(self.reply_deadline):
-            invite = expect_kind(await channel.recv(max_payload=0), "invite")
+            invite = await channel.recv(max_payload=0)
+        if invite.kind == "probe":  # another member checks this peer is alive (attendance.py)
+            await channel.send({"t": "alive"})
+            return
+        expect_kind(invite, "invite")
         key = field(invite.header, "key", str)
         group = peer_ids(invite.header, "group", MAX_GROUP)
         looking = self._looking.get(key)
+        self.attendance.seen_alive(channel.peer_id)  # it leads a group of this averager
         if looking is None or looking.committed:
             reason = "not looking for a group under this key" if looking is None else "already in a group"
             await channel.send({"t": "decline", "reason": reason})

@@ -171,6 +171,8 @@ class Averager:
 
     async def __aexit__(self, *exc_info) -> None:
         transport = self.runtime.transport
+        if self.matchmaker is not None:
+            await self.matchmaker.close()
         if transport is not None and self.node.p2p is not None:
             await transport.stop_serving(self._match_protocol)
             await transport.stop_serving(self._allreduce_protocol)
@@ -370,6 +372,8 @@ class Averager:
         it. Every d rounds the grid order is drawn afresh; hub groups are drawn every round."""
         me = self.node.peer_id
         peers = {member.peer_id for member in self._averaging_members()} | {me}
+        if self.matchmaker is not None:
+            self.matchmaker.attendance.keep_only(peers)
         sides = (self.group_size,) * self.grid_dims if self.grid_dims else grid_sides(len(peers), self.group_size)
         order = grid_order(list(peers), f"{self.run_id}/{self.name}/{index // len(sides)}")
         dim = index % len(sides)

@@ -83,6 +83,10 @@ class PeerStatus:
     swarm_memory: dict[str, int] = field(default_factory=dict)
     round_deadline: float | None = None  # seconds a round like the last may take now (moshpit; timing.py RoundTimer)
     round_rate_mbps: float | None = None  # the rate it assumes: measured by rounds, else Timing.assumed_rate_mbps
+    # members that were waited for in a round and never declared -> how often (averaging/attendance.py);
+    # ``absent``: those of them not seen alive since, which matchmaking does not wait for
+    no_shows: dict[str, int] = field(default_factory=dict)
+    absent: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -404,7 +408,14 @@ class Peer:
             swarm_memory=self.swarm_memory(),
             round_deadline=timer.next_deadline if timer else None,
             round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
+            **self._attendance(),
         )
+
+    def _attendance(self) -> dict[str, Any]:
+        matchmaker = getattr(self.training.averager, "matchmaker", None) if self.training is not None else None
+        if matchmaker is None:
+            return {}
+        return {"no_shows": dict(matchmaker.attendance.no_shows), "absent": matchmaker.attendance.suspects()}
 
     def swarm_memory(self) -> dict[str, int]:
         """Host bytes held for the swarm beyond the model, its gradients and the optimizer, by holder."""

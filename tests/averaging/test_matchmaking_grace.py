@@ -163,6 +163,8 @@ def test_an_expected_leader_whose_declaration_shows_late_still_leads():
         node = DeclaredNode(["me", "other"])
         matchmaker = Matchmaker(node, SimpleNamespace(admission=None), "test", schema_digest="schema",
                                 codec="none", reply_timeout=0.1)
+        for member in ("late", "other"):  # members that averaged before: waited for (attendance.py)
+            matchmaker.attendance.seen_alive(member)
         led = []
 
         async def lead(key, group, min_group_size, share):
