@@ -151,6 +151,19 @@ class GossipAverager:
 
     # ---- one step -------------------------------------------------------------------------------
 
+    def add_weight(self, samples: float) -> None:
+        """Mass for ``samples`` trained on since the last step: the estimate stays, its weight grows, so
+        peers mix by the samples behind their values rather than one unit each (architecture.md,
+        invariant 'weights are samples'). Nothing for a sample count that is not finite and positive."""
+        if not (math.isfinite(samples) and samples > 0):
+            return
+        samples = min(float(samples), MAX_WEIGHT / 2)
+        if self.sparse is not None:
+            self.sparse.weights.add_(samples)
+            self.weight = self.sparse.mean_weight
+        else:
+            self.weight = min(self.weight + samples, MAX_WEIGHT / 2)
+
     async def step(self) -> RoundReport:
         """Merge the pushes that arrived, then push half of our weight to this step's neighbours."""
         started = time.monotonic()

@@ -3,7 +3,9 @@
 A peer a round or two behind (its round failed while the others' succeeded, it was paused for a
 moment, or its state download ended with the swarm a round further) replays the rounds it missed:
 it takes each round's result from the peers that applied it (donors keep their last few,
-``StateServer.publish_result``) and applies it to its own state, as if it had averaged with them.
+``StateServer.publish_result``) and applies it to its own state, as if it had averaged with them,
+keeping the local steps it made since its last round on top (``Policy.apply_keeping_progress``, as
+overlap's land does): they, and their samples as weight, go into its next round.
 No donor alone decides what it applies (``CatchUp.agreed_result``): three are asked (those with the
 lowest misbehaviour scores here, so that peers seen clipped or cut are not asked while others can
 be) for the digest of the result they keep; the members of one group hold the very same one, so
@@ -137,9 +139,12 @@ class CatchUp:
             except StateTransferError as error:
                 logger.info("could not replay round %d: %s", epoch, error)
                 break
-            self.policy.apply(result)
+            local = self.tracker.local
+            carried = (local.steps, local.samples)  # the work since its last round, sent in its next one
+            if not self.policy.apply_keeping_progress(result):
+                carried = (0, 0)
             self.server.publish_result(epoch, result)  # a peer behind this one may replay it here
-            self.tracker.next_epoch(epoch + 1)
+            self.tracker.next_epoch(epoch + 1, *carried)
             applied += 1
             donors = self.tracker.ahead_of(epoch + 1)
         if applied:

@@ -74,6 +74,7 @@ class GossipBackend:
         self.gossip, self.contribution = gossip, contribution
 
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
+        self.gossip.add_weight(weight)  # push-sum mass from the samples since the last step, not 1 a peer
         report = await self.gossip.step()
         return RoundOutcome(report.ok, self.contribution, report)
 

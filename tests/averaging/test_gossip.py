@@ -325,6 +325,26 @@ def test_bad_pushes_are_refused_without_touching_state():
     run_async(scenario())
 
 
+def test_samples_added_as_weight_pull_the_mean_toward_the_peer_that_trained_on_them():
+    """Issue 38: push-sum mass comes from samples (``add_weight``, which the gossip backend calls
+    with the samples since the last step), not one unit a peer: a peer with 97 more samples counts
+    97 times more in the mean the swarm reaches."""
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            _, tensors, weights, _, gossips = await gossip_swarm(stack, 2)
+            gossips[0].add_weight(97.0)
+            gossips[1].add_weight(float("nan"))  # not a sample count: ignored
+            weights = [weights[0] + 97.0, weights[1]]
+            mean = (weights[0] * tensors[0] + weights[1] * tensors[1]) / sum(weights)
+            for _ in range(30):
+                await asyncio.gather(*(g.step() for g in gossips))
+                if relative_error(tensors, mean) < 1e-3:
+                    break
+            assert relative_error(tensors, mean) < 1e-3 and math.isclose(total_mass(gossips), sum(weights))
+
+    run_async(scenario())
+
+
 def test_lossy_pushes_to_several_neighbours_conserve_mass():
     """With fanout 2 the second push of a step must start from what the first one left."""
 

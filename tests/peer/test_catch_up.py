@@ -101,13 +101,19 @@ class Harness:
 def test_a_peer_one_round_behind_replays_that_round_instead_of_downloading(monkeypatch):
     h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
     start = h.start()
+    local = [p.detach() - s for p, s in zip(h.policy.params, h.policy.layout.views(start))]  # its local step
+    steps, samples = h.tracker.local.steps, h.tracker.local.samples
+    assert any(bool(delta.abs().sum()) for delta in local)
     h.run()
     assert h.downloads == 0 and h.asked_results == [0]
     assert h.tracker.local.epoch == 1 and h.catch_up.replayed == 1
     # outer lr 1, no momentum: the new start is the old one minus the round's result, and the
-    # parameters are reset to it (the local steps of the missed epoch are dropped, as by a download)
+    # parameters are the new start plus the local steps made since the old one (issue 38: a late
+    # peer's work is kept, and its steps and samples count in the epoch it sends them in)
     assert torch.allclose(h.policy.start, start - h.donor_results[0])
-    assert all(torch.equal(p.detach(), s) for p, s in zip(h.policy.params, h.policy.layout.views(h.policy.start)))
+    assert all(torch.allclose(p.detach(), s + delta, atol=1e-7)
+               for p, s, delta in zip(h.policy.params, h.policy.layout.views(h.policy.start), local))
+    assert (h.tracker.local.steps, h.tracker.local.samples) == (steps, samples) == (1, 4)
     assert torch.equal(h.server.results[0], h.donor_results[0])  # kept, for a peer behind this one
     assert h.published == [1]
 

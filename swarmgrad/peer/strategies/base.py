@@ -177,6 +177,24 @@ class Policy(ABC):
         them. None: the parameters themselves are the swarm's, and a served state copies them."""
         return None
 
+    @no_grad
+    def apply_keeping_progress(self, average: torch.Tensor) -> bool:
+        """``apply`` a round this peer missed (catch_up.py replays it) and put the local progress made
+        since the swarm's last step back on top, as overlap's ``land`` does: a late peer's work is
+        sent in its next round instead of being overwritten. True when there was such progress to
+        keep (a strategy with ``outer_params``); it is held as one model-sized buffer meanwhile."""
+        import torch
+
+        outer = self.outer_params()
+        if outer is None:
+            self.apply(average)
+            return False
+        progress = [param.detach().to("cpu", torch.float32) - start for param, start in zip(self.params, outer)]
+        self.apply(average)
+        for param, step in zip(self.params, progress):
+            param.add_(step.to(param.device, param.dtype))
+        return True
+
     # a round that travels while training goes on (peer/overlap.py; only where ``overlap_steps``):
     # ``launch`` fills the contribution and returns it as sent (it stays so until the round ends),
     # then exactly one of ``land`` (with the swarm's average; the progress made meanwhile stays on
