@@ -31,6 +31,7 @@ class PlainLog:
 
     def __init__(self) -> None:
         self._last = 0.0
+        self._entry_points: list[str] = []
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event["event"]
@@ -47,6 +48,10 @@ class PlainLog:
                          f"{event['samples_per_second']:.0f} samples/s  peers {event['peers']}  rounds "
                          f"{event['rounds_ok']} ok/{event['rounds_failed']} failed  "
                          f"sent {event['bytes_sent'] / 1e6:.1f} MB{epsilon}", markup=False)
+            entries = event.get("entry_points") or []
+            if entries and set(entries) != set(self._entry_points):  # any public member lets others in
+                self._entry_points = list(entries)
+                stderr.print(f"others join through any of: --initial-peers {','.join(entries)}", markup=False)
         elif kind == "eval":
             stderr.print(f"held-out accuracy {_number(event.get('accuracy'), '.4f')}  loss "
                          f"{_number(event.get('loss'), '.4f')}  (epoch {event['epoch']})", markup=False)

@@ -39,4 +39,16 @@ def _view(members: list[Member], run_id: str) -> Group:
     table = members_table(members, title=f"run {run_id}: {len(members)} members")
     banning = [f"{short_id(member.peer_id)} bans {member.stats.bans}" for member in members
                if member.stats is not None and member.stats.bans]
-    return Group(table, Text(f"bans: {', '.join(banning)}")) if banning else Group(table)
+    lines = [Text(f"bans: {', '.join(banning)}")] if banning else []
+    entries = entry_points(members)
+    if entries:  # any public member is an entry point: the bootstrap node need not be alive
+        lines.append(Text(f"join through any of: --initial-peers {','.join(entries)}"))
+    return Group(table, *lines)
+
+
+def entry_points(members: list[Member], count: int = 3) -> list[str]:
+    """Up to ``count`` addresses to join the run through: one each of the members others can dial
+    (bootstrap nodes first, then peers seen most recently)."""
+    public = [member for member in members if member.reachability == "public"]
+    public.sort(key=lambda member: (member.role != "bootstrap", -member.last_seen))
+    return [next(a for a in member.maddrs if "/p2p-circuit" not in a) for member in public[:count]]

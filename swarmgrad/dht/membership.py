@@ -363,6 +363,8 @@ class Membership:
             self._publish_now.clear()
             started = time.monotonic()
             try:
+                if self.node.routing_peers == 0:  # every peer it knew through the DHT is gone: join again
+                    await self.node.rebootstrap()  # through the members it saw (a no-op knowing none)
                 await self.announce()
                 if self.watch:
                     await self.read()

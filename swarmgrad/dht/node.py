@@ -40,6 +40,10 @@ OPENED_RECORDS = 1024  # parsed records a node keeps for its reads (a kilobyte o
 # with 16 presence-only peers on 2 cores: 40 -> 28 DHT finds and 5.9% -> 3.7% of a core per peer.
 DHT_CACHING = {"cache_locally": False, "cache_nearest": 0}
 LATENCY_SAMPLES = 8  # DHT requests ``SwarmNode.dht_latency`` looks back over
+# Addresses of peers this node saw publish them (presence), kept so that a node whose routing table
+# emptied (its initial peers died, the others it knew left) can join again through any of them.
+KNOWN_ADDRESSES = 64
+REJOIN_PEERS = 8  # pinged at once by a re-bootstrap
 
 
 class _RememberingValidator(RecordValidatorBase):
@@ -121,6 +125,8 @@ class SwarmNode:
             self.dialable and not self.config.initial_peers and not self.config.on_loopback)
         self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # seconds of recent DHT requests
         self._validator = _RememberingValidator()
+        self._known: OrderedDict[str, list[str]] = OrderedDict()  # peer id -> addresses it published, newest last
+        self.rebootstraps = 0  # times the routing table was empty and was filled again from known members
 
     @property
     def dht_latency(self) -> float:
@@ -215,6 +221,11 @@ class SwarmNode:
         we connect to such a peer at once, in the background: hole punching then has time to
         upgrade the relayed connection to a direct one before a round needs it (a stream opened on
         a relayed connection stays on it, and hivemind's p2pd resets those after 128 KiB)."""
+        if maddrs and peer_id != self.peer_id:
+            self._known[peer_id] = list(maddrs)[:8]
+            self._known.move_to_end(peer_id)
+            while len(self._known) > KNOWN_ADDRESSES:
+                self._known.popitem(last=False)
         if maddrs and all("/p2p-circuit" in address for address in maddrs):
             known = peer_id in self._relayed_addresses
             self._relayed_addresses[peer_id] = list(maddrs)[:8]
@@ -238,6 +249,49 @@ class SwarmNode:
                 await self.p2p._client.connect(PeerID.from_base58(peer_id), [_DaemonAddress(a, peer_id) for a in addresses])
         except Exception as error:  # noqa: BLE001 - the stream's own error is the one to report
             logger.debug("could not connect to %s through its relays: %s", peer_id, error)
+
+    @property
+    def routing_peers(self) -> int:
+        """Peers in this node's DHT routing table now (0: it can reach nobody through the DHT)."""
+        return len(self.dht.protocol.routing_table.peer_id_to_uid) if self.dht is not None else 0
+
+    def entry_points(self, count: int = 3) -> list[str]:
+        """Up to ``count`` addresses a newcomer may join through: this node's own if others can dial
+        it, then those of the members it saw most recently publish direct (not relayed) ones."""
+        found = [self.maddrs[0]] if self.dialable and self.maddrs else []
+        for addresses in reversed(self._known.values()):
+            direct = [address for address in addresses if "/p2p-circuit" not in address]
+            if direct and len(found) < count:
+                found.append(direct[0])
+        return found[:count]
+
+    async def rebootstrap(self) -> int:
+        """When the routing table is empty (every initial peer gone, and every peer learnt since),
+        join the DHT again through the members this node saw publish addresses: connect to up to
+        ``REJOIN_PEERS`` of the most recent and ping them into the table. Returns how many answered
+        (0 also when the table was not empty)."""
+        if self.dht is None or self.p2p is None or self.routing_peers > 0 or not self._known:
+            return 0
+        from hivemind.p2p import PeerID
+
+        async def ping(peer_id: str, addresses: list[str]) -> bool:
+            try:
+                async with timeout(self.config.request_timeout):
+                    await self.p2p._client.connect(PeerID.from_base58(peer_id),
+                                                   [_DaemonAddress(a, peer_id) for a in addresses])
+                    return await self.dht.protocol.call_ping(PeerID.from_base58(peer_id)) is not None
+            except Exception as error:  # noqa: BLE001 - gone too: the next one may answer
+                logger.debug("re-bootstrap through %s failed: %s", peer_id, error)
+                return False
+
+        candidates = list(self._known.items())[-REJOIN_PEERS:]
+        answered = sum(await asyncio.gather(*(ping(peer, addresses) for peer, addresses in candidates)))
+        if answered:
+            self.rebootstraps += 1
+        logger.log(logging.INFO if answered else logging.DEBUG,
+                   "the DHT routing table was empty: rejoined through %d of %d known member(s)", answered,
+                   len(candidates))
+        return answered
 
     async def refresh_maddrs(self) -> None:
         """Ask the daemon for its current addresses: a NATed node's relayed ones come and go."""

@@ -87,6 +87,9 @@ class PeerStatus:
     # ``absent``: those of them not seen alive since, which matchmaking does not wait for
     no_shows: dict[str, int] = field(default_factory=dict)
     absent: list[str] = field(default_factory=list)
+    # addresses a newcomer can join through (this peer's own if public, then members seen recently):
+    # any public member is an entry point, so the run outlives its bootstrap node
+    entry_points: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -408,7 +411,7 @@ class Peer:
             swarm_memory=self.swarm_memory(),
             round_deadline=timer.next_deadline if timer else None,
             round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
-            **self._attendance(),
+            entry_points=self.node.entry_points(), **self._attendance(),
         )
 
     def _attendance(self) -> dict[str, Any]:

@@ -314,7 +314,8 @@ def test_a_record_outlives_beats_as_long_as_its_store_and_reread_really_take():
 
     def node(latency: float) -> SimpleNamespace:
         return SimpleNamespace(store=store, get_records=get_records, refresh_maddrs=refresh_maddrs, maddrs=[],
-                               dht_latency=latency, remember_addresses=lambda *_: None, dht=None)
+                               dht_latency=latency, remember_addresses=lambda *_: None, dht=None,
+                               routing_peers=1)
 
     async def scenario(latency: float) -> None:
         async with Membership(node(latency), "slow-run", ttl=1.0, refresh=0.2, watch=True):
@@ -327,3 +328,33 @@ def test_a_record_outlives_beats_as_long_as_its_store_and_reread_really_take():
     lifetimes.clear()
     run_async(scenario(0.5))
     assert lifetimes[0] == pytest.approx(5 * (0.2 + 2 * 0.5), abs=0.05)  # a store and a read at the node's latency
+
+
+def test_a_heartbeat_with_an_empty_routing_table_rejoins_through_known_members_first():
+    """Issue 38: every initial peer gone and nobody left in the routing table: the heartbeat asks the
+    node to re-bootstrap from the members it saw (SwarmNode.rebootstrap, on real daemons in
+    test_entry_points.py) before it announces."""
+    calls: list[str] = []
+
+    async def store(*args, **kwargs):
+        calls.append("store")
+        return True
+
+    async def rebootstrap():
+        calls.append("rebootstrap")
+        node.routing_peers = 1
+        return 1
+
+    async def refresh_maddrs():
+        pass
+
+    node = SimpleNamespace(store=store, refresh_maddrs=refresh_maddrs, maddrs=[], dht_latency=0.0, dht=None,
+                           routing_peers=0, rebootstrap=rebootstrap)
+
+    async def scenario():
+        async with Membership(node, "empty-run", ttl=2.0, refresh=0.1):
+            await asyncio.sleep(0.35)
+
+    run_async(scenario())
+    assert calls[:3] == ["store", "rebootstrap", "store"] and calls.count("rebootstrap") == 1
+
