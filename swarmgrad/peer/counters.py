@@ -30,6 +30,8 @@ class Counters:
         self.bytes_received = 0
         self.loss: float | None = None
         self.last_report: dict[str, Any] | None = None
+        self.longest_round = 0.0  # seconds, matchmaking included (a soak checks nothing creeps up)
+        self.longest_allreduce = 0.0  # seconds of the longest all-reduce (what a round's deadline bounds)
 
     def note_loss(self, value: float) -> None:
         if math.isfinite(value):
@@ -52,6 +54,8 @@ class Counters:
         self.bytes_sent += report.bytes_sent
         self.bytes_received += report.bytes_received
         self.last_report = report.summary()
+        self.longest_round = max(self.longest_round, report.seconds)
+        self.longest_allreduce = max(self.longest_allreduce, getattr(report, "allreduce_seconds", 0.0))
         if report.kind == "moshpit":  # a gossip push is too frequent to log
             logger.info("round %d: %s, %d peers, %.1f s (all-reduce %.1f s), %.2f MB sent", report.round_index,
                         "ok" if outcome.ok else f"failed ({report.error})", len(report.peers), report.seconds,

@@ -90,6 +90,9 @@ class PeerStatus:
     # addresses a newcomer can join through (this peer's own if public, then members seen recently):
     # any public member is an entry point, so the run outlives its bootstrap node
     entry_points: list[str] = field(default_factory=list)
+    longest_round: float = 0.0  # seconds the longest round took, matchmaking included
+    longest_allreduce: float = 0.0  # seconds the longest all-reduce took (what round_deadline bounds)
+    asyncio_tasks: int | None = None  # tasks on the peer's event loop now (a soak watches they stay flat)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -411,8 +414,18 @@ class Peer:
             swarm_memory=self.swarm_memory(),
             round_deadline=timer.next_deadline if timer else None,
             round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
-            entry_points=self.node.entry_points(), **self._attendance(),
+            longest_round=counters.longest_round, longest_allreduce=counters.longest_allreduce,
+            entry_points=self.node.entry_points(), asyncio_tasks=self._asyncio_tasks(), **self._attendance(),
         )
+
+    def _asyncio_tasks(self) -> int | None:
+        loop = self._background.loop if self._background is not None else None
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return None
+        return len(asyncio.all_tasks(loop))
 
     def _attendance(self) -> dict[str, Any]:
         matchmaker = getattr(self.training.averager, "matchmaker", None) if self.training is not None else None
