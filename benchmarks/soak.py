@@ -45,6 +45,9 @@ RUN = "soak"
 HOUR = 3600.0
 # the schedule of an hour-long soak, in seconds of that hour (scaled by --minutes / 60)
 KILL_EVERY, BOOTSTRAP_DIES, LATE_JOIN, SAMPLE_EVERY, WARM_UP = 300.0, 1200.0, 1500.0, 30.0, 600.0
+# a restarted peer takes 20-40 s here to import torch, start p2pd and take the swarm's state: kills
+# closer together than this would only ever kill peers that have not started training again
+MIN_KILL_EVERY = 45.0
 
 
 def log(message: str) -> None:
@@ -133,6 +136,15 @@ def peer_argv(directory: Path, index: int, initial: str, inner_steps: int, creat
     return [*SWARMGRAD, "peer", "digits", "--run-id", RUN, "--initial-peers", initial, "--threads", "1",
             "--identity", str(directory / f"peer{index}.key"), "--inner-steps", str(inner_steps), "--json",
             "--shard", str(index), "--num-shards", "8", *(["--create"] if create else [])]
+
+
+def entry_points(slots: list[PeerSlot]) -> list[str]:
+    """Addresses live members name to join through (``status().entry_points``), newest views first."""
+    found: list[str] = []
+    for slot in slots:
+        if slot.current.alive() and slot.current.events:
+            found += [a for a in slot.current.events[-1][1].get("entry_points") or [] if a not in found]
+    return found
 
 
 def wait_for(what: str, check, seconds: float) -> Any:
@@ -253,7 +265,8 @@ def plot(rows: list[dict], path: Path, events: list[tuple[float, str]]) -> None:
 
 def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -> dict:
     scale = minutes * 60 / HOUR
-    kill_every, bootstrap_dies, late_join = KILL_EVERY * scale, BOOTSTRAP_DIES * scale, LATE_JOIN * scale
+    kill_every, bootstrap_dies, late_join = max(MIN_KILL_EVERY, KILL_EVERY * scale), BOOTSTRAP_DIES * scale, \
+        LATE_JOIN * scale
     sample_every, warm_up = max(1.0, SAMPLE_EVERY * scale), WARM_UP * scale
     rows: list[dict] = []
     timeline: list[tuple[float, str]] = []
@@ -286,6 +299,10 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -
                     slot = slots[victim % peers]
                     log(f"killing {slot.current.name} (SIGKILL) and restarting it")
                     slot.current.kill()
+                    # it comes back through the bootstrap node and two live members: several initial
+                    # peers, so the bootstrap's death does not keep it out
+                    slot.argv = peer_argv(directory, victim % peers, ",".join([boot, *entry_points(slots)[:2]]),
+                                          inner_steps, create=False)
                     starts[slot.start().name] = now
                     timeline.append((now, f"restart {slot.name}"))
                     victim, next_kill = victim + 1, next_kill + kill_every
@@ -295,10 +312,9 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -
                     bootstrap_dead = True
                     timeline.append((now, "bootstrap dies"))
                 if late is None and now >= late_join:
-                    through = next((s.current.events[-1][1].get("entry_points") or [] for s in slots
-                                    if s.current.events and s.current.alive()), [])
-                    log(f"a new peer joins through {through[:1]}")
-                    late = PeerSlot("late", peer_argv(directory, peers, ",".join(through[:2]), inner_steps, False))
+                    through = entry_points(slots)[:2]
+                    log(f"a new peer joins through {through}")
+                    late = PeerSlot("late", peer_argv(directory, peers, ",".join(through), inner_steps, False))
                     starts[late.start().name] = now
                     late_started = now
                     timeline.append((now, "late joiner"))
