@@ -122,8 +122,9 @@ async def measure(count: int, seconds: float) -> dict:
     return {"peers": count, "seconds": seconds, "clean": clean, "silent": silent, "after": after,
             # against the mean of the windows before and after it: on a shared machine the pace drifts
             "ratio": sum(silent) / max(1.0, (sum(clean) + sum(after)) / 2), "rounds": rounds,
-            "silent_no_shows": [status.no_shows.get(node.peer_id, 0) for status in statuses],
-            "other_no_shows": [sum(n for p, n in status.no_shows.items() if p != node.peer_id) for status in statuses]}
+            "silent_no_shows": [getattr(status, "no_shows", {}).get(node.peer_id, 0) for status in statuses],
+            "other_no_shows": [sum(n for p, n in getattr(status, "no_shows", {}).items() if p != node.peer_id)
+                               for status in statuses]}
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ in this peer's slice, only for those it has *seen alive*: they declared under a 
 peer read, invited or accepted it in a round, or answered a direct probe (``Matchmaker.probe``: a
 stream to its matchmaking protocol, which a record alone cannot open). A member seen alive that
 was waited for and did not declare (a no-show) is not waited for again until it shows life again;
-probes of members not seen alive back off (``PROBE_BACKOFF`` doubling per no-show or failed probe),
+probes of members not seen alive back off (``PROBE_BACKOFF``, 0.5 s, doubling per no-show or failed probe),
 so a listed member that never averages costs at most one matchmaking window, and a fake record
 behind no peer costs none. Members that are not waited for still take part when they declare in time.
 
@@ -19,7 +19,12 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-PROBE_BACKOFF = 5.0  # seconds before a member not seen alive is probed again, doubled per failure
+# seconds before a member not seen alive is probed again, doubled per no-show or failed probe since it
+# was last seen declaring: an honest peer that missed one window (slow once, or a declaration read
+# late) answers the next probe and is waited for again a round later, while one that answers probes
+# and never declares costs a window ever more rarely (at 5 s first, slow honest peers were left out
+# of rounds for seconds at a time and fell into catch-up loops)
+PROBE_BACKOFF = 0.5
 MAX_BACKOFF = 600.0
 MAX_TRACKED = 4096  # members remembered (bounded: records come and go for days)
 
