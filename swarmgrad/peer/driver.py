@@ -207,7 +207,14 @@ class RoundDriver:
             return None
         target = self.tracker.fresh().epoch
         logger.info("epoch %d: ahead of the swarm (epoch %d) on its own; taking its state", epoch, target)
-        return await self._try_catch_up(behind, target, rejoin=True)
+        rejoined = await self._try_catch_up(behind, target, rejoin=True)
+        if rejoined and self.tracker.local.epoch >= epoch:
+            # the state came from this epoch or later: the swarm was not behind, this peer's view of it
+            # was (records a beat old, rounds a fraction of a beat apart). Judging again on that view
+            # downloaded the same state over and over (issue 38: 450 times in 40 s, 3 digits peers);
+            # train on until the records are reread
+            self._retry_at = time.monotonic() + self.timing.presence_refresh
+        return rejoined
 
     # ---- overlap: a round that travels behind the next inner phase ------------------------------
 

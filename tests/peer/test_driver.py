@@ -159,3 +159,22 @@ def test_gossip_steps_once_and_always_takes_the_merged_values(ok):
     assert len(backend.calls) == 1 and tracker.local.epoch == 1
     if ok:
         torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in policy.params]), merged)
+
+
+def test_a_rejoin_whose_state_is_at_this_peers_epoch_waits_for_fresh_records_before_judging_again():
+    """Issue 38: records a beat old said the swarm was two epochs behind; the state taken was at this
+    peer's own epoch (the donor was there too), and the next swarm step judged the same stale view
+    again: 450 downloads in 40 s. Now it trains on until the records are reread."""
+    h = Harness([], others=(peer_at(2, "b"), peer_at(2, "c")))
+    h.tracker.local.epoch = 4
+
+    async def donor_at_this_epoch(donors, min_version, rejoin=False):
+        h.rejoins.append((donors, min_version))
+        h.tracker.next_epoch(4)  # what the donor really held
+
+    h.driver.catch_up = donor_at_this_epoch
+    assert run_async(h.driver.swarm_step()) and h.rejoins == [(["b", "c"], 2)]
+    assert not run_async(h.driver.swarm_step()) and len(h.rejoins) == 1  # the same view: not judged again
+    h.driver._retry_at = 0.0  # the records reread (here: the wait is over)
+    run_async(h.driver.swarm_step())
+    assert len(h.rejoins) == 2
