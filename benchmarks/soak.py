@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 SWARMGRAD = [sys.executable, "-m", "swarmgrad"]
 RUN = "soak"
 HOUR = 3600.0
@@ -48,6 +46,40 @@ KILL_EVERY, BOOTSTRAP_DIES, LATE_JOIN, SAMPLE_EVERY, WARM_UP = 300.0, 1200.0, 15
 # a restarted peer takes 20-40 s here to import torch, start p2pd and take the swarm's state: kills
 # closer together than this would only ever kill peers that have not started training again
 MIN_KILL_EVERY = 45.0
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from /proc (Linux; psutil is not among the project's dependencies)."""
+    found: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            found.setdefault(parent, []).append(int(entry))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def usage(pid: int) -> dict[str, int] | None:
+    """Resident bytes, open fds and threads of ``pid``; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                "threads": int(fields["Threads"])}
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def log(message: str) -> None:
@@ -85,15 +117,13 @@ class Proc:
     def _stderr(self, line: str) -> None:
         self.stderr = (self.stderr + [line])[-50:]
 
-    def processes(self) -> list[psutil.Process]:
-        """This process and its descendants (p2pd among them), remembered for a kill."""
-        try:
-            root = psutil.Process(self.process.pid)
-            found = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
+    def processes(self) -> list[int]:
+        """This process's pid and its descendants' (p2pd among them), remembered for a kill."""
+        if not self.alive():
             return []
-        self.daemons |= {p.pid for p in found[1:]}
-        return found
+        found = descendants(self.process.pid)
+        self.daemons |= set(found)
+        return [self.process.pid, *found]
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -165,14 +195,11 @@ def sample(now: float, procs: list[Proc]) -> list[dict]:
             continue
         last = proc.events[-1][1] if proc.events else {}
         memory = last.get("swarm_memory") or {}
-        for index, process in enumerate(proc.processes()):
-            try:
-                with process.oneshot():
-                    row = {"t": now, "process": proc.name if index == 0 else f"{proc.name}/p2pd",
-                           "rss": process.memory_info().rss, "fds": process.num_fds(),
-                           "threads": process.num_threads()}
-            except psutil.Error:
+        for index, pid in enumerate(proc.processes()):
+            measured = usage(pid)
+            if measured is None:
                 continue
+            row = {"t": now, "process": proc.name if index == 0 else f"{proc.name}/p2pd", **measured}
             if index == 0 and last:
                 row.update(tasks=last.get("asyncio_tasks"), kept_results=memory.get("kept_results", 0),
                            served_state_copies=memory.get("served_state_copies", 0),
