@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-# the most any process held in a 3-minute run here: 23 fds, 11 threads; a leak of one per round (a
-# thousand rounds in 3 minutes) passes these bounds, a slower one does not show in 3 minutes at all
+# the most any process held in a 3-minute run here: 23 fds, 11 threads; a leak of one per round (a few
+# hundred rounds per peer in 3 minutes) exceeds these bounds, a slower one shows only in the hour run
 MAX_FDS, MAX_THREADS = 400, 200
 
 
