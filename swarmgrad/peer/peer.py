@@ -108,22 +108,26 @@ class Peer:
     ``initial_peers``, ``checkpoint_dir``, ``upload_limit_mbps``, ``ticket`` (a ticket file), ...),
     and each section by its name (``network=NodeConfig(...)``, ``timing=Timing(...)``,
     ``bans=Accountability(...)``). ``manifest``: a run manifest this peer publishes (and keeps
-    published while it runs): it creates the run.
+    published while it runs): it creates the run. ``grad_scaler``: fp16's ``torch.amp.GradScaler``,
+    when the loss given to ``backward`` was scaled with it: ``step`` unscales the gradients and skips a
+    step whose gradients overflowed (not stepped, not counted, never sent).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: RunConfig | None = None,
                  peer: PeerConfig | None = None, batch_size: int | None = None, dataset_size: int | None = None,
-                 manifest: RunManifest | None = None, **options: Any):
+                 manifest: RunManifest | None = None, grad_scaler: torch.amp.GradScaler | None = None, **options: Any):
         requested, local = peer_settings(config, peer, options)
         check_privacy(requested, batch_size, dataset_size)
         self._attach(PeerAssembly(requested, local, manifest), model, optimizer, batch_size, dataset_size, None)
+        self.grad_scaler = grad_scaler
 
     @classmethod
     def _on(cls, opened: OpenRun, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int | None,
-            dataset_size: int | None) -> Peer:
+            dataset_size: int | None, grad_scaler: torch.amp.GradScaler | None = None) -> Peer:
         """A Peer on a run that ``OpenRun`` opened: its node, its settled settings, its event loop."""
         peer = cls.__new__(cls)
         peer._attach(opened.assembly, model, optimizer, batch_size, dataset_size, opened.background)
+        peer.grad_scaler = grad_scaler
         return peer
 
     def _attach(self, assembly: PeerAssembly, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -236,6 +240,7 @@ class Peer:
         try:
             self.training = await self.assembly.build(self.model, self.optimizer, batch_size=self.batch_size,
                                                       dataset_size=self.dataset_size)
+            self.training.policy.grad_scaler = self.grad_scaler
         except BaseException:
             await self.assembly.close()
             raise
@@ -448,8 +453,8 @@ class Peer:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if self.training is None:
             raise RuntimeError("use `with peer:` (or `async with` and astep) before stepping")
-        if loss is not None:
-            self.counters.note_loss(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+        if loss is not None:  # a tensor stays one: reading it would make the host wait for the device
+            self.counters.note_loss(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
         if self.training.per_sample is not None:
             self.training.per_sample.clip_and_noise_gradients()  # raises BudgetExhausted past max_epsilon
         return self.training.policy.after_backward(batch_size)
@@ -526,11 +531,11 @@ class OpenRun:
         return self
 
     def peer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, batch_size: int | None = None,
-             dataset_size: int | None = None) -> Peer:
+             dataset_size: int | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> Peer:
         """The Peer that trains ``model`` in this run; ``with`` it to assemble the rest and join."""
         if self.background is None:
             raise RuntimeError("use `with OpenRun(...) as run:` first")
-        return Peer._on(self, model, optimizer, batch_size, dataset_size)
+        return Peer._on(self, model, optimizer, batch_size, dataset_size, grad_scaler)
 
     def __exit__(self, *exc_info) -> None:
         """Closes what the Peer did not (it closes all it entered, the loop included)."""

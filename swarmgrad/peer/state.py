@@ -95,7 +95,9 @@ class TrainingState:
         for name, value in self.tensors().items():
             if name.startswith("model/"):
                 continue
-            if value.device.type == "cpu" and value.is_contiguous():
+            if value.is_contiguous() and (value.device.type == "cpu" or is_optimizer(name)):
+                # a GPU's optimizer moments stay there: read a part at a time when a joiner asks,
+                # never copied to the host after every round
                 tensors[name] = value.detach()
                 live.add(name)
             else:

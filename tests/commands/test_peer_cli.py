@@ -18,6 +18,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 from peer_processes import SWARMGRAD, PeerProcess, Swarm
 
 
@@ -356,3 +357,21 @@ def test_a_lone_volunteer_sees_a_live_panel_on_a_terminal_and_plain_lines_on_a_p
     assert re.search(r"^step +\d+ +epoch +\d+ +loss", lines, re.M), lines
     assert re.search(r"^held-out accuracy 0\.\d+", lines, re.M), lines
     assert "stopped (max_seconds)" in lines and "╭" not in lines and "\x1b[" not in lines, lines
+
+
+def test_a_micro_batching_peer_trains_and_averages_with_a_whole_batch_one(swarm):
+    """--micro-batch 8 in a run of batch 32: the gradient is accumulated over 4 slices, so the peer trains
+    the run's batch size and averages with a peer computing whole batches; --device picks where."""
+    run = swarm("micro")
+    common = ["--inner-steps", "10", "--batch-size", "32", "--max-seconds", "10", "--eval-every", "0",
+              "--num-shards", "2", "--wait-peers", "2", *PATIENT]
+    sliced = run.peer(*common, "--shard", "0", "--device", "cpu", "--micro-batch", "8", name="sliced")
+    whole = run.peer(*common, "--shard", "1", "--device", "auto", name="whole")
+    ready = sliced.ready(90)
+    assert (ready["device"], ready["precision"], ready["micro_batch"]) == ("cpu", "fp32", 8), ready
+    expected_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert whole.ready(90)["device"] == expected_device and whole.ready(90)["micro_batch"] == 32
+    for peer in (sliced, whole):
+        done = finished(peer, 10 + 30 + 30)
+        assert done["status"]["rounds_ok"] >= 1, (peer.name, done["status"])
+        assert done["final"]["accuracy"] >= 0.8, (peer.name, done)
