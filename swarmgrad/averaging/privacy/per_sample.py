@@ -45,7 +45,8 @@ class PerSamplePrivacy(Accounted):
         except (NotImplementedError, ValueError) as error:
             raise PrivacyError(f"model: per-sample gradients are not available for it ({error})") from None
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._generator = generator if generator is not None else private_generator()
+        # drawn where the gradients are: a GPU peer's noise never crosses to the device per step
+        self._generator = generator if generator is not None else private_generator(self._params[0].device)
         self._budget = PrivacyBudget(self.noise_multiplier, sample_rate, self.privacy.delta,
                                      self.privacy.budget_limit(), self.privacy.accountant, what="step")
         self._last_sample_norms = torch.zeros(0)
