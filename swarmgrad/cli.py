@@ -19,6 +19,7 @@ from swarmgrad.commands.exits import EXIT_CONFIG_ERROR, call_reporting_errors
 from swarmgrad.commands.flags import with_options
 from swarmgrad.dashboard.settings import DashboardSettings
 from swarmgrad.demo.settings import DemoSettings
+from swarmgrad.demo.settings import peer_config as demo_peer_config
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.options import BOOTSTRAP_OPTIONS, PEER_OPTIONS, Given, Option, OptionSet
 from swarmgrad.peer.strategies.diloco import DiLoCo
@@ -228,6 +229,7 @@ def demo(
     target_accuracy: float = typer.Option(DemoSettings.target_accuracy, "--target-accuracy", min=0, max=1, help="Stop once reached."),
     max_seconds: float = typer.Option(DemoSettings.max_seconds, "--max-seconds", min=1, help="Training time budget per peer."),
     plot: Path = typer.Option(DemoSettings.plot, "--plot", help="Where to write the loss/accuracy plot."),
+    device: str = typer.Option(DemoSettings.device, "--device", help=_help("device") + " Every peer uses it."),
     json_output: bool = JsonOutput,
     run_id: str = typer.Option(DemoSettings.run_id, "--run-id", help="Run name used on the local swarm."),
     dashboard: bool = typer.Option(False, "--dashboard", help="Also serve the swarm's web dashboard (see `swarmgrad dashboard`) and print its URL.", show_default=False),
@@ -239,8 +241,13 @@ def demo(
 
     settings = DemoSettings(peers=peers, run_id=run_id, task=task, strategy=strategy, averaging=averaging,
                             compression=compression, inner_steps=inner_steps, target_accuracy=target_accuracy,
-                            max_seconds=max_seconds, plot=plot)
-    _validated(settings.run_config)  # a bad strategy or codec is one line here, not N failing peers
+                            max_seconds=max_seconds, plot=plot, device=device)
+    _validated(settings.run_config)
+    _validated(lambda: demo_peer_config(settings, 0, []))  # a bad --device is one line here too
+
+    from swarmgrad.device.placement import resolve_device  # torch: only once the options are good
+
+    _validated(lambda: resolve_device(device))  # one unusable GPU: one line, not N failing peers  # a bad strategy or codec is one line here, not N failing peers
     board = _validated(lambda: DashboardSettings(port=port)) if dashboard else None
     _run(run_demo(settings, json_output=json_output, dashboard=board))
 

@@ -32,6 +32,7 @@ class DemoSettings:
     max_seconds: float = 150.0
     eval_every: float = 2.0
     plot: Path = Path("swarmgrad-demo.png")
+    device: str = "auto"  # every peer's --device (on one GPU, the peers share it)
 
     def run_config(self) -> RunConfig:
         """What the demo's swarm trains with: only the settings the demo chooses are set, read as
@@ -55,7 +56,7 @@ def peer_config(settings: DemoSettings, index: int, initial_peers: list[str]) ->
     return PeerConfig(
         run_id=settings.run_id, network=NodeConfig(initial_peers=initial_peers),
         connection=Connection(wait_peers=settings.peers, wait=60), data=Data(shard=index, num_shards=settings.peers),
-        compute=Compute(threads=1),
+        compute=Compute(threads=1, device=settings.device),
         evaluation=Evaluation(every=settings.eval_every) if evaluates else Evaluation(every=0, final=False),
         stop=Stop(max_seconds=settings.max_seconds, target_accuracy=settings.target_accuracy if evaluates else None))
 

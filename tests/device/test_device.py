@@ -155,3 +155,25 @@ def test_device_and_precision_choices_here():
     with pytest.raises(ConfigError, match="fp16 needs a GPU"):
         resolve_precision("fp16", torch.device("cpu"))
     assert Precision("fp16", "cuda").needs_scaler and not Precision("bf16", "cuda").needs_scaler
+
+
+@pytest.mark.parametrize("strategy, copied", [(DiLoCo(inner_steps=2), "nothing"), (GossipSGD(every=2), "parameters"),
+                                              (SyncSGD(target_batch_size=2), "parameters and moments")])
+def test_the_state_published_after_a_round_copies_no_peers_own_optimizer_moments(strategy, copied):
+    """After every round a peer publishes the state joiners take: DiLoCo's is read from its outer
+    state, and a peer's own Adam moments are read where they are (on a GPU: when a joiner asks); only
+    what has no other home is copied (gossip's parameters; sync's moments are the swarm's, kept whole)."""
+    from swarmgrad.peer.state import TrainingState
+
+    model, optimizer = model_and_optimizer(0, kind="adam")
+    policy = attach(strategy, model, optimizer, FakeTracker())
+    for seed in range(2):
+        set_grads(policy.params, seed)
+        policy.after_backward(1)
+    if isinstance(strategy, SyncSGD):
+        policy.prepare()
+        policy.apply(policy.contribution.clone())  # sync's moments exist once it stepped
+    served = TrainingState(model, optimizer, policy).capture(1, {})
+    params, steps = 4 * _numel(policy), 4 * len(policy.params)  # Adam's step counters: a float32 each
+    want = {"nothing": 0, "parameters": params, "parameters and moments": 3 * params + steps}[copied]
+    assert served.held_bytes() == want
