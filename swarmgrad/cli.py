@@ -270,6 +270,10 @@ from swarmgrad.commands.run import register as _register_run  # noqa: E402
 
 _register_run(app)
 
+from swarmgrad.commands.doctor import register as _register_doctor  # noqa: E402
+
+_register_doctor(app)
+
 
 def main() -> None:
     # Freeze the heap as the interpreter shuts down: its last collections would otherwise walk the
