@@ -25,6 +25,8 @@ import typer
 from swarmgrad.commands.exits import call_reporting_errors
 
 GiB = 2**30
+# the oldest Linux driver each CUDA major version runs on (NVIDIA's minor version compatibility)
+MIN_DRIVER = {"11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
 REACHABILITY_LATER = ("checked once the peer runs: an initial peer dials it back (dht/reachability.py); "
                       "`swarmgrad status` lists it as public, relayed or client")
 
@@ -197,9 +199,10 @@ def warnings(report: dict[str, Any]) -> list[str]:
             found.append(f"nvidia-smi lists {len(listed)} GPU(s) but torch {report['torch']} is a CPU-only build: "
                          "run scripts/setup.sh again (it installs the CUDA build when nvidia-smi lists a GPU)")
         else:
+            major = report["build"].split()[-1].split(".")[0]
             found.append(f"nvidia-smi lists {len(listed)} GPU(s) but torch ({report['build']}) cannot use them: the "
-                         "driver is probably older than this CUDA needs (CUDA 12.x wants driver >= 525; check "
-                         "`nvidia-smi`), or CUDA_VISIBLE_DEVICES hides them")
+                         f"driver is probably older than it needs (>= {MIN_DRIVER.get(major, '?')}; `nvidia-smi` "
+                         "shows yours), or CUDA_VISIBLE_DEVICES hides them; see scripts/install_torch.sh")
     if not report["p2pd"]["found"]:
         found.append(f"p2pd not found: {report['p2pd']['note']}")
     node = report["reachability"]
