@@ -289,12 +289,13 @@ class PeerRun:
         return " | ".join(self.err_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def swarm_ready() -> tuple[bool, str, dict[str, Any] | None]:
-    """Whether ``swarmgrad peer`` can run here: ``swarmgrad doctor --json`` answers (it imports
-    what a peer needs but hivemind) and p2pd is found. Returns (ok, why not, doctor's report)."""
+def swarm_ready(task: str) -> tuple[bool, str, dict[str, Any] | None]:
+    """Whether ``swarmgrad peer`` can run here: ``swarmgrad doctor --json --task TASK`` answers (it
+    imports what a peer needs but hivemind, and probes the task's micro-batch at its default size)
+    and p2pd is found. Returns (ok, why not, doctor's report)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run([sys.executable, "-m", "swarmgrad", "doctor", "--json"], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "swarmgrad", "doctor", "--json", "--task", task], capture_output=True,
                               text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
         return False, "swarmgrad doctor took over 120 s", None
@@ -429,11 +430,16 @@ def summarise(peers: list[PeerRun], skip: float) -> dict[str, Any]:
 
 
 def swarm_check(args: argparse.Namespace) -> dict[str, Any]:
-    ok, why, doctor = swarm_ready()
+    try:
+        task, options = pick_task(args.task)
+    except ImportError as error:
+        why = f"swarmgrad's tasks do not import here ({error})"
+        log(f"skipping the two-peer check: {why}")
+        return {"skipped": why}
+    ok, why, doctor = swarm_ready(task)
     if not ok:
         log(f"skipping the two-peer check: {why}")
         return {"skipped": why}
-    task, options = pick_task(args.task)
     log(f"two peers on {args.device}: task {' '.join([task, *options[1::2]])}, {args.seconds:g} s alone, then in a swarm")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as temp:
         folder = Path(temp)
@@ -517,7 +523,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--params", type=float, default=100e6, help="parameters of the placement benchmark")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per placement (median)")
     parser.add_argument("--seconds", type=float, default=60.0, help="training seconds per phase and peer")
-    parser.add_argument("--start-seconds", type=float, default=150.0, help="seconds a peer may take to start and leave")
+    parser.add_argument("--start-seconds", type=float, default=120.0, help="seconds a peer may take to start and leave")
     parser.add_argument("--skip-seconds", type=float, default=5.0, help="warm-up seconds left out of the rates")
     parser.add_argument("--task", default=None, help="task of the two peers (default: lm size base, else charlm 12x768)")
     parser.add_argument("--inner-steps", type=int, default=200, help="DiLoCo inner steps per round")

@@ -89,6 +89,17 @@ def test_rates_are_taken_over_the_window_every_peer_trained_in():
     assert gc.common_window([Peer(events + ends[:1]), Peer(slow + ends[1:])], skip=1.0) == (3.0, 10.5)
 
 
+def test_without_swarmgrads_network_stack_the_two_peer_check_is_skipped_saying_why(monkeypatch):
+    def missing(requested):
+        raise ImportError("No module named 'pydantic'")
+
+    monkeypatch.setattr(gc, "pick_task", missing)
+    report = gc.swarm_check(gc.parse_args(["--device", "cpu"]))
+    assert report == {"skipped": "swarmgrad's tasks do not import here (No module named 'pydantic')"}
+    text = gc.table({"gpu": {"name": "cpu", "torch": "x"}, "two_peers": report, "seconds": 1})
+    assert "two peers: skipped: swarmgrad's tasks do not import here" in text
+
+
 @pytest.mark.slow  # about a minute and five processes (two peers alone, a bootstrap and two peers together)
 def test_the_two_peer_check_rehearsed_on_the_cpu_measures_both_phases(tmp_path):
     """The GPU machine runs this path once, unattended: here it runs whole on the CPU with digits."""
