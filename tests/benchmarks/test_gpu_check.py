@@ -100,7 +100,9 @@ def test_without_swarmgrads_network_stack_the_two_peer_check_is_skipped_saying_w
     assert "two peers: skipped: swarmgrad's tasks do not import here" in text
 
 
-@pytest.mark.slow  # about a minute and five processes (two peers alone, a bootstrap and two peers together)
+# about a minute and five processes (two peers alone, a bootstrap and two peers together); what it
+# runs is covered in CI by the unit tests above and the peer CLI tests (tests/commands/test_peer_cli.py)
+@pytest.mark.extended
 def test_the_two_peer_check_rehearsed_on_the_cpu_measures_both_phases(tmp_path):
     """The GPU machine runs this path once, unattended: here it runs whole on the CPU with digits."""
     out = tmp_path / "out.json"
