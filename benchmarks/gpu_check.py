@@ -117,6 +117,8 @@ def placement(device_name: str, params: int, repeats: int = 3) -> dict[str, Any]
 
     device = torch.device(device_name)
     cuda = device.type == "cuda"
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # as the peer's parameters name it
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     shapes = shapes_for(params)
     generator = torch.Generator().manual_seed(0)
@@ -296,9 +298,9 @@ def swarm_ready(task: str) -> tuple[bool, str, dict[str, Any] | None]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
         done = subprocess.run([sys.executable, "-m", "swarmgrad", "doctor", "--json", "--task", task], capture_output=True,
-                              text=True, timeout=120, env=env)
+                              text=True, timeout=90, env=env)
     except subprocess.TimeoutExpired:
-        return False, "swarmgrad doctor took over 120 s", None
+        return False, "swarmgrad doctor took over 90 s", None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return False, f"swarmgrad's dependencies are missing here ({last})", None
@@ -352,7 +354,7 @@ def run_phase(args: argparse.Namespace, task: str, options: list[str], swarm: bo
         peers = [PeerRun(peer_argv(args, task, options, run_id if swarm else f"{run_id}-{tag}{shard}", shard, join),
                          f"{tag}{shard}", folder) for shard in range(2)]
         started += peers
-        deadline = time.monotonic() + args.seconds + args.start_seconds
+        deadline = min(time.monotonic() + args.seconds + args.start_seconds, args.deadline)
         for peer in peers:
             peer.wait(max(1.0, deadline - time.monotonic()))
         for peer in peers:
@@ -446,6 +448,8 @@ def swarm_check(args: argparse.Namespace) -> dict[str, Any]:
         try:
             alone = summarise(run_phase(args, task, options, swarm=False, folder=folder), args.skip_seconds)
             log(f"alone: {alone['samples_per_second']} samples/s in all")
+            if args.deadline - time.monotonic() < args.seconds + 60:
+                raise RuntimeError(f"no time left for the swarm phase within --budget {args.budget:g} s")
             together = summarise(run_phase(args, task, options, swarm=True, folder=folder), args.skip_seconds)
             log(f"in a swarm: {together['samples_per_second']} samples/s in all")
         except RuntimeError as error:
@@ -523,7 +527,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--params", type=float, default=100e6, help="parameters of the placement benchmark")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per placement (median)")
     parser.add_argument("--seconds", type=float, default=60.0, help="training seconds per phase and peer")
-    parser.add_argument("--start-seconds", type=float, default=120.0, help="seconds a peer may take to start and leave")
+    parser.add_argument("--start-seconds", type=float, default=100.0, help="seconds a peer may take to start and leave")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds the whole check may take (peers past it are stopped)")
     parser.add_argument("--skip-seconds", type=float, default=5.0, help="warm-up seconds left out of the rates")
     parser.add_argument("--task", default=None, help="task of the two peers (default: lm size base, else charlm 12x768)")
     parser.add_argument("--inner-steps", type=int, default=200, help="DiLoCo inner steps per round")
@@ -537,6 +542,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    args.deadline = started + args.budget
     try:
         import torch  # noqa: F401
     except ImportError:
