@@ -1,4 +1,4 @@
-"""The ``swarmgrad`` command: bootstrap, status, dashboard, peer, keygen, run, demo and lab.
+"""The ``swarmgrad`` command: bootstrap, status, dashboard, peer, keygen, run, demo, lab and doctor.
 
 Logs go to stderr; what scripts read (addresses, JSON) goes to stdout. Errors a user can fix are
 printed as one ``error: ...`` line with a non-zero exit code, never as a traceback.
@@ -276,6 +276,10 @@ _register_lab(app)
 from swarmgrad.commands.run import register as _register_run  # noqa: E402
 
 _register_run(app)
+
+from swarmgrad.commands.doctor import register as _register_doctor  # noqa: E402
+
+_register_doctor(app)
 
 
 def main() -> None:

@@ -83,6 +83,7 @@ class PeerStatus:
     swarm_memory: dict[str, int] = field(default_factory=dict)
     round_deadline: float | None = None  # seconds a round like the last may take now (moshpit; timing.py RoundTimer)
     round_rate_mbps: float | None = None  # the rate it assumes: measured by rounds, else Timing.assumed_rate_mbps
+    device_bytes: int = 0  # bytes that crossed between the training device and the host (device/boundary.py)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -409,6 +410,7 @@ class Peer:
             swarm_memory=self.swarm_memory(),
             round_deadline=timer.next_deadline if timer else None,
             round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
+            device_bytes=training.policy.boundary.crossings.total() if training is not None else 0,
         )
 
     def swarm_memory(self) -> dict[str, int]:

@@ -188,7 +188,8 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
     faulthandler.cancel_dump_traceback_later()  # a signal during the final evaluation or the leave: done now
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
                "reason": reason, "final": None if final is None else _finite_metrics(final),
-               "status": status.to_json(), "seconds": time.time() - started, "evaluations_skipped": evaluator.skipped}
+               "status": status.to_json(), "seconds": time.time() - started, "evaluations_skipped": evaluator.skipped,
+               "peak_device_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     emit(summary)
     return summary
 
