@@ -30,8 +30,8 @@ from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.peer import OpenRun
 from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.tasks import Task, get_task
-from swarmgrad.tasks.base import endless_batches
-from swarmgrad.tasks.train import make_optimizer
+from swarmgrad.tasks.base import dataset_size, endless_batches
+from swarmgrad.tasks.train import clip_gradients, make_optimizer, make_schedule
 
 if TYPE_CHECKING:
     from swarmgrad.peer.metrics import PeerMetrics
@@ -103,11 +103,12 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
     torch.manual_seed(config.seed)  # every peer starts from the same weights
     model = task.make_model()
     optimizer = make_optimizer(model.parameters(), hparams)
+    schedule = make_schedule(optimizer, hparams)
     dataset = task.train_data(shard, num_shards, config.seed)
     batches = endless_batches(dataset, batch_size, seed=shard)
     stop, pauses = _StopSignal(), _PauseSignal()
     connection = local.connection
-    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=len(dataset))
+    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=dataset_size(dataset))
     if metrics is not None:
         metrics.attach(peer)
     reason, final = "stopped", None
@@ -150,9 +151,12 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
             inputs, targets = next(batches)
             loss = task.loss_fn(model(inputs), targets)
             loss.backward()
+            clip_gradients(model.parameters(), hparams)
             if local.compute.slowdown > 1:  # forward and backward dominate a step: stretch them, not averaging
                 time.sleep((local.compute.slowdown - 1) * (time.monotonic() - tick))
             peer.step(batch_size=len(targets), loss=loss)
+            if schedule is not None:
+                schedule.step()
             now = time.monotonic()
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
@@ -231,9 +235,10 @@ def run_options(config: RunConfig) -> dict[str, Any]:
 
 
 def _finite_metrics(metrics: dict[str, float]) -> dict[str, float | None]:
-    """Accuracy and loss for an event; a diverged model's NaN/Inf loss becomes None (JSON has no NaN,
-    and the peer must still report its evaluation and leave cleanly)."""
-    return {key: float(metrics[key]) if math.isfinite(metrics[key]) else None for key in ("accuracy", "loss")}
+    """Accuracy and loss (and a language task's bits per byte) for an event; a diverged model's NaN/Inf
+    loss becomes None (JSON has no NaN, and the peer must still report its evaluation and leave cleanly)."""
+    return {key: float(metrics[key]) if math.isfinite(metrics[key]) else None
+            for key in ("accuracy", "loss", "bits_per_byte") if key in metrics}
 
 
 def _progress_event(peer: Peer) -> dict[str, Any]:
