@@ -19,7 +19,7 @@ fi
 # Exact pins first: an unpinned torch would pull a multi-GB CUDA build.
 echo "setup: installing torch, hivemind and swarmgrad into .venv" >&2
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements-pins.txt
-.venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev]"
+.venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev,frameworks]"
 
 # Real Fashion-MNIST, offline, from Debian (the fashion-mnist task reads it from here).
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then
