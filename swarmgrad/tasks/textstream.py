@@ -181,9 +181,10 @@ class TextStream(IterableDataset):
         order = torch.randperm(pieces, generator=generator)
         for group in order.split(GROUP_PIECES):
             chunks = [self._piece(int(index)) for index in group]
-            batch = torch.cat(chunks)
-            for row in batch[torch.randperm(len(batch), generator=generator)]:
-                row = row.long()
+            group_windows = torch.cat(chunks)
+            shuffled = group_windows[torch.randperm(len(group_windows), generator=generator)]
+            for index in range(len(shuffled)):  # one view at a time: iterating a tensor makes a view of every row at once
+                row = shuffled[index].long()
                 yield row[:-1], row[1:]
 
     def _piece(self, index: int) -> torch.Tensor:
