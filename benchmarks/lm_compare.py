@@ -5,7 +5,8 @@ and one process with the same total compute; time to a target held-out loss and 
         [--size medium] [--context 128] [--duration 900] [--target-loss 2.6] [--quick] [--out DIR] [--json]
 
 - ``swarmgrad``: 4 ``swarmgrad peer lm`` processes, DiLoCo (``--inner-steps``) + moshpit + int8, the task's
-  hyperparameters (AdamW, warm-up + cosine, clipping);
+  hyperparameters (AdamW without decay on norms and biases, clipping) at a constant rate (no warm-up or decay:
+  hivemind's peers have none);
 - ``hivemind``: 4 ``hivemind.Optimizer`` peers (benchmarks/hivemind_peer.py) with the settings its
   documentation gives for local updates (``use_local_updates=True``, 3 s matchmaking, fp16), Adam at the
   task's learning rate, an epoch as many samples as a swarmgrad epoch of the 4 peers;
@@ -52,6 +53,9 @@ SYSTEMS = ("swarmgrad", "hivemind", "single")
 HIVEMIND_BAR = 0.5  # swarmgrad's time to the target over hivemind's: at most this (loopback)
 SINGLE_BAR = 1.3  # swarmgrad's time over the single process's: at most this (loopback)
 MB = 1e6
+# hivemind's peers step Adam at the task's rate from the first step: so do the other two (no warm-up or decay;
+# their clipping and AdamW's weight decay stay), or the comparison would time the warm-up
+CONSTANT_RATE = {"warmup_steps": 0, "decay_steps": 0}
 QUICK = {"size": "tiny", "context": 64, "duration": 60.0, "networks": "loopback", "inner_steps": 10,
          "eval_every": 10.0, "eval_batches": 4, "target_loss": 3.5, "single_steps_per_second": 2.0}
 
@@ -62,7 +66,7 @@ def scenario(args: argparse.Namespace, network: str) -> Scenario:
         "name": f"lm-compare-{network}", "task": "lm", "task_options": {"size": args.size, "context": args.context},
         "duration": args.duration, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
         "strategy": "diloco", "averaging": "moshpit", "compression": "int8", "inner_steps": args.inner_steps,
-        "batch_size": args.batch_size, "peers": [{**link, "count": PEERS}],
+        "batch_size": args.batch_size, "hparams": CONSTANT_RATE, "peers": [{**link, "count": PEERS}],
     }, source="lm_compare")
 
 
@@ -122,7 +126,7 @@ def _train_single(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     steps_per_eval = max(1, int(args.eval_every * args.single_steps_per_second))
     console.log(f"single: batch {batch}, {PEERS} threads, an evaluation every {steps_per_eval} steps")
     run = train_locally(task, max_seconds=args.duration, eval_every=steps_per_eval, eval_batches=args.eval_batches,
-                        hparams={"batch_size": batch},
+                        hparams={"batch_size": batch, **CONSTANT_RATE},
                         on_eval=lambda metrics: curve.append((metrics["train_seconds"], metrics["loss"])))
     return result("single", "none", curve, args, training_seconds=run.train_seconds,
                   tokens_per_second_per_peer=run.steps * batch * args.context / run.train_seconds / PEERS,
