@@ -202,6 +202,7 @@ def test_every_example_script_has_a_test() -> None:
 FRAMEWORKS = {"hf_trainer.py": "transformers", "lightning_module.py": "lightning", "accelerate_loop.py": "accelerate"}
 
 
+@pytest.mark.timeout(300)  # 49-109 s each here at load 13-20
 @pytest.mark.slow  # two processes each: imports (a framework's 1-4 s), p2pd, 12 steps of a 3.3M GPT, rounds
 @pytest.mark.parametrize("example", sorted(FRAMEWORKS))
 def test_framework_example_trains_two_peers_that_average(example: str, tmp_path: Path) -> None:

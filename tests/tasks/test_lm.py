@@ -167,6 +167,7 @@ def test_a_1gb_corpus_is_streamed_in_4_shards_in_little_memory(tmp_path):
     assert peak_python < 200e6 and peak_rss < 200e6, (peak_python, peak_rss)
 
 
+@pytest.mark.slow  # a peer process: imports, p2pd, 30 steps and the final evaluation (64 s at load 15 here)
 def test_swarmgrad_peer_lm_trains_and_reports_bits_per_byte():
     """The CLI path: the runner streams the task, clips, schedules, and its evaluations carry bits per byte."""
     run = Swarm("lm-cli")
