@@ -2,7 +2,7 @@
 and one process with the same total compute; time to a target held-out loss and tokens per second.
 
     sudo .venv/bin/python benchmarks/lm_compare.py [--networks loopback,10mbit] [--systems swarmgrad,hivemind,single]
-        [--size medium] [--context 128] [--duration 900] [--target-loss 2.6] [--quick] [--out DIR] [--json]
+        [--size medium] [--context 64] [--batch-size 8] [--duration 900] [--target-loss 2.5] [--quick] [--out DIR] [--json]
 
 - ``swarmgrad``: 4 ``swarmgrad peer lm`` processes, DiLoCo (``--inner-steps``) + moshpit + int8, the task's
   hyperparameters (AdamW without decay on norms and biases, clipping) at a constant rate (no warm-up or decay:
@@ -19,6 +19,10 @@ seconds on ``--eval-batches`` held-out batches. Reported: seconds to ``--target-
 the swarm formed (a run that never got there gives its budget as a bound), final and best held-out
 loss, bits per byte, tokens/s per peer, MB sent per peer, and per network the ratios the issue names:
 swarmgrad's time over hivemind's (bar on loopback: <= 0.5) and over the single process's (<= 1.3).
+
+Defaults sized for a 2-core machine: medium (19.2M parameters) at context 64 and batch 8 takes about 1 s
+a step on one core (4 s at context 128 and batch 16), so 4 peers sharing 2 cores make ~20 DiLoCo epochs
+of 20 steps in 900 s. The target loss is a guess: check it with ``--systems single`` first.
 
 ``--quick``: the tiny size, context 64, 60 s per system, loopback only: checks the harness.
 """
@@ -193,11 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--networks", default="loopback,10mbit")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--size", default="medium", help="the lm task's size (medium: 19M parameters)")
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=16, help="per peer")
-    parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8, help="per peer")
+    parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--duration", type=float, default=900.0, help="each run's training budget, seconds")
-    parser.add_argument("--target-loss", type=float, default=2.6, help="held-out loss, nats per byte")
+    parser.add_argument("--target-loss", type=float, default=2.5, help="held-out loss, nats per byte")
     parser.add_argument("--eval-every", type=float, default=20.0)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--single-steps-per-second", type=float, default=0.5,

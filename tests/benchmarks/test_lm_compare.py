@@ -17,12 +17,12 @@ import lm_compare  # noqa: E402
 def test_the_scenario_is_four_lm_peers_on_each_network():
     args = lm_compare.parse_args([])
     loop, slow = lm_compare.scenario(args, "loopback"), lm_compare.scenario(args, "10mbit")
-    assert loop.run_config.task == "lm" and loop.run_config.task_options == {"size": "medium", "context": 128}
+    assert loop.run_config.task == "lm" and loop.run_config.task_options == {"size": "medium", "context": 64}
     assert len(loop.expanded_peers()) == len(slow.expanded_peers()) == 4
     assert all(p.link().up_mbit == math.inf and p.link().delay_ms == 0 for p in loop.expanded_peers())
     assert all(p.up_mbit == p.down_mbit == 10 for p in slow.expanded_peers())
-    assert loop.run_config.strategy.inner_steps == 50 and loop.batch_size == 16
-    assert loop.run_config.hparams == {"batch_size": 16, "warmup_steps": 0, "decay_steps": 0}  # hivemind: no schedule
+    assert loop.run_config.strategy.inner_steps == 20 and loop.batch_size == 8
+    assert loop.run_config.hparams == {"batch_size": 8, "warmup_steps": 0, "decay_steps": 0}  # hivemind: no schedule
 
 
 def test_time_to_loss_takes_the_first_evaluation_at_or_below_the_target():
