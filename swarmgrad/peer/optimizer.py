@@ -55,9 +55,9 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"sg.Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.optimizer, self.batch_size = optimizer, batch_size  # first: param_groups reads it
         # Optimizer.__init__ would build param_groups of its own: these are the wrapped one's
         super().__setstate__({"defaults": optimizer.defaults})
-        self.optimizer, self.batch_size = optimizer, batch_size
         self.model = model if model is not None else _Parameters(optimizer)
         self.peer = Peer(self.model, optimizer, config=config, peer=peer, batch_size=batch_size, **options)
         self.peer.__enter__()  # joins now; close() leaves
