@@ -22,7 +22,7 @@ fi
 bash scripts/install_torch.sh .venv/bin/python
 echo "setup: installing torch, hivemind and swarmgrad into .venv" >&2
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements-pins.txt
-.venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev]"
+.venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev,frameworks]"
 
 # Real Fashion-MNIST, offline, from Debian (the fashion-mnist task reads it from here).
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then

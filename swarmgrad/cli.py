@@ -18,7 +18,7 @@ import typer
 from swarmgrad.commands.exits import EXIT_CONFIG_ERROR, call_reporting_errors
 from swarmgrad.commands.flags import with_options
 from swarmgrad.dashboard.settings import DashboardSettings
-from swarmgrad.demo.settings import DemoSettings
+from swarmgrad.demo.settings import TASK_INNER_STEPS, DemoSettings
 from swarmgrad.demo.settings import peer_config as demo_peer_config
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.options import BOOTSTRAP_OPTIONS, PEER_OPTIONS, Given, Option, OptionSet
@@ -225,7 +225,7 @@ def demo(
     strategy: Optional[str] = typer.Option(None, "--strategy", help=_help("strategy")),
     averaging: Optional[str] = typer.Option(None, "--averaging", help=_help("averaging")),
     compression: Optional[str] = typer.Option(None, "--compression", help=_help("compression")),
-    inner_steps: int = typer.Option(DemoSettings.inner_steps, "--inner-steps", min=1, help=f"diloco: local steps between averaging (the demo's own default; a run's is {DiLoCo().inner_steps})."),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", min=1, help=f"diloco: local steps between averaging (the demo's own default: {DemoSettings.inner_steps}, lm {TASK_INNER_STEPS['lm']}; a run's is {DiLoCo().inner_steps})."),
     target_accuracy: float = typer.Option(DemoSettings.target_accuracy, "--target-accuracy", min=0, max=1, help="Stop once reached."),
     max_seconds: float = typer.Option(DemoSettings.max_seconds, "--max-seconds", min=1, help="Training time budget per peer."),
     plot: Path = typer.Option(DemoSettings.plot, "--plot", help="Where to write the loss/accuracy plot."),
@@ -240,14 +240,15 @@ def demo(
     from swarmgrad.demo import run_demo
 
     settings = DemoSettings(peers=peers, run_id=run_id, task=task, strategy=strategy, averaging=averaging,
-                            compression=compression, inner_steps=inner_steps, target_accuracy=target_accuracy,
-                            max_seconds=max_seconds, plot=plot, device=device)
-    _validated(settings.run_config)
+                            compression=compression,
+                            inner_steps=inner_steps or TASK_INNER_STEPS.get(task, DemoSettings.inner_steps),
+                            target_accuracy=target_accuracy, max_seconds=max_seconds, plot=plot, device=device)
+    _validated(settings.run_config)  # a bad strategy or codec is one line here, not N failing peers
     _validated(lambda: demo_peer_config(settings, 0, []))  # a bad --device is one line here too
 
     from swarmgrad.device.placement import resolve_device  # torch: only once the options are good
 
-    _validated(lambda: resolve_device(device))  # one unusable GPU: one line, not N failing peers  # a bad strategy or codec is one line here, not N failing peers
+    _validated(lambda: resolve_device(device))  # one unusable GPU: one line, not N failing peers
     board = _validated(lambda: DashboardSettings(port=port)) if dashboard else None
     _run(run_demo(settings, json_output=json_output, dashboard=board))
 

@@ -14,6 +14,11 @@ from swarmgrad.peer.config_file import write_peer_config
 from swarmgrad.peer.options import PEER_OPTIONS, Given
 from swarmgrad.peer.peer_config import Compute, Connection, Data, Evaluation, PeerConfig, Stop
 
+# what a task's demo sets beyond fashion-mnist's: lm's own defaults (context 256, 100 local steps
+# per round) would leave 4 peers on 2 shared cores minutes from their first round
+TASK_OPTIONS: dict[str, dict[str, Any]] = {"lm": {"size": "tiny", "context": 64}}
+TASK_INNER_STEPS: dict[str, int] = {"lm": 20}
+
 
 @dataclass(frozen=True)
 class DemoSettings:
@@ -38,7 +43,7 @@ class DemoSettings:
         """What the demo's swarm trains with: only the settings the demo chooses are set, read as
         `swarmgrad peer` reads its flags (a bad one is an error naming the flag)."""
         chosen = {"task": self.task, "strategy": self.strategy, "averaging": self.averaging,
-                  "compression": self.compression}
+                  "compression": self.compression, "task-options": TASK_OPTIONS.get(self.task)}
         if _run_config(chosen).strategy.name == "diloco":
             chosen["inner-steps"] = self.inner_steps
         return _run_config(chosen)

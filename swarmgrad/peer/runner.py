@@ -32,8 +32,8 @@ from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.peer import OpenRun
 from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.tasks import Task, get_task
-from swarmgrad.tasks.base import endless_batches
-from swarmgrad.tasks.train import make_optimizer
+from swarmgrad.tasks.base import dataset_size, endless_batches
+from swarmgrad.tasks.train import clip_gradients, make_optimizer, make_schedule
 
 if TYPE_CHECKING:
     from swarmgrad.peer.metrics import PeerMetrics
@@ -107,13 +107,14 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
     torch.manual_seed(config.seed)  # every peer starts from the same weights (made on the CPU: the same everywhere)
     model = task.make_model().to(device)
     optimizer = make_optimizer(model.parameters(), hparams)
+    schedule = make_schedule(optimizer, hparams)
     dataset = task.train_data(shard, num_shards, config.seed)
     batches = endless_batches(dataset, batch_size, seed=shard)
     scaler = precision.make_scaler()
     micro_batch = _micro_batch(local, config, model, task, precision, batch_size, dataset, device)
     stop, pauses = _StopSignal(), _PauseSignal()
     connection = local.connection
-    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=len(dataset), grad_scaler=scaler)
+    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=dataset_size(dataset), grad_scaler=scaler)
     if metrics is not None:
         metrics.attach(peer)
     reason, final = "stopped", None
@@ -157,9 +158,14 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
             inputs, targets = next(batches)
             inputs, targets = move_batch(inputs, device), move_batch(targets, device)
             loss = accumulate_gradients(model, task.loss_fn, inputs, targets, micro_batch, precision, scaler)
+            if scaler is not None and hparams.get("grad_clip"):
+                scaler.unscale_(optimizer)  # clip the true gradients; the peer's step sees them unscaled
+            clip_gradients(model.parameters(), hparams)
             if local.compute.slowdown > 1:  # forward and backward dominate a step: stretch them, not averaging
                 time.sleep((local.compute.slowdown - 1) * (time.monotonic() - tick))
             peer.step(batch_size=len(targets), loss=loss)
+            if schedule is not None:
+                schedule.step()
             now = time.monotonic()
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
@@ -261,9 +267,10 @@ def run_options(config: RunConfig) -> dict[str, Any]:
 
 
 def _finite_metrics(metrics: dict[str, float]) -> dict[str, float | None]:
-    """Accuracy and loss for an event; a diverged model's NaN/Inf loss becomes None (JSON has no NaN,
-    and the peer must still report its evaluation and leave cleanly)."""
-    return {key: float(metrics[key]) if math.isfinite(metrics[key]) else None for key in ("accuracy", "loss")}
+    """Accuracy and loss (and a language task's bits per byte) for an event; a diverged model's NaN/Inf
+    loss becomes None (JSON has no NaN, and the peer must still report its evaluation and leave cleanly)."""
+    return {key: float(metrics[key]) if math.isfinite(metrics[key]) else None
+            for key in ("accuracy", "loss", "bits_per_byte") if key in metrics}
 
 
 def _progress_event(peer: Peer) -> dict[str, Any]:

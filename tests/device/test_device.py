@@ -105,6 +105,12 @@ def test_an_overflowed_fp16_step_is_skipped_not_counted_and_not_sent():
     for param, origin, grad in zip(policy.params, before, grads):  # SGD lr 0.1 on the unscaled gradient
         torch.testing.assert_close(param.detach(), origin - 0.1 * grad)
 
+    grads = backward()
+    scaler.unscale_(optimizer)  # a caller that clips unscales first: the step must not unscale twice
+    torch.nn.utils.clip_grad_norm_(policy.params, 1e9)
+    policy.after_backward(8)
+    assert policy.progress.local.samples == 16
+
     policy.grad_scaler = None  # without the scaler, the overflow is stepped: the test sees the feature
     policy.params[0].grad = torch.full_like(policy.params[0], float("inf"))
     policy.after_backward(8)

@@ -134,7 +134,11 @@ class Policy(ABC):
         scaler = self.grad_scaler
         if scaler is None:
             return True
-        scaler.unscale_(self.optimizer)
+        from torch.amp.grad_scaler import OptState
+
+        # the caller may have unscaled already (to clip the true gradients): unscaling twice raises
+        if scaler._per_optimizer_states[id(self.optimizer)]["stage"] is not OptState.UNSCALED:
+            scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
         finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
         scaler.update()  # the inf checks unscale_ recorded: a lower scale after an overflow
