@@ -51,7 +51,7 @@ class PrivateReleaser(Accounted):
         self.privacy = privacy
         self.noise_multiplier = privacy.resolved_noise_multiplier()
         self._generator = generator if generator is not None else private_generator()
-        self._budget = PrivacyBudget(self.noise_multiplier, privacy.sample_rate, privacy.delta, privacy.budget_limit(),
+        self._budget = PrivacyBudget(self.noise_multiplier, privacy.rate, privacy.delta, privacy.budget_limit(),
                                      privacy.accountant, what="release")
         self._last_clip_norm = 0.0
         self._lock = threading.Lock()  # check, noise and count are one step even if pushes release from threads

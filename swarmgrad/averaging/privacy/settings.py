@@ -40,8 +40,11 @@ class Privacy(BaseModel):
                          json_schema_extra=flag("privacy-delta"))
     max_epsilon: float | None = Field(None, description="Differential privacy: stop releasing past this epsilon "
                                       "(default: --target-epsilon, else no limit).")
-    sample_rate: float = Field(1.0, description="Differential privacy: the share of the data each release "
-                               "samples, in (0, 1].", json_schema_extra=flag("privacy-sample-rate"))
+    # None: 1.0 at level update; at level sample each peer derives it from its batch and shard
+    # (batch_size/dataset_size differ between peers, so a run's manifest must not carry one)
+    sample_rate: float | None = Field(None, description="Differential privacy: the share of the data each release "
+                                      "samples, in (0, 1] (default 1 at level update; level sample derives it from "
+                                      "batch_size/dataset_size).", json_schema_extra=flag("privacy-sample-rate"))
     level: Literal["update", "sample"] = Field("update", description="Differential privacy: update (each released "
                                                "update) or sample (per-sample DP-SGD).",
                                                json_schema_extra=flag("privacy-level"))
@@ -95,8 +98,8 @@ class Privacy(BaseModel):
 
     @field_validator("sample_rate")
     @classmethod
-    def _check_sample_rate(cls, value: float) -> float:
-        if not 0 < value <= 1:
+    def _check_sample_rate(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
             raise PrivacyError(f"sample_rate must be in (0, 1] (got {value})")
         return value
 
@@ -108,7 +111,9 @@ class Privacy(BaseModel):
             return self
         if self.expected_releases is None:
             raise PrivacyError("target_epsilon needs expected_releases: the number of releases the budget must cover")
-        derived = _noise_for_target(self.target_epsilon, self.delta, self.sample_rate, self.expected_releases,
+        if self.level == "sample" and self.sample_rate is None:
+            return self  # derived by each peer at its own sample rate (PerSamplePrivacy re-validates with it)
+        derived = _noise_for_target(self.target_epsilon, self.delta, self.rate, self.expected_releases,
                                     self.accountant)
         given = self.noise_multiplier
         if given is not None and abs(given - derived) > _CONSISTENCY * derived:
@@ -121,11 +126,18 @@ class Privacy(BaseModel):
         self._derived_noise_multiplier = derived
         return self
 
+    @property
+    def rate(self) -> float:
+        """The sample rate each release is accounted at: sample_rate, else 1.0."""
+        return 1.0 if self.sample_rate is None else self.sample_rate
+
     def resolved_noise_multiplier(self) -> float:
         """The noise multiplier in force: the one given, else the one derived from target_epsilon."""
         if self.noise_multiplier is not None:  # explicit noise wins; max_epsilon still guards the target
             return self.noise_multiplier
-        assert self._derived_noise_multiplier is not None  # the validator set it
+        if self._derived_noise_multiplier is None:  # level sample: only a peer knows its sample rate
+            raise PrivacyError("target_epsilon at level='sample' is turned into noise at each peer's sample rate "
+                               "(batch_size/dataset_size): make_per_sample_private does it")
         return self._derived_noise_multiplier
 
     def budget_limit(self) -> float | None:
