@@ -93,6 +93,7 @@ class Layout:
     eval_every: float
     target: float
     join_after: float  # a joiner starts this long after every starting peer was ready, and trains at least as long
+    privacy: tuple[str, ...] = ()  # flags every peer of every row gets (--privacy): attacks under DP
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def peer_argv(layout: Layout, row: Row, run_id: str, bootstrap: str, shard: int,
             "--inner-steps", str(layout.inner_steps), "--num-shards", str(layout.peers), "--shard", str(shard),
             # the benchmark stops the peers; this only bounds a peer the benchmark could not stop
             "--max-seconds", f"{layout.seconds + SAFETY_S:.0f}", "--eval-every", f"{layout.eval_every:g}",
-            "--wait-peers", str(wait_peers), "--wait", "90", "--json"]
+            "--wait-peers", str(wait_peers), "--wait", "90", "--json", *layout.privacy]
     if attack is None:
         argv += ["--metrics-port", "0"]  # its round-time histogram, read before the row stops it
     if row.aggregator != DEFAULTS:
@@ -542,6 +543,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the clean rows this many times and judge on their medians (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help="CI: 4 peers, 1 attacker, clean and scaled under the defaults, short rows side by side")
+    parser.add_argument("--privacy", default="",
+                        help="privacy flags for every peer of every row, e.g. \"--privacy-clip 1 --privacy-noise 0.02 "
+                             "--privacy-noise-shares 4 --averaging moshpit --min-group-size 4\": attacks under DP, "
+                             "against a clean DP run (an attacker then changes what its releaser released)")
     parser.add_argument("--json", action="store_true", help="print the JSON report on stdout (the table to stderr)")
     parser.add_argument("--logs", default=None, help="keep every process's stderr in this directory")
     args = parser.parse_args(argv)
@@ -569,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     layout = Layout(task=args.task, peers=peers, attackers=attackers, seconds=seconds, inner_steps=inner_steps,
-                    eval_every=0.5, target=target, join_after=seconds / 4)
+                    eval_every=0.5, target=target, join_after=seconds / 4, privacy=tuple(args.privacy.split()))
     # --quick: the attack rows are compared with the clean run under the defaults (--aggregators mean
     # then shows the same attack without the defences)
     clean = [] if args.no_clean else [DEFAULTS] if quick else aggregators
