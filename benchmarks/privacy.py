@@ -22,7 +22,7 @@ lr (1e-3). Rows, each a fresh run:
 The bar (issue 39): the swarm within 2 points of single-process DP-SGD at epsilon 3 and 8, and the
 update row at 80% or more. ``--data-shards N`` (> peers) trains on the first ``peers`` of N shards only,
 in both the swarm and the single process: a shorter run on less data. ``--quick`` (CI): epsilon 8,
-1 epoch on 4 of 16 shards, the update row. Progress and the table go to stderr with ``--json``, which
+1 epoch on 4 of 32 shards (29 steps), 10 inner steps. Progress and the table go to stderr with ``--json``, which
 prints the report on stdout. Exit status 0 when every row ran, 1 otherwise, 2 on bad arguments.
 """
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--data-shards", type=int, default=None,
                         help="split the training set this many ways; peers train the first --peers (default --peers; "
-                             "--quick 16)")
+                             "--quick 32)")
     parser.add_argument("--update-noise", type=float, default=UPDATE_NOISE,
                         help=f"update row's noise_multiplier (default {UPDATE_NOISE:g}: the README's)")
     parser.add_argument("--inner-steps", type=int, default=None,
@@ -188,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="sample,opacus,update",
                         help="which rows: sample (the swarm, per-sample DP), opacus (one process), update (the swarm, "
                              "update level); default all three")
-    parser.add_argument("--quick", action="store_true", help="CI: epsilon 8, 1 epoch on 4 of 16 shards")
+    parser.add_argument("--quick", action="store_true", help="CI: epsilon 8, 1 epoch on 4 of 32 shards, 10 inner steps")
     parser.add_argument("--json", action="store_true", help="print the JSON report on stdout (the table to stderr)")
     args = parser.parse_args(argv)
     try:
         epsilons = [float(e) for e in (args.epsilons or ("8" if args.quick else "1,3,8")).split(",")]
         epochs = args.epochs or (1 if args.quick else 3)
-        shards = args.data_shards or (16 if args.quick else args.peers)
+        shards = args.data_shards or (32 if args.quick else args.peers)
         inner_steps = args.inner_steps or (10 if args.quick else 50)
         kinds = set(args.rows.split(","))
         if not kinds or not kinds <= {"sample", "opacus", "update"}:
