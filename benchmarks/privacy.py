@@ -11,8 +11,9 @@ lr (1e-3). Rows, each a fresh run:
   --expected-releases S`` and stopped at ``--max-steps S`` = epochs x shard / batch: each peer's noise
   is derived for its own shard's sample rate (batch/shard) and S steps. Beside it **opacus**: one
   process, Opacus's ``make_private_with_epsilon`` (RDP accountant, Poisson sampling) on the union of
-  the peers' shards, batch = peers x batch (the swarm's samples per step), the same epochs, model,
-  lr and seed. Reported: final held-out accuracy (peers: median of their final evaluations) and
+  the peers' shards, batch = peers x each peer's batch (the swarm's samples per step; or
+  ``--opacus-batch-size``), the same epochs, model, lr and seed. Reported: final held-out accuracy
+  (peers: median of their final evaluations) and
   epsilon as each accounted it (peers: the largest).
 - **update**: the peers without per-sample DP, at the update-level values the
   README documents (``--privacy-clip 1.0 --privacy-noise σ --privacy-noise-shares P --min-group-size P``:
@@ -64,7 +65,7 @@ def shard_sizes(peers: int, shards: int) -> list[int]:
 
 # ---- one process, Opacus -------------------------------------------------------------------------
 
-def opacus_row(epsilon: float, epochs: int, peers: int, shards: int) -> dict[str, Any]:
+def opacus_row(epsilon: float, epochs: int, peers: int, shards: int, batch: int) -> dict[str, Any]:
     """Opacus DP-SGD on the union of the peers' shards, the swarm's samples per step as its batch."""
     from opacus import PrivacyEngine
     from torch.utils.data import ConcatDataset, DataLoader
@@ -75,7 +76,7 @@ def opacus_row(epsilon: float, epochs: int, peers: int, shards: int) -> dict[str
     torch.manual_seed(0)  # the run's seed: the same initial weights as the peers'
     model = task.make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    loader = DataLoader(data, batch_size=peers * BATCH, shuffle=True)
+    loader = DataLoader(data, batch_size=batch, shuffle=True)
     engine = PrivacyEngine(accountant="rdp")
     model, optimizer, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=loader, target_epsilon=epsilon, target_delta=DELTA,
@@ -98,7 +99,7 @@ def opacus_row(epsilon: float, epochs: int, peers: int, shards: int) -> dict[str
 # ---- the swarm -----------------------------------------------------------------------------------
 
 def swarm_row(setting: str, privacy: list[str], steps: int, peers: int, shards: int, bootstrap: str,
-              target_epsilon: float | None, inner_steps: int) -> dict[str, Any]:
+              target_epsilon: float | None, inner_steps: int, batch: int) -> dict[str, Any]:
     """``peers`` real peers of a run created by the first, each stopped after ``steps`` local steps."""
     run_id = f"privacy-{setting}-{secrets.token_hex(3)}"
     children = []
@@ -107,8 +108,8 @@ def swarm_row(setting: str, privacy: list[str], steps: int, peers: int, shards: 
         for shard in range(peers):
             argv = [*SWARMGRAD, "peer", TASK, "--run-id", run_id, "--initial-peers", bootstrap, "--threads", "1",
                     "--num-shards", str(shards), "--shard", str(shard), "--max-steps", str(steps),
-                    "--inner-steps", str(inner_steps), "--eval-every", "0", "--wait-peers", str(peers), "--wait", "120",
-                    "--json", *privacy]
+                    "--inner-steps", str(inner_steps), "--batch-size", str(batch), "--eval-every", "0",
+                    "--wait-peers", str(peers), "--wait", "120", "--json", *privacy]
             if shard == 0:
                 argv.append("--create")
             children.append(Child(argv, f"{setting}{shard}"))
@@ -183,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                              "--quick 32)")
     parser.add_argument("--update-noise", type=float, default=UPDATE_NOISE,
                         help=f"update row's noise_multiplier (default {UPDATE_NOISE:g}: the README's)")
+    parser.add_argument("--batch-size", type=int, default=BATCH,
+                        help=f"each peer's batch (default {BATCH}, the task's)")
+    parser.add_argument("--opacus-batch-size", type=int, default=None,
+                        help="the single process's expected batch (default: peers x --batch-size, the swarm's samples "
+                             "per step)")
     parser.add_argument("--inner-steps", type=int, default=None,
                         help="DiLoCo local steps per round (default 50, the run's default; --quick 10)")
     parser.add_argument("--rows", default="sample,opacus,update",
@@ -196,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         epochs = args.epochs or (1 if args.quick else 3)
         shards = args.data_shards or (32 if args.quick else args.peers)
         inner_steps = args.inner_steps or (10 if args.quick else 50)
+        opacus_batch = args.opacus_batch_size or args.peers * args.batch_size
+        if not 1 <= args.batch_size <= 4096 or not 1 <= opacus_batch <= 65536:
+            raise ValueError("--batch-size must be within 1..4096 and --opacus-batch-size within 1..65536")
         kinds = set(args.rows.split(","))
         if not kinds or not kinds <= {"sample", "opacus", "update"}:
             raise ValueError(f"--rows must name sample, opacus and/or update, got {args.rows!r}")
@@ -207,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     sizes = shard_sizes(args.peers, shards)
-    steps = epochs * min(sizes) // BATCH
+    steps = epochs * min(sizes) // args.batch_size
     log(f"{args.peers} peers, shards of {min(sizes)}-{max(sizes)} samples, {steps} steps each ({epochs} epochs)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[dict[str, Any]] = []
@@ -226,17 +235,19 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{setting} {epsilon if epsilon is not None else ''}: starting")
             try:
                 if setting == "opacus":
-                    row = opacus_row(epsilon, epochs, args.peers, shards)  # type: ignore[arg-type]
+                    row = opacus_row(epsilon, epochs, args.peers, shards, opacus_batch)  # type: ignore[arg-type]
                 elif setting == "sample":
                     privacy = ["--privacy-level", "sample", "--privacy-clip", str(CLIP), "--target-epsilon",
                                f"{epsilon:g}", "--expected-releases", str(steps), "--privacy-delta", f"{DELTA:g}"]
-                    row = swarm_row(setting, privacy, steps, args.peers, shards, address, epsilon, inner_steps)
+                    row = swarm_row(setting, privacy, steps, args.peers, shards, address, epsilon, inner_steps,
+                                    args.batch_size)
                 else:
                     privacy = ["--privacy-clip", str(CLIP), "--privacy-noise", f"{args.update_noise:g}",
                                "--privacy-noise-shares", str(args.peers), "--averaging", "moshpit",
                                "--min-group-size", str(args.peers),
                                "--privacy-delta", f"{DELTA:g}"]
-                    row = swarm_row(setting, privacy, steps, args.peers, shards, address, None, inner_steps)
+                    row = swarm_row(setting, privacy, steps, args.peers, shards, address, None, inner_steps,
+                                    args.batch_size)
                     row["noise_multiplier"] = args.update_noise
             except Exception as error:  # one row's failure must not lose the others
                 log(f"{setting}: FAILED: {error}")
@@ -248,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bootstrap.stop(5.0)
     report = {"task": TASK, "peers": args.peers, "data_shards": shards, "epochs": epochs, "steps": steps,
-              "inner_steps": inner_steps,
+              "inner_steps": inner_steps, "batch_size": args.batch_size, "opacus_batch_size": opacus_batch,
               "delta": DELTA, "clip": CLIP, "rows": rows, "checks": compare(rows)}
     console = Console(stderr=args.json, width=160)
     console.print(table(rows, epochs, args.peers))
