@@ -1,7 +1,8 @@
 """Attack benchmark: honest peers' accuracy with Byzantine peers in the swarm, without and with the defences.
 
     .venv/bin/python benchmarks/attacks.py [--attacks scaled,weight,...] [--aggregators mean,defaults,median,...]
-        [--peers 8] [--attackers 2] [--seconds S] [--task digits] [--target A] [--repeats N] [--quick] [--json]
+        [--peers 8] [--attackers 2] [--seconds S] [--task digits] [--target A] [--repeats N] [--privacy FLAGS]
+        [--quick] [--json]
 
 Every row is one fresh run on loopback: a bootstrap node and ``--peers`` real ``swarmgrad peer``
 processes (DiLoCo, moshpit, int8), ``--attackers`` of them the real peer with one behaviour changed
@@ -28,6 +29,11 @@ clean run; the defaults' time to target within 10% of mean's); they do not set t
 A clean run's time to target varies by a second or more from run to run (rows take ~4 s to
 reach it), so ``--repeats N`` runs the clean rows N times, the aggregators taking turns, and
 judges on their medians (``--attacks clean --repeats 5``: the overhead bar alone).
+
+``--privacy FLAGS`` gives every peer of every row those privacy flags: the attacks under DP against a
+clean DP run. At the update level an attacker then changes what its releaser released (noise and
+all, past its own clip), since a liar need not clip; the honest rows' noise sets centered-clip's
+radius, so honest noisy rows are not clipped (``honest_clipped``).
 
 ``--quick`` (for CI): 4 peers, 1 attacker, 10 s rows side by side: clean and the scaled attack,
 under the defaults (``--aggregators mean``: the scaled attack without them).
