@@ -68,6 +68,7 @@ class PeerStatus:
     bytes_received: int = 0
     state_downloads: int = 0
     rounds_replayed: int = 0  # rounds it missed and applied afterwards, from a peer that kept their result
+    epsilon_local: float | None = None  # one release seen alone (update level with noise shares: > epsilon)
     rounds_overlapped: int = 0  # rounds that travelled while the next inner phase ran (overlap.py)
     settings: str = ""  # digest of the run settings this peer trains with
     warning: str | None = None  # why this peer trains alone, when it can tell
@@ -87,7 +88,7 @@ class PeerStatus:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("loss", "epsilon"):
+        for key in ("loss", "epsilon", "epsilon_local"):
             if data[key] is not None and not math.isfinite(data[key]):
                 data[key] = None
         return data
@@ -404,6 +405,7 @@ class Peer:
             rounds_replayed=catch_up.replayed if catch_up else 0, settings=self.tracker.settings,
             rounds_overlapped=driver.overlapped if driver else 0,
             warning=driver.warning if driver else None, paused=self._paused,
+            epsilon_local=self.assembly.epsilon_local(),
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
             refused_streams=self.runtime.admission.refused_streams, banned=self.runtime.admission.misbehaviour.bans(),

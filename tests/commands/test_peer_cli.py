@@ -98,13 +98,16 @@ def test_private_peers_report_growing_epsilon(swarm):
     # per-sample DP-SGD, chosen explicitly (the run default level is "update"). The peers train long
     # enough for `status` to find them: at 12 s, on a loaded CI host, they had left before the status
     # checks below began, and every listing was empty (2 CI runs)
-    peers = [run.peer("--strategy", "diloco", "--inner-steps", "20", "--privacy-clip", "1.0", "--privacy-noise", "0.5",
-                      "--privacy-level", "sample", "--shard", str(shard), "--num-shards", "2", "--max-seconds", "30", "--eval-every", "0",
-                      "--wait-peers", "2", *PATIENT, name=f"private{shard}")
-             for shard in range(2)]
+    # the creator runs the documented command (examples/join_public_run.md); the other joins by the
+    # run's manifest alone, so its sample rate (batch/shard) is its own, never the manifest's
+    local = ["--num-shards", "2", "--max-seconds", "30", "--eval-every", "0", "--wait-peers", "2", *PATIENT]
+    creator = run.peer("--create", "--strategy", "diloco", "--inner-steps", "20", "--privacy-level", "sample",
+                       "--privacy-clip", "1.0", "--privacy-noise", "1.0", "--shard", "0", *local, name="private0")
+    joiner = run.peer("--shard", "1", *local, task=None, name="private1")
+    peers = [creator, joiner]
     for peer in peers:
         ready = peer.ready(90)
-        assert ready["options"]["privacy"]["noise_multiplier"] == 0.5
+        assert ready["options"]["privacy"]["noise_multiplier"] == 1.0
         assert ready["options"]["privacy"]["level"] == "sample"
 
     # while they train, `swarmgrad status` lists both with the privacy they spent
@@ -199,8 +202,8 @@ def test_swarm_survives_a_sigkilled_peer(swarm):
 def test_restart_resumes_from_checkpoint_with_privacy_budget(swarm, tmp_path):
     run = swarm("restart")
     checkpoints = tmp_path / "ckpt"
-    # per-sample DP-SGD: a lone peer releases no update, but every one of its steps spends budget
-    flags = ["--checkpoint-dir", str(checkpoints), "--privacy-clip", "1.0", "--privacy-noise", "1.0",
+    # per-sample DP-SGD in a created run: a lone peer releases no update, but every one of its steps spends budget
+    flags = ["--create", "--checkpoint-dir", str(checkpoints), "--privacy-clip", "1.0", "--privacy-noise", "1.0",
              "--privacy-level", "sample", "--inner-steps", "20", "--eval-every", "0"]
     first = run.peer(*flags, "--max-steps", "300", name="first")
     ready = first.ready(90)

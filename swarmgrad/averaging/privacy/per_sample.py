@@ -29,7 +29,7 @@ class PerSamplePrivacy(Accounted):
         if batch_size < 1 or dataset_size < batch_size:
             raise PrivacyError(f"batch_size={batch_size} must be >= 1 and <= dataset_size={dataset_size}")
         sample_rate = batch_size / dataset_size
-        if "sample_rate" in privacy.model_fields_set and abs(privacy.sample_rate - sample_rate) > 1e-12:
+        if privacy.sample_rate is not None and abs(privacy.sample_rate - sample_rate) > 1e-12:
             raise PrivacyError(f"sample_rate={privacy.sample_rate} disagrees with batch_size/dataset_size="
                                f"{sample_rate:g}; leave sample_rate unset with level='sample'")
         # re-validate at the real sample rate so a target_epsilon is turned into noise for it
