@@ -37,10 +37,26 @@ ATTACKS: dict[str, str] = {
 FAKE_EPOCH = 10**6
 FAKE_SAMPLES, FAKE_STEPS = 10**12, 10**9
 STATE_FACTOR = -10.0
+PRIVATE = False  # set from the peer's arguments: update-level privacy on
 
 
 def _patch_update(change: Callable[[torch.Tensor], None]) -> None:
-    """``change`` the contribution in place after every ``prepare()`` (a retried round prepares again)."""
+    """``change`` the contribution in place after every ``prepare()`` (a retried round prepares again).
+    In a private run it changes what its releaser released instead: a liar skips its own clip, and
+    its row then carries the run's noise like an honest one."""
+    if PRIVATE:
+        from swarmgrad.averaging.privacy.release import PrivateReleaser
+
+        release = PrivateReleaser.release
+
+        def poisoned_release(self: PrivateReleaser, update):  # type: ignore[no-untyped-def]
+            released = release(self, update)
+            for tensor in released:
+                change(tensor)
+            return released
+
+        PrivateReleaser.release = poisoned_release  # type: ignore[method-assign]
+        return
     from swarmgrad.peer.strategies.diloco import DiLoCoPolicy
 
     prepare = DiLoCoPolicy.prepare
@@ -135,6 +151,9 @@ def patch(attack: str) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] != "--attack":
         raise SystemExit("usage: python benchmarks/_attacker.py --attack KIND <swarmgrad peer args>")
+    global PRIVATE
+    level = argv[argv.index("--privacy-level") + 1] if "--privacy-level" in argv[:-1] else "update"
+    PRIVATE = "--privacy-clip" in argv and level == "update"  # its releaser is what it patches
     patch(argv[1])
     sys.argv = ["swarmgrad", "peer", *argv[2:]]
     from swarmgrad.cli import main as cli_main

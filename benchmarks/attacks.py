@@ -1,7 +1,8 @@
 """Attack benchmark: honest peers' accuracy with Byzantine peers in the swarm, without and with the defences.
 
     .venv/bin/python benchmarks/attacks.py [--attacks scaled,weight,...] [--aggregators mean,defaults,median,...]
-        [--peers 8] [--attackers 2] [--seconds S] [--task digits] [--target A] [--repeats N] [--quick] [--json]
+        [--peers 8] [--attackers 2] [--seconds S] [--task digits] [--target A] [--repeats N] [--privacy FLAGS]
+        [--quick] [--json]
 
 Every row is one fresh run on loopback: a bootstrap node and ``--peers`` real ``swarmgrad peer``
 processes (DiLoCo, moshpit, int8), ``--attackers`` of them the real peer with one behaviour changed
@@ -28,6 +29,11 @@ clean run; the defaults' time to target within 10% of mean's); they do not set t
 A clean run's time to target varies by a second or more from run to run (rows take ~4 s to
 reach it), so ``--repeats N`` runs the clean rows N times, the aggregators taking turns, and
 judges on their medians (``--attacks clean --repeats 5``: the overhead bar alone).
+
+``--privacy FLAGS`` gives every peer of every row those privacy flags: the attacks under DP against a
+clean DP run. At the update level an attacker then changes what its releaser released (noise and
+all, past its own clip), since a liar need not clip; the honest rows' noise sets centered-clip's
+radius, so honest noisy rows are not clipped (``honest_clipped``).
 
 ``--quick`` (for CI): 4 peers, 1 attacker, 10 s rows side by side: clean and the scaled attack,
 under the defaults (``--aggregators mean``: the scaled attack without them).
@@ -93,6 +99,7 @@ class Layout:
     eval_every: float
     target: float
     join_after: float  # a joiner starts this long after every starting peer was ready, and trains at least as long
+    privacy: tuple[str, ...] = ()  # flags every peer of every row gets (--privacy): attacks under DP
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ def peer_argv(layout: Layout, row: Row, run_id: str, bootstrap: str, shard: int,
             "--inner-steps", str(layout.inner_steps), "--num-shards", str(layout.peers), "--shard", str(shard),
             # the benchmark stops the peers; this only bounds a peer the benchmark could not stop
             "--max-seconds", f"{layout.seconds + SAFETY_S:.0f}", "--eval-every", f"{layout.eval_every:g}",
-            "--wait-peers", str(wait_peers), "--wait", "90", "--json"]
+            "--wait-peers", str(wait_peers), "--wait", "90", "--json", *layout.privacy]
     if attack is None:
         argv += ["--metrics-port", "0"]  # its round-time histogram, read before the row stops it
     if row.aggregator != DEFAULTS:
@@ -542,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the clean rows this many times and judge on their medians (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help="CI: 4 peers, 1 attacker, clean and scaled under the defaults, short rows side by side")
+    parser.add_argument("--privacy", default="",
+                        help="privacy flags for every peer of every row, e.g. \"--privacy-clip 1 --privacy-noise 0.02 "
+                             "--privacy-noise-shares 4 --averaging moshpit --min-group-size 4\": attacks under DP, "
+                             "against a clean DP run (an attacker then changes what its releaser released)")
     parser.add_argument("--json", action="store_true", help="print the JSON report on stdout (the table to stderr)")
     parser.add_argument("--logs", default=None, help="keep every process's stderr in this directory")
     args = parser.parse_args(argv)
@@ -569,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     layout = Layout(task=args.task, peers=peers, attackers=attackers, seconds=seconds, inner_steps=inner_steps,
-                    eval_every=0.5, target=target, join_after=seconds / 4)
+                    eval_every=0.5, target=target, join_after=seconds / 4, privacy=tuple(args.privacy.split()))
     # --quick: the attack rows are compared with the clean run under the defaults (--aggregators mean
     # then shows the same attack without the defences)
     clean = [] if args.no_clean else [DEFAULTS] if quick else aggregators

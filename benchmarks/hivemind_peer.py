@@ -283,7 +283,7 @@ class HivemindPeer:
         from swarmgrad.tasks import endless_batches, get_task
 
         self.args = args
-        self.task = get_task(args.task)
+        self.task = get_task(args.task, dict(option.split("=", 1) for option in args.task_option))
         hparams = dict(self.task.default_hparams)
         self.batch_size = int(args.batch_size or hparams.get("batch_size", 64))
         self.lr = float(args.lr or hparams["lr"])
@@ -456,6 +456,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     peer = commands.add_parser("peer", help="train TASK with hivemind.Optimizer, JSON events on stdout")
     peer.add_argument("task", metavar="TASK")
+    peer.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="the task's options, as `swarmgrad peer --task-option`")
     peer.add_argument("--run-id", required=True)
     peer.add_argument("--host", default="127.0.0.1")
     peer.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")

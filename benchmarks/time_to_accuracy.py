@@ -89,6 +89,10 @@ class HivemindLab(Lab):
             "--wait-peers", str(config.connection.wait_peers), "--wait", f"{config.connection.wait:g}",
             "--target-batch-size", str(self.target_batch_size), "--eval-every", f"{config.evaluation.every:g}",
         ]
+        for key, value in (self.scenario.task_options or {}).items():
+            argv += ["--task-option", f"{key}={value}"]
+        if self.scenario.batch_size is not None:
+            argv += ["--batch-size", str(self.scenario.batch_size)]
         if not config.evaluation.final:
             argv.append("--no-final-eval")
         if config.evaluation.batches is not None:

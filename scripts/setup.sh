@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up swarmgrad in ./.venv (idempotent): a CPU build of torch, hivemind with its p2pd, the package
+# Set up swarmgrad in ./.venv (idempotent): torch (its CUDA build when nvidia-smi lists a GPU,
+# scripts/install_torch.sh; else the CPU build), hivemind with its p2pd, the package
 # itself with its test tools, the offline datasets the demo and tests train on, and (as root) the
 # tools some tests need: iptables for the swarm lab, chromium for the dashboard.
 set -euo pipefail
@@ -16,10 +17,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 
-# Exact pins first: an unpinned torch would pull a multi-GB CUDA build.
+# A GPU's torch first (nothing without one); then the exact pins: an unpinned torch would pull a
+# multi-GB CUDA build where no GPU can use it.
+bash scripts/install_torch.sh .venv/bin/python
 echo "setup: installing torch, hivemind and swarmgrad into .venv" >&2
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements-pins.txt
-.venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev]"
+.venv/bin/pip install --quiet --disable-pip-version-check -c requirements-pins.txt -e ".[dev,frameworks]"
 
 # Real Fashion-MNIST, offline, from Debian (the fashion-mnist task reads it from here).
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then

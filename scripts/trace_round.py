@@ -61,6 +61,10 @@ NOTES = {
     ("peer.driver", "peer.strategies"): "`prepare` writes start − params into the flat contribution (one pass), "
                                         "where the average lands too (`average_in_place`); `apply` takes the outer "
                                         "Nesterov step from it and gives the contribution's memory back",
+    ("peer.strategies", "device.boundary"): "**the device boundary**: the parameters read once, a piece at a "
+                                            "time (pinned, non-blocking on a GPU), and the new start written once",
+    ("device.boundary", "peer.strategies"): "each piece as it arrives: start − piece into the contribution; the "
+                                            "new start's piece to write",
     ("peer.driver", "averaging.moshpit"): "the round key from this peer's cell of the grid (no network)",
     ("averaging.moshpit", "averaging.matchmaking"): "declares a signed match record under the round key and reads "
                                                     "the others'; the leader invites and sends the plan",

@@ -14,6 +14,7 @@ from swarmgrad.version import __version__
 
 _PUBLIC = {
     "Peer": "swarmgrad.peer.peer",
+    "Optimizer": "swarmgrad.peer.optimizer",
     "PeerStatus": "swarmgrad.peer.peer",
     "PeerConfig": "swarmgrad.peer.peer_config",
     "RunConfig": "swarmgrad.peer.config",

@@ -1,4 +1,4 @@
-"""The ``swarmgrad`` command: bootstrap, status, dashboard, peer, keygen, run, demo and lab.
+"""The ``swarmgrad`` command: bootstrap, status, dashboard, peer, keygen, run, demo, lab and doctor.
 
 Logs go to stderr; what scripts read (addresses, JSON) goes to stdout. Errors a user can fix are
 printed as one ``error: ...`` line with a non-zero exit code, never as a traceback.
@@ -18,7 +18,8 @@ import typer
 from swarmgrad.commands.exits import EXIT_CONFIG_ERROR, call_reporting_errors
 from swarmgrad.commands.flags import with_options
 from swarmgrad.dashboard.settings import DashboardSettings
-from swarmgrad.demo.settings import DemoSettings
+from swarmgrad.demo.settings import TASK_INNER_STEPS, DemoSettings
+from swarmgrad.demo.settings import peer_config as demo_peer_config
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.options import BOOTSTRAP_OPTIONS, PEER_OPTIONS, Given, Option, OptionSet
 from swarmgrad.peer.strategies.diloco import DiLoCo
@@ -224,10 +225,11 @@ def demo(
     strategy: Optional[str] = typer.Option(None, "--strategy", help=_help("strategy")),
     averaging: Optional[str] = typer.Option(None, "--averaging", help=_help("averaging")),
     compression: Optional[str] = typer.Option(None, "--compression", help=_help("compression")),
-    inner_steps: int = typer.Option(DemoSettings.inner_steps, "--inner-steps", min=1, help=f"diloco: local steps between averaging (the demo's own default; a run's is {DiLoCo().inner_steps})."),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", min=1, help=f"diloco: local steps between averaging (the demo's own default: {DemoSettings.inner_steps}, lm {TASK_INNER_STEPS['lm']}; a run's is {DiLoCo().inner_steps})."),
     target_accuracy: float = typer.Option(DemoSettings.target_accuracy, "--target-accuracy", min=0, max=1, help="Stop once reached."),
     max_seconds: float = typer.Option(DemoSettings.max_seconds, "--max-seconds", min=1, help="Training time budget per peer."),
     plot: Path = typer.Option(DemoSettings.plot, "--plot", help="Where to write the loss/accuracy plot."),
+    device: str = typer.Option(DemoSettings.device, "--device", help=_help("device") + " Every peer uses it."),
     json_output: bool = JsonOutput,
     run_id: str = typer.Option(DemoSettings.run_id, "--run-id", help="Run name used on the local swarm."),
     dashboard: bool = typer.Option(False, "--dashboard", help="Also serve the swarm's web dashboard (see `swarmgrad dashboard`) and print its URL.", show_default=False),
@@ -238,9 +240,15 @@ def demo(
     from swarmgrad.demo import run_demo
 
     settings = DemoSettings(peers=peers, run_id=run_id, task=task, strategy=strategy, averaging=averaging,
-                            compression=compression, inner_steps=inner_steps, target_accuracy=target_accuracy,
-                            max_seconds=max_seconds, plot=plot)
+                            compression=compression,
+                            inner_steps=inner_steps or TASK_INNER_STEPS.get(task, DemoSettings.inner_steps),
+                            target_accuracy=target_accuracy, max_seconds=max_seconds, plot=plot, device=device)
     _validated(settings.run_config)  # a bad strategy or codec is one line here, not N failing peers
+    _validated(lambda: demo_peer_config(settings, 0, []))  # a bad --device is one line here too
+
+    from swarmgrad.device.placement import resolve_device  # torch: only once the options are good
+
+    _validated(lambda: resolve_device(device))  # one unusable GPU: one line, not N failing peers
     board = _validated(lambda: DashboardSettings(port=port)) if dashboard else None
     _run(run_demo(settings, json_output=json_output, dashboard=board))
 
@@ -269,6 +277,10 @@ _register_lab(app)
 from swarmgrad.commands.run import register as _register_run  # noqa: E402
 
 _register_run(app)
+
+from swarmgrad.commands.doctor import register as _register_doctor  # noqa: E402
+
+_register_doctor(app)
 
 
 def main() -> None:

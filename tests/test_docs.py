@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import json
 import os
 import re
 import signal
@@ -194,7 +195,29 @@ def test_every_sg_name_in_the_readme_exists() -> None:
 
 
 def test_every_example_script_has_a_test() -> None:
-    assert {p.name for p in EXAMPLES.glob("*.py")} == {"train_fashion_mnist.py", "embedded_peer.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == {"train_fashion_mnist.py", "embedded_peer.py", *FRAMEWORKS}
+
+
+# each example's framework: they are the `frameworks` extra (pyproject.toml)
+FRAMEWORKS = {"hf_trainer.py": "transformers", "lightning_module.py": "lightning", "accelerate_loop.py": "accelerate"}
+
+
+@pytest.mark.timeout(300)  # 49-109 s each here at load 13-20
+@pytest.mark.slow  # two processes each: imports (a framework's 1-4 s), p2pd, 12 steps of a 3.3M GPT, rounds
+@pytest.mark.parametrize("example", sorted(FRAMEWORKS))
+def test_framework_example_trains_two_peers_that_average(example: str, tmp_path: Path) -> None:
+    """As each docstring says: the first peer prints how to join, a second joins on the other shard;
+    both take a few DiLoCo rounds of the lm task together through sg.Optimizer in the framework's loop."""
+    pytest.importorskip(FRAMEWORKS[example])
+    script = [sys.executable, str(EXAMPLES / example), "--run-id", f"docs-{example[:-3]}", "--steps", "12"]
+    with Background(script, tmp_path, "first") as first:
+        maddr = first.wait_for_line(r"--initial-peers /ip4/\S+", 60).split()[-1]
+        joiner = run_script([*script, "--initial-peers", maddr], tmp_path, timeout=150)
+        assert first.process.wait(timeout=60) == 0, first.failure("failed")
+    for output in (first.stdout(), joiner):
+        status = json.loads(re.search(r"^status (.+)$", output, re.M).group(1))
+        assert status["rounds_ok"] > 0 and status["step"] == 12, output
+        assert status["held_out_loss"] < 4.5, output  # from ln 256 = 5.5: it learned
 
 
 @pytest.mark.slow

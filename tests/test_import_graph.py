@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "swarmgrad"
 
 # lowest first; a module may import its own layer and those below it
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in (
-    "errors version lazy settings after_import eventloop timing hostmemory",  # the base
+    "errors version lazy settings after_import eventloop timing hostmemory device",  # the base
     "dht",
     "net",
     "state",

@@ -113,6 +113,9 @@ class GossipAverager:
         form = get_rule(aggregator).gossip()  # what of each push is merged
         assert form is not None  # check_aggregator admits only rules with a gossip form
         self.gossip_form = form
+        if privacy is not None and privacy.noise_shares != 1:  # a push is seen alone: it must carry all the noise
+            raise ConfigError(f"privacy noise_shares={privacy.noise_shares}: gossip pushes are not summed in groups; "
+                              "use noise_shares=1")
         self.releaser = PrivateReleaser(privacy) if privacy is not None else None
         self.tensors = [t for _, t in named]
         self.schema = Schema.of(named)

@@ -96,9 +96,13 @@ def status_line(log: RunLog, now: float) -> str:
     if latest is None:
         parts.append("no held-out evaluation yet")
     else:
-        accuracy = number(latest.get("accuracy"), 0.0)
+        accuracy, bits = number(latest.get("accuracy"), 0.0), number(latest.get("bits_per_byte"))
         seconds_ago = max(0.0, elapsed - log.seconds(float(latest["t"])))
-        parts.append(f"held-out accuracy {accuracy:.2%} ({seconds_ago:.0f} s ago)")
+        if bits is not None:  # a language task: its loss says more than next-byte accuracy
+            parts.append(f"held-out loss {number(latest.get('loss'), 0.0):.3f}, {bits:.3f} bits/byte ({seconds_ago:.0f} s ago)")
+            best = None
+        else:
+            parts.append(f"held-out accuracy {accuracy:.2%} ({seconds_ago:.0f} s ago)")
     if best is not None:
         parts.append(f"best {best:.2%}")
     return " · ".join(parts)

@@ -14,6 +14,11 @@ from swarmgrad.peer.config_file import write_peer_config
 from swarmgrad.peer.options import PEER_OPTIONS, Given
 from swarmgrad.peer.peer_config import Compute, Connection, Data, Evaluation, PeerConfig, Stop
 
+# what a task's demo sets beyond fashion-mnist's: lm's own defaults (context 256, 100 local steps
+# per round) would leave 4 peers on 2 shared cores minutes from their first round
+TASK_OPTIONS: dict[str, dict[str, Any]] = {"lm": {"size": "tiny", "context": 64}}
+TASK_INNER_STEPS: dict[str, int] = {"lm": 20}
+
 
 @dataclass(frozen=True)
 class DemoSettings:
@@ -32,12 +37,13 @@ class DemoSettings:
     max_seconds: float = 150.0
     eval_every: float = 2.0
     plot: Path = Path("swarmgrad-demo.png")
+    device: str = "auto"  # every peer's --device (on one GPU, the peers share it)
 
     def run_config(self) -> RunConfig:
         """What the demo's swarm trains with: only the settings the demo chooses are set, read as
         `swarmgrad peer` reads its flags (a bad one is an error naming the flag)."""
         chosen = {"task": self.task, "strategy": self.strategy, "averaging": self.averaging,
-                  "compression": self.compression}
+                  "compression": self.compression, "task-options": TASK_OPTIONS.get(self.task)}
         if _run_config(chosen).strategy.name == "diloco":
             chosen["inner-steps"] = self.inner_steps
         return _run_config(chosen)
@@ -55,7 +61,7 @@ def peer_config(settings: DemoSettings, index: int, initial_peers: list[str]) ->
     return PeerConfig(
         run_id=settings.run_id, network=NodeConfig(initial_peers=initial_peers),
         connection=Connection(wait_peers=settings.peers, wait=60), data=Data(shard=index, num_shards=settings.peers),
-        compute=Compute(threads=1),
+        compute=Compute(threads=1, device=settings.device),
         evaluation=Evaluation(every=settings.eval_every) if evaluates else Evaluation(every=0, final=False),
         stop=Stop(max_seconds=settings.max_seconds, target_accuracy=settings.target_accuracy if evaluates else None))
 

@@ -55,7 +55,7 @@ import pydantic
 from swarmgrad.errors import ConfigError
 from swarmgrad.lab.nat import NatType
 from swarmgrad.lab.network import LinkSpec
-from swarmgrad.peer.config import RunConfig
+from swarmgrad.peer.config import Hyperparameter, RunConfig, TaskOption
 from swarmgrad.peer.options import PEER_OPTIONS, Given
 
 MAX_LAB_PEERS = 64
@@ -151,6 +151,8 @@ class Scenario(_Strict):
     group_size: int | None = None
     lr: float | None = pydantic.Field(None, gt=0)
     batch_size: int | None = pydantic.Field(None, ge=1)
+    task_options: dict[str, TaskOption] | None = None  # e.g. {size = "tiny", context = 64} for lm
+    hparams: dict[str, Hyperparameter] | None = None
     # the lab itself
     mtu: int | None = pydantic.Field(None, ge=1500, le=65000)
     peers: list[PeerSpec] = pydantic.Field(min_length=1)
@@ -257,7 +259,7 @@ class Scenario(_Strict):
                               "peer": index[spec.peer]} for spec in self.churn if spec.peer in index]
             # no target: digits passes any fashion-mnist target within seconds, before every peer
             # has averaged or any churn has happened; a quick run lasts its short duration
-            data.update(task=QUICK_TASK, duration=new, name=self.name, target_accuracy=None)
+            data.update(task=QUICK_TASK, duration=new, name=self.name, target_accuracy=None, task_options=None)
             if self.run_config.strategy.name == "diloco":
                 data["inner_steps"] = max(self.inner_steps or 0, QUICK_INNER_STEPS)
         elif duration is not None:

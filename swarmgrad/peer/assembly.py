@@ -119,6 +119,11 @@ class PeerAssembly:
         accountant = self.training.accountant if self.training is not None else None
         return accountant.epsilon if accountant is not None else None
 
+    def epsilon_local(self) -> float | None:
+        """What one release of this peer, seen alone, has spent (differs from epsilon with noise shares)."""
+        accountant = self.training.accountant if self.training is not None else None
+        return accountant.epsilon_local if accountant is not None else None
+
     # ---- phase one --------------------------------------------------------------------------------
 
     async def open(self) -> RunConfig:

@@ -83,6 +83,7 @@ class RunConfig(SettingsModel):
             object.__setattr__(self, "averaging", natural)
         check_averaging(self.strategy, self.averaging.kind)
         check_aggregator(self.aggregator, self.averaging.kind)
+        _check_noise_shares(self.privacy, self.averaging)
         return self
 
     @property
@@ -101,6 +102,19 @@ class RunConfig(SettingsModel):
     def explicit(self) -> dict[str, Any]:
         """The settings the caller chose, as dotted leaves (a chosen strategy always names itself)."""
         return _explicit_leaves(self)
+
+
+def _check_noise_shares(privacy: Privacy | None, averaging: Averaging) -> None:
+    # distributed DP holds only where an average sums that many releases: a smaller group never averages
+    shares = privacy.noise_shares if privacy is not None else 1
+    if shares == 1:
+        return
+    if not isinstance(averaging, Moshpit):
+        raise ConfigError(f"privacy noise_shares={shares}: a gossip push is seen alone, so each must carry all the "
+                          "noise; use noise_shares=1 with gossip")
+    if averaging.min_group_size < shares:
+        raise ConfigError(f"privacy noise_shares={shares} needs min_group_size >= {shares} (got "
+                          f"{averaging.min_group_size}): a smaller group's average would carry less noise than stated")
 
 
 def run_config(**fields: Any) -> RunConfig:

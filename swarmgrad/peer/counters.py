@@ -7,6 +7,8 @@ import logging
 import math
 from typing import Any, Callable
 
+import torch
+
 from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.net.accountability import Misbehaviour
 from swarmgrad.peer.driver import RoundOutcome
@@ -28,14 +30,30 @@ class Counters:
         self.rounds_unreachable = 0
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.loss: float | None = None
+        self._loss: float | torch.Tensor | None = None  # smoothed where the losses are (a GPU's: no sync per step)
         self.last_report: dict[str, Any] | None = None
         self.longest_round = 0.0  # seconds, matchmaking included (a soak checks nothing creeps up)
         self.longest_allreduce = 0.0  # seconds of the longest all-reduce (what a round's deadline bounds)
 
-    def note_loss(self, value: float) -> None:
-        if math.isfinite(value):
-            self.loss = value if self.loss is None else self.loss + LOSS_SMOOTHING * (value - self.loss)
+    def note_loss(self, value: float | torch.Tensor) -> None:
+        """Smooth in one step's loss; a non-finite one is left out. A tensor is smoothed on its device."""
+        if isinstance(value, torch.Tensor):
+            value = value.detach().float()
+            if self._loss is None:
+                self._loss = torch.where(torch.isfinite(value), value, torch.full_like(value, math.nan))
+                return
+            previous = torch.as_tensor(self._loss, device=value.device)
+            blended = torch.where(previous.isnan(), value, previous + LOSS_SMOOTHING * (value - previous))
+            self._loss = torch.where(torch.isfinite(value), blended, previous)
+        elif math.isfinite(value):
+            loss = self.loss
+            self._loss = value if loss is None else loss + LOSS_SMOOTHING * (value - loss)
+
+    @property
+    def loss(self) -> float | None:
+        """The smoothed training loss (read from the device, if the losses are there, only now)."""
+        loss = None if self._loss is None else float(self._loss)
+        return None if loss is None or math.isnan(loss) else loss
 
     def record(self, outcome: RoundOutcome) -> None:
         report = outcome.report

@@ -68,6 +68,7 @@ class PeerStatus:
     bytes_received: int = 0
     state_downloads: int = 0
     rounds_replayed: int = 0  # rounds it missed and applied afterwards, from a peer that kept their result
+    epsilon_local: float | None = None  # one release seen alone (update level with noise shares: > epsilon)
     rounds_overlapped: int = 0  # rounds that travelled while the next inner phase ran (overlap.py)
     settings: str = ""  # digest of the run settings this peer trains with
     warning: str | None = None  # why this peer trains alone, when it can tell
@@ -93,10 +94,11 @@ class PeerStatus:
     longest_round: float = 0.0  # seconds the longest round took, matchmaking included
     longest_allreduce: float = 0.0  # seconds the longest all-reduce took (what round_deadline bounds)
     asyncio_tasks: int | None = None  # tasks on the peer's event loop now (a soak watches they stay flat)
+    device_bytes: int = 0  # bytes that crossed between the training device and the host (device/boundary.py)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("loss", "epsilon"):
+        for key in ("loss", "epsilon", "epsilon_local"):
             if data[key] is not None and not math.isfinite(data[key]):
                 data[key] = None
         return data
@@ -118,22 +120,26 @@ class Peer:
     ``initial_peers``, ``checkpoint_dir``, ``upload_limit_mbps``, ``ticket`` (a ticket file), ...),
     and each section by its name (``network=NodeConfig(...)``, ``timing=Timing(...)``,
     ``bans=Accountability(...)``). ``manifest``: a run manifest this peer publishes (and keeps
-    published while it runs): it creates the run.
+    published while it runs): it creates the run. ``grad_scaler``: fp16's ``torch.amp.GradScaler``,
+    when the loss given to ``backward`` was scaled with it: ``step`` unscales the gradients and skips a
+    step whose gradients overflowed (not stepped, not counted, never sent).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: RunConfig | None = None,
                  peer: PeerConfig | None = None, batch_size: int | None = None, dataset_size: int | None = None,
-                 manifest: RunManifest | None = None, **options: Any):
+                 manifest: RunManifest | None = None, grad_scaler: torch.amp.GradScaler | None = None, **options: Any):
         requested, local = peer_settings(config, peer, options)
         check_privacy(requested, batch_size, dataset_size)
         self._attach(PeerAssembly(requested, local, manifest), model, optimizer, batch_size, dataset_size, None)
+        self.grad_scaler = grad_scaler
 
     @classmethod
     def _on(cls, opened: OpenRun, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int | None,
-            dataset_size: int | None) -> Peer:
+            dataset_size: int | None, grad_scaler: torch.amp.GradScaler | None = None) -> Peer:
         """A Peer on a run that ``OpenRun`` opened: its node, its settled settings, its event loop."""
         peer = cls.__new__(cls)
         peer._attach(opened.assembly, model, optimizer, batch_size, dataset_size, opened.background)
+        peer.grad_scaler = grad_scaler
         return peer
 
     def _attach(self, assembly: PeerAssembly, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -246,6 +252,7 @@ class Peer:
         try:
             self.training = await self.assembly.build(self.model, self.optimizer, batch_size=self.batch_size,
                                                       dataset_size=self.dataset_size)
+            self.training.policy.grad_scaler = self.grad_scaler
         except BaseException:
             await self.assembly.close()
             raise
@@ -408,6 +415,7 @@ class Peer:
             rounds_replayed=catch_up.replayed if catch_up else 0, settings=self.tracker.settings,
             rounds_overlapped=driver.overlapped if driver else 0,
             warning=driver.warning if driver else None, paused=self._paused,
+            epsilon_local=self.assembly.epsilon_local(),
             reachability=reachability(self.node.maddrs), rounds_unreachable=counters.rounds_unreachable,
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
             refused_streams=self.runtime.admission.refused_streams, banned=self.runtime.admission.misbehaviour.bans(),
@@ -416,6 +424,7 @@ class Peer:
             round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
             longest_round=counters.longest_round, longest_allreduce=counters.longest_allreduce,
             entry_points=self.node.entry_points(), asyncio_tasks=self._asyncio_tasks(), **self._attendance(),
+            device_bytes=training.policy.boundary.crossings.total() if training is not None else 0,
         )
 
     def _asyncio_tasks(self) -> int | None:
@@ -475,8 +484,8 @@ class Peer:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if self.training is None:
             raise RuntimeError("use `with peer:` (or `async with` and astep) before stepping")
-        if loss is not None:
-            self.counters.note_loss(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+        if loss is not None:  # a tensor stays one: reading it would make the host wait for the device
+            self.counters.note_loss(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
         if self.training.per_sample is not None:
             self.training.per_sample.clip_and_noise_gradients()  # raises BudgetExhausted past max_epsilon
         return self.training.policy.after_backward(batch_size)
@@ -553,11 +562,11 @@ class OpenRun:
         return self
 
     def peer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, batch_size: int | None = None,
-             dataset_size: int | None = None) -> Peer:
+             dataset_size: int | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> Peer:
         """The Peer that trains ``model`` in this run; ``with`` it to assemble the rest and join."""
         if self.background is None:
             raise RuntimeError("use `with OpenRun(...) as run:` first")
-        return Peer._on(self, model, optimizer, batch_size, dataset_size)
+        return Peer._on(self, model, optimizer, batch_size, dataset_size, grad_scaler)
 
     def __exit__(self, *exc_info) -> None:
         """Closes what the Peer did not (it closes all it entered, the loop included)."""

@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 
 import pydantic
 
+from swarmgrad.device import DEVICE_PATTERN, PrecisionName
 from swarmgrad.dht.config import NodeConfig, check_run_id
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.accountability import Accountability
@@ -69,6 +70,16 @@ class Data(SettingsModel):
 class Compute(SettingsModel):
     """The hardware this peer trains on (device and precision go here)."""
 
+    device: str = pydantic.Field(
+        "auto", pattern=f"^({DEVICE_PATTERN})$", description="Where the model trains: auto (a GPU when torch can "
+        "use one, else the CPU), cpu, cuda, cuda:N or mps.")
+    precision: PrecisionName = pydantic.Field(
+        "auto", description="Forward/backward precision: auto (bf16 on GPUs that support it, fp16 with a loss scaler "
+        "on older ones, fp32 on the CPU), fp32, bf16 or fp16.")
+    micro_batch: Optional[Positive] = pydantic.Field(
+        None, description="Compute each batch in slices of this many samples, gradients accumulated, so a device "
+        "that cannot hold the run's batch size still trains it (default: the largest that fits; the whole batch on "
+        "the CPU).")
     threads: Optional[Positive] = pydantic.Field(None, description="torch threads (default: torch's).")
     slowdown: Annotated[float, pydantic.Field(ge=1, le=100)] = pydantic.Field(
         1.0, description="Emulate slower hardware: each step takes this many times longer, up to 100 (the swarm "

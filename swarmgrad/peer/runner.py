@@ -24,14 +24,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
+from swarmgrad.device.microbatch import accumulate_gradients, largest_micro_batch
+from swarmgrad.device.placement import Precision, move_batch, resolve_device, resolve_precision
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
 from swarmgrad.peer.peer import OpenRun
 from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.tasks import Task, get_task
-from swarmgrad.tasks.base import endless_batches
-from swarmgrad.tasks.train import make_optimizer
+from swarmgrad.tasks.base import dataset_size, endless_batches
+from swarmgrad.tasks.train import clip_gradients, make_optimizer, make_schedule
 
 if TYPE_CHECKING:
     from swarmgrad.peer.metrics import PeerMetrics
@@ -100,14 +102,19 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
     hparams = {**task.default_hparams, **config.hparams}
     batch_size = int(hparams.get("batch_size", 64))
     shard, num_shards = _shard(local)
-    torch.manual_seed(config.seed)  # every peer starts from the same weights
-    model = task.make_model()
+    device = resolve_device(local.compute.device)
+    precision = resolve_precision(local.compute.precision, device)
+    torch.manual_seed(config.seed)  # every peer starts from the same weights (made on the CPU: the same everywhere)
+    model = task.make_model().to(device)
     optimizer = make_optimizer(model.parameters(), hparams)
+    schedule = make_schedule(optimizer, hparams)
     dataset = task.train_data(shard, num_shards, config.seed)
     batches = endless_batches(dataset, batch_size, seed=shard)
+    scaler = precision.make_scaler()
+    micro_batch = _micro_batch(local, config, model, task, precision, batch_size, dataset, device)
     stop, pauses = _StopSignal(), _PauseSignal()
     connection = local.connection
-    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=len(dataset))
+    peer = run.peer(model, optimizer, batch_size=batch_size, dataset_size=dataset_size(dataset), grad_scaler=scaler)
     if metrics is not None:
         metrics.attach(peer)
     reason, final = "stopped", None
@@ -119,7 +126,8 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
         if connection.wait_peers > 1:
             peer.wait_for_peers(connection.wait_peers, connection.wait)
         emit({"event": "ready", "peer_id": peer.peer_id, "maddrs": peer.maddrs, "shard": shard,
-              "num_shards": num_shards, "epoch": peer.epoch, "step": peer.status().step, "task": task_name,
+              "num_shards": num_shards, "device": str(device), "precision": precision.name,
+              "micro_batch": micro_batch, "epoch": peer.epoch, "step": peer.status().step, "task": task_name,
               "options": run_options(config), "state_downloads": peer.status().state_downloads,
               "metrics_url": metrics.url if metrics is not None else None})
         # the budget is training time: a slow start or a wait for others must not eat into it
@@ -148,11 +156,16 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
                 continue
             tick = time.monotonic()
             inputs, targets = next(batches)
-            loss = task.loss_fn(model(inputs), targets)
-            loss.backward()
+            inputs, targets = move_batch(inputs, device), move_batch(targets, device)
+            loss = accumulate_gradients(model, task.loss_fn, inputs, targets, micro_batch, precision, scaler)
+            if scaler is not None and hparams.get("grad_clip"):
+                scaler.unscale_(optimizer)  # clip the true gradients; the peer's step sees them unscaled
+            clip_gradients(model.parameters(), hparams)
             if local.compute.slowdown > 1:  # forward and backward dominate a step: stretch them, not averaging
                 time.sleep((local.compute.slowdown - 1) * (time.monotonic() - tick))
             peer.step(batch_size=len(targets), loss=loss)
+            if schedule is not None:
+                schedule.step()
             now = time.monotonic()
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
@@ -181,9 +194,32 @@ def train(run: OpenRun, local: PeerConfig, emit: Emit, announce: Callable[[list[
     faulthandler.cancel_dump_traceback_later()  # a signal during the final evaluation or the leave: done now
     summary = {"event": "done", "peer_id": status.peer_id, "step": status.step, "epoch": status.epoch,
                "reason": reason, "final": None if final is None else _finite_metrics(final),
-               "status": status.to_json(), "seconds": time.time() - started, "evaluations_skipped": evaluator.skipped}
+               "status": status.to_json(), "seconds": time.time() - started, "evaluations_skipped": evaluator.skipped,
+               "peak_device_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     emit(summary)
     return summary
+
+
+def _micro_batch(local: PeerConfig, config: RunConfig, model: torch.nn.Module, task: Task, precision: Precision,
+                 batch_size: int, dataset: Any, device: torch.device) -> int:
+    """--micro-batch, or the largest that fits the device (probed on a batch of the training data)."""
+    chosen = local.compute.micro_batch
+    if chosen is None and device.type != "cuda":
+        chosen = batch_size  # host memory is not probed: a peer that cannot hold a batch sets --micro-batch
+    if chosen is None:
+        sample = next(endless_batches(dataset, batch_size, seed=0))
+        inputs, targets = move_batch(sample[0], device), move_batch(sample[1], device)
+
+        def one_pass(size: int) -> None:
+            accumulate_gradients(model, task.loss_fn, inputs[:size], targets[:size], size, precision)
+
+        chosen = largest_micro_batch(batch_size, one_pass, device)
+        model.zero_grad(set_to_none=True)
+    chosen = min(chosen, batch_size)
+    if chosen < batch_size and config.privacy is not None and config.privacy.level == "sample":
+        raise ConfigError(f"--micro-batch {chosen} < the batch size {batch_size}: per-sample privacy clips each "
+                          "sample of a whole batch at once; raise --micro-batch or lower the batch size")
+    return chosen
 
 
 def _offer_evaluation(peer: Peer, evaluator: BackgroundEvaluator, emit: Emit) -> bool:
@@ -231,9 +267,10 @@ def run_options(config: RunConfig) -> dict[str, Any]:
 
 
 def _finite_metrics(metrics: dict[str, float]) -> dict[str, float | None]:
-    """Accuracy and loss for an event; a diverged model's NaN/Inf loss becomes None (JSON has no NaN,
-    and the peer must still report its evaluation and leave cleanly)."""
-    return {key: float(metrics[key]) if math.isfinite(metrics[key]) else None for key in ("accuracy", "loss")}
+    """Accuracy and loss (and a language task's bits per byte) for an event; a diverged model's NaN/Inf
+    loss becomes None (JSON has no NaN, and the peer must still report its evaluation and leave cleanly)."""
+    return {key: float(metrics[key]) if math.isfinite(metrics[key]) else None
+            for key in ("accuracy", "loss", "bits_per_byte") if key in metrics}
 
 
 def _progress_event(peer: Peer) -> dict[str, Any]:

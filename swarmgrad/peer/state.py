@@ -76,13 +76,12 @@ class TrainingState:
 
     def capture(self, version: int, meta: dict[str, Any]) -> ServedState:
         """The state as of now, to serve: where the strategy keeps the swarm's parameters apart from the
-        model (``outer_params``) it is read from there and from the strategy's and the optimizer's own
-        tensors, live (no copy: DESIGN's memory budget); everything else is copied."""
+        model (``outer_params``) it is read from there, and the strategy's and the optimizer's own
+        tensors are read live (no copy: DESIGN's memory budget; a GPU's moments stay on it); the rest
+        (the model's own parameters where no strategy keeps them, its buffers) is copied."""
         meta = {**meta, "optimizer_scalars": self.optimizer_scalars()}
         outer = self.strategy.outer_params()
-        if outer is None:
-            return ServedState(version, {name: _copy(value) for name, value in self.tensors().items()}, meta)
-        kept = {id(param): view for param, view in zip(self.strategy.params, outer)}
+        kept = {} if outer is None else {id(param): view for param, view in zip(self.strategy.params, outer)}
         tensors: dict[str, torch.Tensor] = {}
         live: set[str] = set()
         for key, value in self.model.state_dict(keep_vars=True).items():
@@ -95,7 +94,11 @@ class TrainingState:
         for name, value in self.tensors().items():
             if name.startswith("model/"):
                 continue
-            if value.device.type == "cpu" and value.is_contiguous():
+            # a peer's own optimizer moments are served as they are (on a GPU too: read a part at a
+            # time when a joiner asks, never copied after every round); a shared one (sync's) is the
+            # swarm's, and a copy keeps it whole for the epoch
+            own = is_optimizer(name) and self.strategy.local_optimizer
+            if value.is_contiguous() and (own or (value.device.type == "cpu" and not is_optimizer(name))):
                 tensors[name] = value.detach()
                 live.add(name)
             else:

@@ -24,7 +24,8 @@ from swarmgrad.state.snapshot import describe_state, layout, layout_digest, spec
 
 
 class ServedState:
-    """Named CPU tensors served in ``PART_BYTES`` parts, without one buffer that holds them all.
+    """Named tensors served in ``PART_BYTES`` parts, without one buffer that holds them all: on the CPU,
+    except live ones ``keep_live`` names (a GPU peer's optimizer moments, copied a part at a time when read).
 
     ``live``: the names of tensors the owner holds and changes in place (the rest are copies this state
     owns); ``keep_live`` says which live ones a freeze leaves as they are (the optimizer's moments:
@@ -33,8 +34,9 @@ class ServedState:
     def __init__(self, version: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | None = None,
                  live: frozenset[str] = frozenset(), keep_live: Callable[[str], bool] = lambda name: False):
         for name, tensor in tensors.items():
-            if tensor.device.type != "cpu" or not tensor.is_contiguous():
-                raise ValueError(f"state tensor {name!r} must be a contiguous CPU tensor")
+            on_device = tensor.device.type != "cpu"  # the optimizer's moments on a GPU: read when asked
+            if not tensor.is_contiguous() or (on_device and not (name in live and keep_live(name))):
+                raise ValueError(f"state tensor {name!r} must be contiguous, and on the CPU unless live and kept so")
         self.version, self.specs, self.meta = version, specs_of(tensors), dict(meta or {})
         self._tensors = dict(tensors)
         self._live = set(live)

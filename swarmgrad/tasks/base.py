@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -10,7 +11,7 @@ from typing import Any, Callable, Iterator
 import pydantic
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from swarmgrad.errors import ConfigError
 from swarmgrad.settings import SettingsModel
@@ -22,8 +23,9 @@ EVAL_BATCH_SIZE = 1000
 class Task:
     """A built-in or user-supplied training problem; knows torch and data, nothing of networking.
 
-    ``train_data(shard, num_shards, seed)`` returns this peer's disjoint part of the training set,
-    ``test_data()`` the held-out set that ``evaluate`` scores. ``make_model`` must be deterministic
+    ``train_data(shard, num_shards, seed)`` returns this peer's disjoint part of the training set: a
+    map-style dataset, or an ``IterableDataset`` of (input, target) samples, one pass per iteration,
+    for data too large to index (``lm``); ``test_data()`` the held-out set that ``evaluate`` scores. ``make_model`` must be deterministic
     given ``torch.manual_seed`` so that peers can start from identical weights.
     """
 
@@ -36,6 +38,8 @@ class Task:
     # Identifies the data actually read (files, sizes, digests), so a public run can tell peers
     # that would train on different data apart. None when the task cannot tell.
     data_fingerprint: Callable[[], str] | None = None
+    # A language task's bytes of text per target token: ``evaluate`` then also reports bits per byte
+    bytes_per_token: float | None = None
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, max_batches: int | None = None,
@@ -63,7 +67,10 @@ class Task:
             model.train(was_training)
         if count == 0:
             raise ConfigError(f"task {self.name!r} has an empty held-out set")
-        return {"loss": loss_sum / count, "accuracy": correct / count, "samples": float(count)}
+        result = {"loss": loss_sum / count, "accuracy": correct / count, "samples": float(count)}
+        if self.bytes_per_token:
+            result["bits_per_byte"] = result["loss"] / math.log(2) / self.bytes_per_token
+        return result
 
 
 class TaskOptions(pydantic.BaseModel):
@@ -131,8 +138,20 @@ def batches(dataset: Dataset, batch_size: int, shuffle: bool = False,
             yield tuple(tensor[index] for tensor in dataset.tensors)  # type: ignore[misc]
 
 
+def dataset_size(dataset: Dataset) -> int | None:
+    """Samples in ``dataset`` (an IterableDataset's per pass, if it says), or None when it cannot tell."""
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def endless_batches(dataset: Dataset, batch_size: int, seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
-    """Shuffled batches forever, reshuffled every epoch, deterministic given ``seed``."""
+    """Shuffled batches forever, reshuffled every epoch, deterministic given ``seed``. An
+    IterableDataset orders its samples itself: its passes are batched in turn."""
+    if isinstance(dataset, IterableDataset):
+        yield from _stream_batches(dataset, batch_size)
+        return
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise ConfigError("cannot draw batches from an empty dataset")
     generator = torch.Generator().manual_seed(seed)
@@ -140,3 +159,20 @@ def endless_batches(dataset: Dataset, batch_size: int, seed: int = 0) -> Iterato
         batch_size = len(dataset)  # type: ignore[arg-type]
     while True:
         yield from batches(dataset, batch_size, shuffle=True, generator=generator, drop_last=True)
+
+
+def _stream_batches(dataset: IterableDataset, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Batches of an IterableDataset's samples, pass after pass (a batch may span two passes)."""
+    inputs: list[Tensor] = []
+    targets: list[Tensor] = []
+    while True:
+        seen = 0
+        for sample_input, sample_target in dataset:
+            seen += 1
+            inputs.append(sample_input)
+            targets.append(sample_target)
+            if len(inputs) == batch_size:
+                yield torch.stack(inputs), torch.stack(targets)
+                inputs, targets = [], []
+        if seen == 0:
+            raise ConfigError("cannot draw batches from an empty dataset")

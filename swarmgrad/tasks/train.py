@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,15 +20,57 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 
 
 def make_optimizer(params: Any, hparams: dict[str, Any]) -> torch.optim.Optimizer:
-    """The optimizer a task's ``default_hparams`` (or overrides of them) name."""
+    """The optimizer a task's ``default_hparams`` (or overrides of them) name.
+
+    Hyperparameters read here and by ``make_schedule`` / ``clip_gradients`` (their one definition):
+    ``optimizer`` (adam, adamw, sgd), ``lr``, ``weight_decay``, ``momentum`` (sgd),
+    ``decay_norms_and_biases`` (default true; false keeps weight decay off every parameter of
+    fewer than 2 dimensions: norms' gains and biases, as GPT training does), ``warmup_steps`` and
+    ``decay_steps`` (linear warm-up, then a cosine from ``lr`` to ``min_lr_ratio`` x ``lr`` over
+    ``decay_steps``; 0 = none), ``grad_clip`` (the gradients' largest global L2 norm; 0 = none).
+    """
     name = str(hparams.get("optimizer", "adam")).lower()
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    kwargs: dict[str, Any] = {"lr": float(hparams.get("lr", 1e-3)),
-                              "weight_decay": float(hparams.get("weight_decay", 0.0))}
+    decay = float(hparams.get("weight_decay", 0.0))
+    kwargs: dict[str, Any] = {"lr": float(hparams.get("lr", 1e-3)), "weight_decay": decay}
     if name == "sgd":
         kwargs["momentum"] = float(hparams.get("momentum", 0.9))
+    if not hparams.get("decay_norms_and_biases", True):
+        params = list(params)
+        params = [{"params": [p for p in params if p.ndim >= 2]},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        params = [group for group in params if group["params"]]
     return OPTIMIZERS[name](params, **kwargs)
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, hparams: dict[str, Any]) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """Warm-up and cosine decay of the learning rate per local step (``make_optimizer`` says which
+    hyperparameters); None when the task asks for neither."""
+    warmup, decay = int(hparams.get("warmup_steps", 0)), int(hparams.get("decay_steps", 0))
+    floor = float(hparams.get("min_lr_ratio", 0.1))
+    if warmup < 0 or decay < 0 or not 0 <= floor <= 1:
+        raise ConfigError(f"warmup_steps and decay_steps must be >= 0 and min_lr_ratio in [0, 1]; "
+                          f"got {warmup}, {decay}, {floor}")
+    if not warmup and not decay:
+        return None
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not decay:
+            return 1.0
+        progress = min(1.0, (step - warmup) / decay)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_gradients(params: Any, hparams: dict[str, Any]) -> None:
+    """Scale the gradients down to a global L2 norm of ``grad_clip`` at most (0 or absent: untouched)."""
+    limit = float(hparams.get("grad_clip", 0.0))
+    if limit > 0:
+        torch.nn.utils.clip_grad_norm_(params, limit)
 
 
 @dataclass
@@ -58,6 +101,7 @@ def train_locally(task: Task, *, max_steps: int | None = None, max_seconds: floa
     torch.manual_seed(seed)
     model = task.make_model()
     optimizer = make_optimizer(model.parameters(), settings)
+    schedule = make_schedule(optimizer, settings)
     stream = endless_batches(task.train_data(0, 1, seed), int(settings.get("batch_size", 64)), seed)
     run, started = LocalRun(), time.perf_counter()
 
@@ -83,7 +127,10 @@ def train_locally(task: Task, *, max_steps: int | None = None, max_seconds: floa
             inputs, labels = next(stream)
             optimizer.zero_grad(set_to_none=True)
             task.loss_fn(model(inputs), labels).backward()
+            clip_gradients(model.parameters(), settings)
             optimizer.step()
+            if schedule is not None:
+                schedule.step()
             run.steps += 1
         run.train_seconds += time.perf_counter() - tick
         evaluate()

@@ -110,7 +110,8 @@ def test_epsilon_equals_opacus_rdp_computation(noise_multiplier: float, sample_r
     assert releaser.epsilon == pytest.approx(float(epsilon), rel=1e-9)
     status = releaser.status()
     assert status == {"epsilon": releaser.epsilon, "delta": delta, "releases": steps,
-                      "noise_multiplier": noise_multiplier, "clip_norm": 1.0, "exhausted": False}
+                      "noise_multiplier": noise_multiplier, "clip_norm": 1.0, "exhausted": False,
+                      "noise_shares": 1, "epsilon_local": releaser.epsilon}
 
 
 def test_prv_accountant_by_name() -> None:
@@ -426,3 +427,37 @@ def test_a_prv_budget_restored_from_no_releases_reads_zero() -> None:
     budget = PrivacyBudget(1.0, 0.5, 1e-5, None, mechanism="prv")
     budget.load_state_dict(PrivacyBudget(1.0, 0.5, 1e-5, None, mechanism="prv").state_dict())
     assert budget.epsilon == 0.0 and budget.releases == 0
+
+
+def test_noise_shares_split_the_noise_and_account_both_sides() -> None:
+    """Distributed DP: each of 4 releases carries half the noise std, so their sum carries sigma * C; epsilon
+    is the average's guarantee (sigma), epsilon_local one release's seen alone (sigma / 2)."""
+    shared = PrivateReleaser(Privacy(clip_norm=1.0, noise_multiplier=1.0, noise_shares=4), generator=seeded(3))
+    released = shared.release([torch.zeros(1_000_000)])[0]
+    assert released.std().item() == pytest.approx(0.5, rel=0.01)
+    for _ in range(9):
+        shared.release([torch.zeros(10)])
+    assert shared.epsilon == pytest.approx(opacus_rdp_epsilon(1.0, 1.0, 10, 1e-5), rel=1e-9)
+    assert shared.epsilon_local == pytest.approx(opacus_rdp_epsilon(0.5, 1.0, 10, 1e-5), rel=1e-9)
+    assert shared.epsilon_local > 2 * shared.epsilon
+    status = shared.status()
+    assert (status["noise_shares"], status["epsilon_local"]) == (4, shared.epsilon_local)
+    restored = PrivateReleaser(Privacy(clip_norm=1.0, noise_multiplier=1.0, noise_shares=4))
+    restored.load_state_dict(shared.state_dict())
+    assert restored.epsilon_local == pytest.approx(shared.epsilon_local, rel=1e-9)  # from the history alone
+
+
+def test_noise_shares_are_for_the_update_level_and_groups_that_hold_them() -> None:
+    from swarmgrad.errors import ConfigError
+    from swarmgrad.peer.config import RunConfig
+
+    with pytest.raises(PrivacyError, match="noise_shares"):
+        Privacy.parse(clip_norm=1.0, noise_multiplier=1.0, noise_shares=0)
+    with pytest.raises(PrivacyError, match="level='sample'"):
+        Privacy.parse(clip_norm=1.0, noise_multiplier=1.0, noise_shares=4, level="sample")
+    privacy = Privacy(clip_norm=1.0, noise_multiplier=1.0, noise_shares=4)
+    with pytest.raises(ConfigError, match="min_group_size >= 4"):
+        RunConfig(privacy=privacy)  # moshpit's default min_group_size is 2
+    with pytest.raises(ConfigError, match="gossip"):
+        RunConfig(privacy=privacy, strategy={"name": "gossip"})
+    assert RunConfig(privacy=privacy, averaging={"kind": "moshpit", "min_group_size": 4}).privacy.noise_shares == 4

@@ -18,6 +18,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 from peer_processes import SWARMGRAD, PeerProcess, Swarm
 
 
@@ -97,13 +98,16 @@ def test_private_peers_report_growing_epsilon(swarm):
     # per-sample DP-SGD, chosen explicitly (the run default level is "update"). The peers train long
     # enough for `status` to find them: at 12 s, on a loaded CI host, they had left before the status
     # checks below began, and every listing was empty (2 CI runs)
-    peers = [run.peer("--strategy", "diloco", "--inner-steps", "20", "--privacy-clip", "1.0", "--privacy-noise", "0.5",
-                      "--privacy-level", "sample", "--shard", str(shard), "--num-shards", "2", "--max-seconds", "30", "--eval-every", "0",
-                      "--wait-peers", "2", *PATIENT, name=f"private{shard}")
-             for shard in range(2)]
+    # the creator runs the documented command (examples/join_public_run.md); the other joins by the
+    # run's manifest alone, so its sample rate (batch/shard) is its own, never the manifest's
+    local = ["--num-shards", "2", "--max-seconds", "30", "--eval-every", "0", "--wait-peers", "2", *PATIENT]
+    creator = run.peer("--create", "--strategy", "diloco", "--inner-steps", "20", "--privacy-level", "sample",
+                       "--privacy-clip", "1.0", "--privacy-noise", "1.0", "--shard", "0", *local, name="private0")
+    joiner = run.peer("--shard", "1", *local, task=None, name="private1")
+    peers = [creator, joiner]
     for peer in peers:
         ready = peer.ready(90)
-        assert ready["options"]["privacy"]["noise_multiplier"] == 0.5
+        assert ready["options"]["privacy"]["noise_multiplier"] == 1.0
         assert ready["options"]["privacy"]["level"] == "sample"
 
     # while they train, `swarmgrad status` lists both with the privacy they spent
@@ -198,8 +202,8 @@ def test_swarm_survives_a_sigkilled_peer(swarm):
 def test_restart_resumes_from_checkpoint_with_privacy_budget(swarm, tmp_path):
     run = swarm("restart")
     checkpoints = tmp_path / "ckpt"
-    # per-sample DP-SGD: a lone peer releases no update, but every one of its steps spends budget
-    flags = ["--checkpoint-dir", str(checkpoints), "--privacy-clip", "1.0", "--privacy-noise", "1.0",
+    # per-sample DP-SGD in a created run: a lone peer releases no update, but every one of its steps spends budget
+    flags = ["--create", "--checkpoint-dir", str(checkpoints), "--privacy-clip", "1.0", "--privacy-noise", "1.0",
              "--privacy-level", "sample", "--inner-steps", "20", "--eval-every", "0"]
     first = run.peer(*flags, "--max-steps", "300", name="first")
     ready = first.ready(90)
@@ -356,3 +360,21 @@ def test_a_lone_volunteer_sees_a_live_panel_on_a_terminal_and_plain_lines_on_a_p
     assert re.search(r"^step +\d+ +epoch +\d+ +loss", lines, re.M), lines
     assert re.search(r"^held-out accuracy 0\.\d+", lines, re.M), lines
     assert "stopped (max_seconds)" in lines and "╭" not in lines and "\x1b[" not in lines, lines
+
+
+def test_a_micro_batching_peer_trains_and_averages_with_a_whole_batch_one(swarm):
+    """--micro-batch 8 in a run of batch 32: the gradient is accumulated over 4 slices, so the peer trains
+    the run's batch size and averages with a peer computing whole batches; --device picks where."""
+    run = swarm("micro")
+    common = ["--inner-steps", "10", "--batch-size", "32", "--max-seconds", "10", "--eval-every", "0",
+              "--num-shards", "2", "--wait-peers", "2", *PATIENT]
+    sliced = run.peer(*common, "--shard", "0", "--device", "cpu", "--micro-batch", "8", name="sliced")
+    whole = run.peer(*common, "--shard", "1", "--device", "auto", name="whole")
+    ready = sliced.ready(90)
+    assert (ready["device"], ready["precision"], ready["micro_batch"]) == ("cpu", "fp32", 8), ready
+    expected_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert whole.ready(90)["device"] == expected_device and whole.ready(90)["micro_batch"] == 32
+    for peer in (sliced, whole):
+        done = finished(peer, 10 + 30 + 30)
+        assert done["status"]["rounds_ok"] >= 1, (peer.name, done["status"])
+        assert done["final"]["accuracy"] >= 0.8, (peer.name, done)

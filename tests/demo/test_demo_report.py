@@ -168,6 +168,13 @@ def test_dashboard_shows_peers_numbers_and_accuracy():
     assert "held-out accuracy 87.00% (5 s ago) · best 87.00%" in text
 
 
+def test_dashboard_shows_loss_and_bits_per_byte_for_a_language_task():
+    lines = [*run_stream()[:-2], line("eval", 33.0, PEER_A, step=128, epoch=12, accuracy=0.41, loss=1.7329,
+                                      bits_per_byte=2.5)]
+    text = render_text(make_log(lines), now=T0 + 35.0)
+    assert "held-out loss 1.733, 2.500 bits/byte (2 s ago)" in text and "best" not in text.split("elapsed")[1]
+
+
 def test_dashboard_after_the_run_and_without_epsilon():
     text = render_text(make_log(run_stream()), now=T0 + 45.0)
     assert "12D3Ko…aaaaaa done: target reached" in text and "best 87.00%" in text

@@ -58,7 +58,11 @@ def test_builtin_scenarios_load_and_fit_this_machine():
         assert loaded.name == name
         assert 1 <= len(loaded.expanded_peers()) <= 8
         assert (loaded.task, loaded.strategy, loaded.averaging_kind, loaded.compression) == \
-            ("fashion-mnist", "diloco", "moshpit", "int8")
+            ("lm" if name == "lm-home" else "fashion-mnist", "diloco", "moshpit", "int8")
+    lm = load_scenario("lm-home")
+    assert lm.run_config.task_options == {"size": "tiny", "context": 64}
+    assert all(p.up_mbit == p.down_mbit == 10 for p in lm.expanded_peers())
+    assert lm.adjusted(quick=True).run_config.task_options == {}  # quick runs train digits
 
 
 def test_builtin_scenarios_say_what_they_promise():

@@ -186,7 +186,9 @@ async def train_until(peer: sg.Peer, model: torch.nn.Module, check, seconds: flo
 def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its_model():
     async def scenario() -> None:
         (model_a, opt_a), (model_b, opt_b) = real_model_and_optimizer(), real_model_and_optimizer()
-        settings = {"strategy": sg.DiLoCo(inner_steps=INNER), "compression": "none", "timing": TIMING}
+        # overlap off: under `auto` a round could travel behind the next steps when they took about as
+        # long (load decides), and a's model then held its steps since the launch on top (2 of 7 runs)
+        settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "none", "timing": TIMING}
         async with sg.Peer(model_a, opt_a, run_id="replay-run", **settings) as a:
             async with sg.Peer(model_b, opt_b, run_id="replay-run", initial_peers=a.maddrs, **settings) as b:
                 await asyncio.gather(a.await_peers(2, 20), b.await_peers(2, 20))

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import tomllib
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -329,6 +330,24 @@ def test_creating_a_run():
                    fingerprint=lambda task: "fp")
     with pytest.raises(ConfigError, match="TASK"):
         settle_run("r", run_config_from({}), None, create=True, fingerprint=lambda task: None)
+
+
+@pytest.mark.parametrize("privacy", [{"privacy_noise": 1.0}, {"target_epsilon": 3.0,
+                                                              "expected_releases": 1000}])
+def test_sample_level_privacy_survives_the_manifest(privacy):
+    """A joiner (and a peer resumed without --create) trains with the run's settings as the manifest
+    carried them: the sample rate is each peer's own (batch/shard), never a value the run fixes."""
+    from swarmgrad.averaging.privacy import make_per_sample_private
+
+    creator = run_config_from({"privacy_clip": 1.0, "privacy_level": "sample", **privacy}, task="fashion-mnist")
+    manifest = RunManifest.create(creator, None)
+    assert json.loads(manifest.settings)["privacy"]["sample_rate"] is None
+    joined, _ = settle_run("r", run_config_from({}), manifest, create=False, fingerprint=lambda task: None)
+    assert joined.privacy == creator.privacy and joined.digest == creator.digest
+    for config, shard in ((creator, 15000), (joined, 7500)):  # peers' shards differ: so do their sample rates
+        private = make_per_sample_private(torch.nn.Linear(3, 2), config.privacy, batch_size=64, dataset_size=shard)
+        assert private.privacy.sample_rate == 64 / shard
+        assert private.noise_multiplier > 0
 
 
 def test_join_hint_is_one_command_line():

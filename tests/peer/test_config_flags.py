@@ -74,7 +74,7 @@ def _candidates(option: Option) -> list:
         return [(default or 0) + 1, 2, 3]
     if option.annotation is float:
         return [value for value in ((default or 0) / 2, (default or 0) * 2, 0.5, 2.0, 5.0) if value]
-    return ["fp16", "mean", "127.0.0.2", "other-run", "some/where"]
+    return ["fp16", "mean", "127.0.0.2", "other-run", "some/where", "cpu"]
 
 
 def _given(option: Option, value, origin: str) -> dict[Option, Given]:

@@ -131,8 +131,10 @@ def test_sync_accumulates_batch_weighted_gradients_without_stepping():
     assert all(p.grad is None for p in strategy.params)
     g2 = set_grads(strategy.params, 2)
     assert strategy.after_backward(5)  # 8 samples reached
-    for total, a, b in zip(strategy.layout.views(strategy.contribution), g1, g2):
-        torch.testing.assert_close(total, 3 * a + 5 * b)
+    assert not strategy.contribution.any()  # the sums stay where the gradients are until the round
+    strategy.prepare()
+    for mean, a, b in zip(strategy.layout.views(strategy.contribution), g1, g2):
+        torch.testing.assert_close(mean, (3 * a + 5 * b) / 8)
     for p, b in zip(strategy.params, before):
         assert torch.equal(p.detach(), b)  # no optimizer step yet
     assert tracker.local.samples == 8
@@ -194,6 +196,7 @@ def test_sync_keeps_no_state():
     accumulate(strategy, [2])
     assert strategy.state_tensors() == {} == strategy.expected_state()
     strategy.load_state_tensors({})
+    strategy.prepare()
     assert not strategy.contribution.any()  # old gradients are dropped
     snapshot = StateSnapshot.capture(1, {**{f"model/{k}": v for k, v in model.state_dict().items()},
                                          "strategy/momentum/0": torch.zeros(1)})

@@ -61,3 +61,6 @@ def test_between_rounds_a_diloco_peer_holds_its_outer_state_error_feedback_and_f
         # DESIGN's budget of about 12: 4 + 4 + 2 + 2 x 1.004 (int8's frames: a byte an element and a
         # float32 scale per 1024)
         assert sum(held.values()) <= 12.05 * params, held
+        # status says what crossed the device boundary (here a CPU "device": the same code): whole
+        # parameter sets, 8 bytes per parameter per round
+        assert status.device_bytes >= 8 * params * status.rounds_ok and status.device_bytes % (4 * params) == 0

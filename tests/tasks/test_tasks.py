@@ -242,7 +242,7 @@ def test_a_task_option_reaches_the_model():
 
 @pytest.mark.parametrize("spec,options,message", [
     ("fashion_mnist", {}, "unknown task 'fashion_mnist'. Did you mean 'fashion-mnist'"),
-    ("nonsense", {}, "Built-in tasks: charlm, digits, fashion-mnist, fashion-mnist-large; or pass module:attribute"),
+    ("nonsense", {}, "Built-in tasks: charlm, digits, fashion-mnist, fashion-mnist-large, lm; or pass module:attribute"),
     ("no_such_module_xyz:task", {}, "cannot import module 'no_such_module_xyz'.*PYTHONPATH"),
     (f"{__name__}:missing", {}, "has no attribute 'missing'"),
     (f"{__name__}:NOT_A_TASK", {}, "is a int, not a swarmgrad.tasks.Task or TaskFactory"),

@@ -39,6 +39,7 @@ class PrivacyBudget:
         # (releases, epsilon) pairs, each computed at most once: RDP at q < 1 or PRV costs ~10-100 ms
         self._current: tuple[int, float] = (0, 0.0)
         self._next: tuple[int, float] | None = None  # epsilon after one more release
+        self._scaled: tuple[int, float, float] | None = None  # (releases, noise factor, epsilon): epsilon_at's
 
     @property
     def releases(self) -> int:
@@ -84,6 +85,20 @@ class PrivacyBudget:
             self._next = (self._releases, float(trial.get_epsilon(delta=self.delta)))
         return self._next[1]
 
+    def epsilon_at(self, noise_factor: float) -> float:
+        """Epsilon of the same releases had each carried ``noise_factor`` x the noise accounted (distributed DP:
+        one peer's share of the noise is 1/sqrt(shares) of what the average carries); computed once per release."""
+        if noise_factor == 1.0:
+            return self.epsilon
+        if self._scaled is None or self._scaled[:2] != (self._releases, noise_factor):
+            from opacus.accountants import create_accountant
+
+            scaled = create_accountant(self._accountant.mechanism())
+            scaled.history = [(nm * noise_factor, q, n) for nm, q, n in self._accountant.history]
+            epsilon = float(scaled.get_epsilon(delta=self.delta)) if scaled.history else 0.0
+            self._scaled = (self._releases, noise_factor, epsilon)
+        return self._scaled[2]
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep: a restarted peer that forgot its releases would overspend its budget."""
         return {"mechanism": self._accountant.mechanism(), "history": copy.deepcopy(self._accountant.history),
@@ -102,7 +117,7 @@ class PrivacyBudget:
         self._releases = releases
         self._refused = False  # re-derived from the limit, which a restart may have changed
         self._current = (0, 0.0) if not history else (-1, 0.0)  # recomputed on first read
-        self._next = None
+        self._next = self._scaled = None
 
     def status(self, clip_norm: float) -> dict[str, Any]:
         return {"epsilon": self.epsilon, "delta": self.delta, "releases": self.releases,
@@ -119,6 +134,12 @@ class Accounted:
     def epsilon(self) -> float:
         """Epsilon spent so far at privacy.delta (0.0 before any release; inf when noise_multiplier is 0)."""
         return self._budget.epsilon
+
+    @property
+    def epsilon_local(self) -> float:
+        """Epsilon of one peer's own releases seen alone; the same as ``epsilon`` unless noise is shared
+        (update level with noise_shares > 1: ``epsilon`` is then the guarantee of the swarm's averages)."""
+        return self.epsilon
 
     @property
     def releases(self) -> int:

@@ -29,7 +29,7 @@ class PerSamplePrivacy(Accounted):
         if batch_size < 1 or dataset_size < batch_size:
             raise PrivacyError(f"batch_size={batch_size} must be >= 1 and <= dataset_size={dataset_size}")
         sample_rate = batch_size / dataset_size
-        if "sample_rate" in privacy.model_fields_set and abs(privacy.sample_rate - sample_rate) > 1e-12:
+        if privacy.sample_rate is not None and abs(privacy.sample_rate - sample_rate) > 1e-12:
             raise PrivacyError(f"sample_rate={privacy.sample_rate} disagrees with batch_size/dataset_size="
                                f"{sample_rate:g}; leave sample_rate unset with level='sample'")
         # re-validate at the real sample rate so a target_epsilon is turned into noise for it
@@ -45,7 +45,8 @@ class PerSamplePrivacy(Accounted):
         except (NotImplementedError, ValueError) as error:
             raise PrivacyError(f"model: per-sample gradients are not available for it ({error})") from None
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._generator = generator if generator is not None else private_generator()
+        # drawn where the gradients are: a GPU peer's noise never crosses to the device per step
+        self._generator = generator if generator is not None else private_generator(self._params[0].device)
         self._budget = PrivacyBudget(self.noise_multiplier, sample_rate, self.privacy.delta,
                                      self.privacy.budget_limit(), self.privacy.accountant, what="step")
         self._last_sample_norms = torch.zeros(0)

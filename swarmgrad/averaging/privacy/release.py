@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -49,9 +50,11 @@ class PrivateReleaser(Accounted):
             raise PrivacyError("level: PrivateReleaser serves level='update'; with level='sample' the training loop "
                                "makes gradients private (make_per_sample_private) and releases need no more noise")
         self.privacy = privacy
+        # accounted at the noise an average of noise_shares honest releases carries (distributed DP);
+        # each release carries 1/sqrt(noise_shares) of it, and epsilon_local counts that
         self.noise_multiplier = privacy.resolved_noise_multiplier()
         self._generator = generator if generator is not None else private_generator()
-        self._budget = PrivacyBudget(self.noise_multiplier, privacy.sample_rate, privacy.delta, privacy.budget_limit(),
+        self._budget = PrivacyBudget(self.noise_multiplier, privacy.rate, privacy.delta, privacy.budget_limit(),
                                      privacy.accountant, what="release")
         self._last_clip_norm = 0.0
         self._lock = threading.Lock()  # check, noise and count are one step even if pushes release from threads
@@ -63,7 +66,7 @@ class PrivateReleaser(Accounted):
         """
         _check_update(update)
         clip_norm = self.privacy.clip_norm
-        std = self.noise_multiplier * clip_norm
+        std = self.privacy.release_noise_multiplier() * clip_norm
         with self._lock:
             self._budget.check()
             released = [t.detach().to(dtype=torch.float32, copy=True) for t in update]
@@ -78,6 +81,13 @@ class PrivateReleaser(Accounted):
                     add_gaussian_noise(tensor, std, self._generator)
             self._budget.commit()
         return released
+
+    @property
+    def epsilon_local(self) -> float:
+        return self._budget.epsilon_at(1.0 / self.privacy.noise_shares ** 0.5)
+
+    def status(self) -> dict[str, Any]:
+        return super().status() | {"noise_shares": self.privacy.noise_shares, "epsilon_local": self.epsilon_local}
 
     def last_clip_norm(self) -> float:
         """L2 norm of the last released update after clipping and before noise (0.0 before any release)."""

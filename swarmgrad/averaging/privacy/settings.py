@@ -20,10 +20,17 @@ class PrivacyError(ConfigError):
 class Privacy(BaseModel):
     """Differential privacy of what leaves a peer (architecture.md, invariant 'privacy before anything leaves').
 
+    ``level="sample"``: per-sample DP-SGD in the training loop (make_per_sample_private). It protects each
+    training example of a peer from everyone else (other peers, the network, whoever gets the model), trusting
+    nobody; what the peer then releases is post-processing of private gradients and needs no more noise.
+
     ``level="update"``: every released update is clipped to ``clip_norm`` (L2, all tensors together) and gets
-    Gaussian noise of std ``noise_multiplier * clip_norm``: peer-level DP of each release (PrivateReleaser).
-    ``level="sample"``: per-sample DP-SGD in the training loop (make_per_sample_private); what the peer then
-    releases is post-processing of private gradients and needs no more noise.
+    Gaussian noise of std ``noise_multiplier * clip_norm / sqrt(noise_shares)`` (PrivateReleaser). It protects
+    a peer's whole contribution (all its data) in each round. With ``noise_shares=1`` (local DP) every release
+    carries all the noise and is private against everyone; with ``noise_shares=n`` (distributed DP) only an
+    average of n honest peers' releases carries ``noise_multiplier * clip_norm``: what the swarm publishes
+    (averages, the model) is private at ``noise_multiplier``, trusting n honest members per group, while one
+    release seen alone (by its group's members) is private only at ``noise_multiplier / sqrt(n)``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -40,11 +47,18 @@ class Privacy(BaseModel):
                          json_schema_extra=flag("privacy-delta"))
     max_epsilon: float | None = Field(None, description="Differential privacy: stop releasing past this epsilon "
                                       "(default: --target-epsilon, else no limit).")
-    sample_rate: float = Field(1.0, description="Differential privacy: the share of the data each release "
-                               "samples, in (0, 1].", json_schema_extra=flag("privacy-sample-rate"))
+    # None: 1.0 at level update; at level sample each peer derives it from its batch and shard
+    # (batch_size/dataset_size differ between peers, so a run's manifest must not carry one)
+    sample_rate: float | None = Field(None, description="Differential privacy: the share of the data each release "
+                                      "samples, in (0, 1] (default 1 at level update; level sample derives it from "
+                                      "batch_size/dataset_size).", json_schema_extra=flag("privacy-sample-rate"))
     level: Literal["update", "sample"] = Field("update", description="Differential privacy: update (each released "
                                                "update) or sample (per-sample DP-SGD).",
                                                json_schema_extra=flag("privacy-level"))
+    noise_shares: int = Field(1, description="Differential privacy, level update: how many peers' noise adds up in "
+                              "each average (distributed DP): each release carries noise_multiplier/sqrt(shares) of "
+                              "the noise, the average of that many honest peers all of it (default 1: local DP).",
+                              json_schema_extra=flag("privacy-noise-shares"))
     accountant: Literal["rdp", "prv", "gdp"] = Field("rdp", description="Differential privacy: the accountant that "
                                                      "counts epsilon.", json_schema_extra=flag("privacy-accountant"))
 
@@ -93,22 +107,34 @@ class Privacy(BaseModel):
             raise PrivacyError(f"max_epsilon must be > 0 (got {value}); leave it unset for no limit")
         return value
 
+    @field_validator("noise_shares")
+    @classmethod
+    def _check_noise_shares(cls, value: int) -> int:
+        if value < 1:
+            raise PrivacyError(f"noise_shares must be >= 1 (got {value}): the peers whose noise adds up in an average")
+        return value
+
     @field_validator("sample_rate")
     @classmethod
-    def _check_sample_rate(cls, value: float) -> float:
-        if not 0 < value <= 1:
+    def _check_sample_rate(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
             raise PrivacyError(f"sample_rate must be in (0, 1] (got {value})")
         return value
 
     @model_validator(mode="after")
     def _resolve_noise(self) -> Privacy:
+        if self.level == "sample" and self.noise_shares != 1:
+            raise PrivacyError("noise_shares: level='sample' noises each peer's own steps in full (its examples are "
+                               "protected from everyone); noise shares are for level='update'")
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise PrivacyError("set noise_multiplier or target_epsilon (with expected_releases)")
         if self.target_epsilon is None:
             return self
         if self.expected_releases is None:
             raise PrivacyError("target_epsilon needs expected_releases: the number of releases the budget must cover")
-        derived = _noise_for_target(self.target_epsilon, self.delta, self.sample_rate, self.expected_releases,
+        if self.level == "sample" and self.sample_rate is None:
+            return self  # derived by each peer at its own sample rate (PerSamplePrivacy re-validates with it)
+        derived = _noise_for_target(self.target_epsilon, self.delta, self.rate, self.expected_releases,
                                     self.accountant)
         given = self.noise_multiplier
         if given is not None and abs(given - derived) > _CONSISTENCY * derived:
@@ -121,12 +147,23 @@ class Privacy(BaseModel):
         self._derived_noise_multiplier = derived
         return self
 
+    @property
+    def rate(self) -> float:
+        """The sample rate each release is accounted at: sample_rate, else 1.0."""
+        return 1.0 if self.sample_rate is None else self.sample_rate
+
     def resolved_noise_multiplier(self) -> float:
         """The noise multiplier in force: the one given, else the one derived from target_epsilon."""
         if self.noise_multiplier is not None:  # explicit noise wins; max_epsilon still guards the target
             return self.noise_multiplier
-        assert self._derived_noise_multiplier is not None  # the validator set it
+        if self._derived_noise_multiplier is None:  # level sample: only a peer knows its sample rate
+            raise PrivacyError("target_epsilon at level='sample' is turned into noise at each peer's sample rate "
+                               "(batch_size/dataset_size): make_per_sample_private does it")
         return self._derived_noise_multiplier
+
+    def release_noise_multiplier(self) -> float:
+        """The noise one release carries, over clip_norm: the share of one of ``noise_shares`` peers."""
+        return self.resolved_noise_multiplier() / self.noise_shares ** 0.5
 
     def budget_limit(self) -> float | None:
         """The epsilon no release may pass: max_epsilon, else target_epsilon, else none."""

@@ -104,11 +104,17 @@ class Policy(ABC):
         self.synchronous = synchronous  # swarm steps are numbered epochs every peer takes together
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.layout = FlatLayout(self.params)
+        from swarmgrad.device.boundary import DeviceBoundary
+
+        self.boundary = DeviceBoundary.of(self.params)  # every copy between the parameters and the host
         self.contribution = self.layout.zeros()  # what a round averages; the averager reads it in place
         # called before the strategy changes what ``outer_params`` and ``state_tensors`` view: the
         # state server drops a state served from them, or keeps them for its readers and says so
         # (True: the strategy goes on with copies; state/served.py)
         self.before_outer_step: Callable[[], bool] = lambda: False
+        # fp16's loss scaler (``Peer(grad_scaler=...)``): gradients arrive scaled, and a step whose
+        # gradients overflowed is skipped: not stepped, not counted, never sent
+        self.grad_scaler: torch.amp.GradScaler | None = None
 
     def contribution_views(self) -> dict[str, torch.Tensor]:
         """The contribution as one named view per parameter (the averaging schema keeps their shapes)."""
@@ -117,6 +123,38 @@ class Policy(ABC):
     @abstractmethod
     def after_backward(self, batch_size: int) -> bool:
         """Local work after the user's backward pass (runs in the training thread). True when a swarm step is due."""
+
+    @no_grad
+    def gradients_usable(self) -> bool:
+        """Unscale the last backward's gradients (with a loss scaler) and say whether they are finite.
+        False: the scaler lowers its scale and the gradients are dropped; the caller skips the step.
+        Without a scaler: True, and nothing is read (no device sync)."""
+        import torch
+
+        scaler = self.grad_scaler
+        if scaler is None:
+            return True
+        from torch.amp.grad_scaler import OptState
+
+        # the caller may have unscaled already (to clip the true gradients): unscaling twice raises
+        if scaler._per_optimizer_states[id(self.optimizer)]["stage"] is not OptState.UNSCALED:
+            scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        scaler.update()  # the inf checks unscale_ recorded: a lower scale after an overflow
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+        return finite
+
+    def inner_step(self, batch_size: int) -> bool:
+        """The inner optimizer's step on the last backward's gradients, counted as ``batch_size``
+        samples; False when the loss scaler found them overflowed (then nothing is stepped or counted)."""
+        if not self.gradients_usable():
+            return False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.add(batch_size)
+        return True
 
     def weight(self) -> float:
         """The samples behind this peer's contribution (architecture.md, invariant 'weights are samples, bounded')."""
@@ -183,16 +221,18 @@ class Policy(ABC):
         since the swarm's last step back on top, as overlap's ``land`` does: a late peer's work is
         sent in its next round instead of being overwritten. True when there was such progress to
         keep (a strategy with ``outer_params``); it is held as one model-sized buffer meanwhile."""
-        import torch
-
         outer = self.outer_params()
         if outer is None:
             self.apply(average)
             return False
-        progress = [param.detach().to("cpu", torch.float32) - start for param, start in zip(self.params, outer)]
+        progress = self.layout.zeros()  # the parameters cross to the host through the one boundary
+        self.copy_params_into(progress)
+        for view, start in zip(self.layout.views(progress), outer):
+            view.sub_(start)
         self.apply(average)
-        for param, step in zip(self.params, progress):
-            param.add_(step.to(param.device, param.dtype))
+        for view, start in zip(self.layout.views(progress), self.outer_params() or outer):
+            view.add_(start)  # the new start (apply may have moved start to a copy: asked again)
+        self.copy_into_params(progress)
         return True
 
     # a round that travels while training goes on (peer/overlap.py; only where ``overlap_steps``):
@@ -243,10 +283,8 @@ class Policy(ABC):
 
     @no_grad
     def copy_params_into(self, flat: torch.Tensor) -> None:
-        for param, view in zip(self.params, self.layout.views(flat)):
-            view.copy_(param.detach())
+        self.boundary.read(self.params, lambda offset, chunk: flat[offset:offset + len(chunk)].copy_(chunk))
 
     @no_grad
     def copy_into_params(self, flat: torch.Tensor) -> None:
-        for param, view in zip(self.params, self.layout.views(flat)):
-            param.copy_(view)
+        self.boundary.write(self.params, lambda offset, numel: flat[offset:offset + numel])

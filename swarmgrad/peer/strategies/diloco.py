@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import pydantic
@@ -57,19 +56,20 @@ class DiLoCoPolicy(Policy):
         return None if batch_size is None else WEIGHT_SLACK * self.settings.inner_steps * batch_size
 
     def after_backward(self, batch_size: int) -> bool:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.progress.add(batch_size)
-        return self.epoch_due(steps=self.settings.inner_steps)
+        return self.inner_step(batch_size) and self.epoch_due(steps=self.settings.inner_steps)
 
     @no_grad
     def prepare(self) -> None:
         import torch
 
         self.claim_contribution()
-        for start, param, delta in zip(self.layout.views(self.start), self.params,
-                                       self.layout.views(self.contribution)):
-            torch.sub(start, param.detach().to("cpu", torch.float32), out=delta)
+        start, delta = self.start, self.contribution
+
+        def pseudo_gradient(offset: int, params: torch.Tensor) -> None:
+            end = offset + len(params)
+            torch.sub(start[offset:end], params, out=delta[offset:end])
+
+        self.boundary.read(self.params, pseudo_gradient)  # formed on the host, from each piece as it arrives
 
     @no_grad
     def apply(self, average: torch.Tensor) -> None:
@@ -104,10 +104,10 @@ class DiLoCoPolicy(Policy):
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
         return start - (lr * (1 + mu)) * sent - (lr * mu * mu) * momentum
 
-    def _views(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Each parameter with its views of start, momentum and the contribution."""
-        return zip(self.params, self.layout.views(self.start), self.layout.views(self.momentum),
-                   self.layout.views(self.contribution))
+    def _slices(self, offset: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One piece (as the device boundary cuts them) of start, momentum and the contribution."""
+        end = offset + numel
+        return self.start[offset:end], self.momentum[offset:end], self.contribution[offset:end]
 
     @no_grad
     def launch(self) -> torch.Tensor:
@@ -117,26 +117,29 @@ class DiLoCoPolicy(Policy):
         (and the state served from them with them), and the contribution stays as sent until the
         round lands: no copy of any of the three. Returns the contribution as sent."""
         self.prepare()
-        for param, start, momentum, sent in self._views():
-            param.copy_(self._provisional(start, momentum, sent).to(param.device, param.dtype))
+        self.boundary.write(self.params, lambda offset, numel: self._provisional(*self._slices(offset, numel)))
         self._launched = True
         return self.contribution
 
     @no_grad
     def land(self, average: torch.Tensor) -> None:
         """The outer step on the swarm's ``average`` in place of the provisional one, keeping the
-        progress made since the launch on top: one tensor at a time, so the progress never needs a
-        model-sized buffer."""
-        import torch
-
+        progress made since the launch on top: each piece of the parameters gets the new start less
+        the provisional one added, so they are never read back and no model-sized buffer is made."""
         self._check_launched()
         self.outer_step_begins()
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
-        for (param, start, momentum, sent), mean in zip(self._views(), self.layout.views(average)):
-            progress = param.detach().to("cpu", torch.float32) - self._provisional(start, momentum, sent)
+
+        def correction(offset: int, numel: int) -> torch.Tensor:
+            """The new start less the provisional one, for one piece; start and momentum step meanwhile."""
+            start, momentum, sent = self._slices(offset, numel)
+            mean = average[offset:offset + numel]
+            provisional = self._provisional(start, momentum, sent)
             momentum.mul_(mu).add_(mean)
             start.add_(mean, alpha=-lr).add_(momentum, alpha=-lr * mu)
-            param.copy_(progress.add_(start).to(param.device, param.dtype))
+            return start - provisional
+
+        self.boundary.write(self.params, correction, add=True)  # the parameters are never read back
         self.release_contribution()
 
     @no_grad
@@ -144,9 +147,12 @@ class DiLoCoPolicy(Policy):
         """The launch never happened: the parameters where they were sent from plus the progress made
         since (start and momentum never moved)."""
         self._check_launched()
-        for param, start, momentum, sent in self._views():
-            back = (start - sent) - self._provisional(start, momentum, sent)
-            param.add_(back.to(param.device, param.dtype))
+
+        def back(offset: int, numel: int) -> torch.Tensor:
+            start, momentum, sent = self._slices(offset, numel)
+            return (start - sent) - self._provisional(start, momentum, sent)
+
+        self.boundary.write(self.params, back, add=True)
         self.release_contribution()
 
     def _check_launched(self) -> None:

@@ -46,9 +46,8 @@ class GossipPolicy(Policy):
         return None if batch_size is None else WEIGHT_SLACK * self.settings.every * batch_size
 
     def after_backward(self, batch_size: int) -> bool:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.progress.add(batch_size)
+        if not self.inner_step(batch_size):
+            return False
         self._since += 1
         if not self.synchronous:
             return self._since >= self.settings.every

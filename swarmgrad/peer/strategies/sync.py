@@ -28,7 +28,8 @@ class SyncSGD(StrategySettings):
 
 class SyncPolicy(Policy):
     """The hivemind Optimizer idea: one optimizer step per ``target_batch_size`` samples swarm-wide.
-    The contribution accumulates ``batch_size * gradient`` until the round divides it into a mean."""
+    ``batch_size * gradient`` accumulates where the gradients are (the device), and crosses to the
+    host once per epoch, when the round divides it into this peer's mean."""
 
     name = "sync"
     averages = "grad"
@@ -37,7 +38,7 @@ class SyncPolicy(Policy):
     def __init__(self, settings: SyncSGD, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.settings = settings
-        self._is_mean = False  # the contribution holds a sum until the epoch's round divides it
+        self._sums: list[torch.Tensor] | None = None  # on the parameters' device, made on the first step
 
     def weight_cap(self, batch_size: int | None) -> float | None:
         # one peer's epoch holds at most the swarm's target (plus its last batch): no batch size needed
@@ -47,30 +48,46 @@ class SyncPolicy(Policy):
     def after_backward(self, batch_size: int) -> bool:
         import torch
 
-        for param, total in zip(self.params, self.layout.views(self.contribution)):
+        if not self.gradients_usable():
+            return False
+        if self._sums is None:
+            self._sums = [torch.zeros_like(param, dtype=torch.float32) for param in self.params]
+        for param, total in zip(self.params, self._sums):
             if param.grad is not None:
-                total.add_(param.grad.detach().to("cpu", torch.float32), alpha=batch_size)
+                total.add_(param.grad, alpha=batch_size)
             param.grad = None
         self.progress.add(batch_size)
         return self.epoch_due(samples=self.settings.target_batch_size)
 
+    @no_grad
     def prepare(self) -> None:
-        """From the sum of batch_size * gradient to this peer's mean gradient, once per epoch."""
+        """This peer's mean gradient of the epoch (idempotent: the sums stay until ``apply``)."""
+        contribution = self.contribution
+        if self._sums is None:
+            contribution.zero_()
+            return
+        self.boundary.read(self._sums, lambda offset, chunk: contribution[offset:offset + len(chunk)].copy_(chunk))
         samples = self.weight()
-        if not self._is_mean and samples > 0:
-            self.contribution.div_(samples)
-        self._is_mean = True
+        if samples > 0:
+            contribution.div_(samples)
 
     @no_grad
     def apply(self, average: torch.Tensor) -> None:
-        for param, mean in zip(self.params, self.layout.views(average)):
-            param.grad = mean.to(param.device, param.dtype)  # the optimizer only reads it; dropped right after
+        import torch
+
+        grads = [torch.empty_like(param) for param in self.params]
+        self.boundary.write(grads, lambda offset, numel: average[offset:offset + numel])
+        for param, grad in zip(self.params, grads):
+            param.grad = grad  # the optimizer only reads it; dropped right after
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._forget_sums()
+
+    def _forget_sums(self) -> None:
+        for total in self._sums or []:
+            total.zero_()
         self.contribution.zero_()
-        self._is_mean = False
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_state_tensors(tensors)
-        self.contribution.zero_()  # gradients of the old parameters are of no use now
-        self._is_mean = False
+        self._forget_sums()  # gradients of the old parameters are of no use now
