@@ -157,7 +157,7 @@ class GossipAverager:
     def add_weight(self, samples: float) -> None:
         """Mass for ``samples`` trained on since the last step: the estimate stays, its weight grows, so
         peers mix by the samples behind their values rather than one unit each (architecture.md,
-        invariant 'weights are samples'). Nothing for a sample count that is not finite and positive."""
+        invariant 'weights are samples, bounded'). Nothing for a sample count that is not finite and positive."""
         if not (math.isfinite(samples) and samples > 0):
             return
         samples = min(float(samples), MAX_WEIGHT / 2)
