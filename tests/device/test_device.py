@@ -183,3 +183,23 @@ def test_the_state_published_after_a_round_copies_no_peers_own_optimizer_moments
     params, steps = 4 * _numel(policy), 4 * len(policy.params)  # Adam's step counters: a float32 each
     want = {"nothing": 0, "parameters": params, "parameters and moments": 3 * params + steps}[copied]
     assert served.held_bytes() == want
+
+
+def test_a_replayed_diloco_round_keeps_the_local_progress_for_4_bytes_per_parameter():
+    """A late peer replays the swarm's round: the new start plus its own steps since the last one,
+    by adding the start's step to the parameters (never reading them back)."""
+    model, optimizer = model_and_optimizer(0)
+    policy = attach(DiLoCo(inner_steps=2, outer_lr=0.7, outer_momentum=0.9), model, optimizer, FakeTracker())
+    set_grads(policy.params, 1)
+    policy.after_backward(1)
+    local_delta = [p.detach() - s for p, s in zip(policy.params, policy.layout.views(policy.start.clone()))]
+    average = torch.randn(policy.layout.total, generator=torch.Generator().manual_seed(3)) * 0.01
+    expected = policy.start - 0.7 * (average + 0.9 * average)  # momentum was zero: m = avg
+    up = policy.boundary.crossings.to_device_bytes
+    down = policy.boundary.crossings.to_host_bytes
+    assert policy.apply_keeping_progress(average)
+    torch.testing.assert_close(policy.start, expected)
+    for param, start, delta in zip(policy.params, policy.layout.views(policy.start), local_delta):
+        torch.testing.assert_close(param.detach(), start + delta)
+    assert policy.boundary.crossings.to_device_bytes - up == 4 * _numel(policy)
+    assert policy.boundary.crossings.to_host_bytes == down

@@ -215,25 +215,13 @@ class Policy(ABC):
         them. None: the parameters themselves are the swarm's, and a served state copies them."""
         return None
 
-    @no_grad
     def apply_keeping_progress(self, average: torch.Tensor) -> bool:
         """``apply`` a round this peer missed (catch_up.py replays it) and put the local progress made
         since the swarm's last step back on top, as overlap's ``land`` does: a late peer's work is
         sent in its next round instead of being overwritten. True when there was such progress to
-        keep (a strategy with ``outer_params``); it is held as one model-sized buffer meanwhile."""
-        outer = self.outer_params()
-        if outer is None:
-            self.apply(average)
-            return False
-        progress = self.layout.zeros()  # the parameters cross to the host through the one boundary
-        self.copy_params_into(progress)
-        for view, start in zip(self.layout.views(progress), outer):
-            view.sub_(start)
+        keep (a strategy that keeps the swarm's parameters apart: DiLoCo); here, none."""
         self.apply(average)
-        for view, start in zip(self.layout.views(progress), self.outer_params() or outer):
-            view.add_(start)  # the new start (apply may have moved start to a copy: asked again)
-        self.copy_into_params(progress)
-        return True
+        return False
 
     # a round that travels while training goes on (peer/overlap.py; only where ``overlap_steps``):
     # ``launch`` fills the contribution and returns it as sent (it stays so until the round ends),

@@ -83,6 +83,28 @@ class DiLoCoPolicy(Policy):
         self.copy_into_params(self.start)
         self.release_contribution()  # between rounds a DiLoCo peer holds start and momentum only
 
+    @no_grad
+    def apply_keeping_progress(self, average: torch.Tensor) -> bool:
+        """The outer step on ``average``, the local progress since the last one kept on top: each piece
+        of the parameters gets the start's step added (4 bytes per parameter up, never read back, no
+        model-sized buffer)."""
+        import torch
+
+        self.outer_step_begins()
+        lr, mu = self.settings.outer_lr, self.settings.outer_momentum
+
+        def step(offset: int, numel: int) -> torch.Tensor:
+            end = offset + numel
+            start, momentum, mean = self.start[offset:end], self.momentum[offset:end], average[offset:end]
+            torch.add(mean, momentum, alpha=mu, out=momentum)  # as ``apply``: m <- mu m + avg
+            moved = (mean + momentum * mu).mul_(-lr)  # start <- start - lr (avg + mu m)
+            start.add_(moved)
+            return moved
+
+        self.boundary.write(self.params, step, add=True)
+        self.release_contribution()
+        return True
+
     def held_bytes(self) -> dict[str, int]:
         return {**super().held_bytes(), "outer_start": nbytes(self.start), "outer_momentum": nbytes(self.momentum)}
 
