@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarmgrad.tasks.charlm import Block
+from swarmgrad.tasks.charlm import CharTransformer
 
 VOCAB = 256
 
@@ -32,16 +32,12 @@ SIZES: dict[str, GPTShape] = {
 }
 
 
-class GPT(nn.Module):
-    """(batch, length) byte ids -> (batch, length, 256) next-byte logits."""
+class GPT(CharTransformer):
+    """(batch, length) byte ids -> (batch, length, 256) next-byte logits: charlm's transformer (its
+    forward included) in a named shape, with GPT-2's initialisation."""
 
     def __init__(self, shape: GPTShape, context: int):
-        super().__init__()
-        self.context = context
-        self.embed = nn.Embedding(VOCAB, shape.dim)
-        self.position = nn.Parameter(torch.zeros(context, shape.dim))
-        self.blocks = nn.ModuleList(Block(shape.dim, shape.heads) for _ in range(shape.layers))
-        self.norm = nn.LayerNorm(shape.dim)
+        super().__init__(context=context, dim=shape.dim, heads=shape.heads, layers=shape.layers)
         self._init(shape.layers)
 
     @torch.no_grad()
@@ -55,14 +51,6 @@ class GPT(nn.Module):
         for block in self.blocks:  # residual writes shrink with depth, so the stream's variance does not grow
             for out in (block.proj, block.mlp[-1]):
                 nn.init.normal_(out.weight, std=0.02 / math.sqrt(2 * layers))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[-1] > self.context:
-            raise ValueError(f"sequence of {tokens.shape[-1]} bytes exceeds the model's context of {self.context}")
-        x = self.embed(tokens) + self.position[: tokens.shape[-1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x) @ self.embed.weight.T
 
 
 def parameter_count(size: str, context: int) -> int:
