@@ -66,6 +66,10 @@ NOTES = {
     ("device.boundary", "peer.strategies"): "each piece as it arrives: start − piece into the contribution; the "
                                             "new start's piece to write",
     ("peer.driver", "averaging.moshpit"): "the round key from this peer's cell of the grid (no network)",
+    ("averaging.matchmaking", "averaging.attendance"): "whom to wait for: slice members seen alive (declared, "
+                                                       "invited, accepted or answered a probe); the others are "
+                                                       "probed in the background, never waited for",
+    ("averaging.moshpit", "averaging.attendance"): "members that left the run are forgotten",
     ("averaging.moshpit", "averaging.matchmaking"): "declares a signed match record under the round key and reads "
                                                     "the others'; the leader invites and sends the plan",
     ("averaging.matchmaking", "dht.node"): "the DHT: reads of the declarations, the store of this peer's",
