@@ -80,8 +80,10 @@ def test_sigterm_leaves_a_round_that_waits_for_a_member_that_vanished(swarm):
     """A peer whose round waits for a member that was killed (its presence record outlives it) stops
     on SIGTERM at once, not when the round's matchmaking gives up: a supervisor's grace period
     (the demo's 10 s) would otherwise kill it before it reports (the demo's flaky test)."""
+    # a long matchmaking window: a member that vanished is waited for one window only (attendance.py),
+    # so that window must outlast the check below even when a loaded machine delays what it sees
     common = ["--inner-steps", "20", "--eval-every", "0", "--no-final-eval", "--max-seconds", "150",
-              "--num-shards", "2", "--wait", "90", "--wait-peers", "2"]
+              "--num-shards", "2", "--wait", "90", "--wait-peers", "2", "--matchmaking-seconds", "15"]
     creator = swarm.peer("--create", "--shard", "0", *common, name="creator")
     volunteer = swarm.peer("--shard", "1", *common, task=None, name="volunteer")
     creator.ready(90)
