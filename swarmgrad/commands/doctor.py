@@ -94,6 +94,7 @@ def nvidia_smi_gpus() -> list[str] | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
+        # a local query, no bytes to move: 15 s only bounds a hung driver, which doctor then reports
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired):
         return []
