@@ -38,6 +38,7 @@ class Attendance:
         self.no_shows: dict[str, int] = {}  # member -> times it was waited for and did not declare
         self._failures: dict[str, int] = {}  # member -> no-shows and failed probes since it was last seen alive
         self._probe_at: dict[str, float] = {}  # member -> clock time before which it is not probed again
+        self._probing: set[str] = set()  # members whose probe is in flight
 
     def seen_alive(self, peer: str) -> None:
         """``peer`` declared, invited or accepted: waited for again, its backoff forgotten."""
@@ -48,6 +49,7 @@ class Attendance:
     def answered(self, peer: str) -> None:
         """``peer`` answered a probe: waited for again, but its backoff stays, so a peer that answers
         probes and never declares costs a window less and less often."""
+        self._probing.discard(peer)
         self._alive.add(peer)
 
     def is_alive(self, peer: str) -> bool:
@@ -65,7 +67,14 @@ class Attendance:
             self._back_off(peer)
 
     def probe_failed(self, peer: str) -> None:
+        self._probing.discard(peer)
         self._back_off(peer)
+
+    def probing(self, members: Iterable[str]) -> frozenset[str]:
+        """Of ``members``, those whose probe is still in flight: not yet known to be waited for or not.
+        Matchmaking does not end its window early while one is, or members whose probes answered at
+        different moments would each group a different set of peers (a flaky "no group formed")."""
+        return frozenset(peer for peer in members if peer in self._probing)
 
     def to_probe(self, members: Iterable[str], me: str) -> list[str]:
         """Members of ``members`` not seen alive whose probe is due; each is then not due again
@@ -75,6 +84,7 @@ class Attendance:
                if peer != me and peer not in self._alive and self._probe_at.get(peer, -1.0) <= now]
         for peer in due:
             self._probe_at[peer] = now + MAX_BACKOFF  # in flight: its answer or failure sets the real time
+            self._probing.add(peer)
         return due
 
     def suspects(self) -> list[str]:
@@ -87,6 +97,7 @@ class Attendance:
             return
         keep = set(members)
         self._alive &= keep
+        self._probing &= keep
         for table in (self.no_shows, self._failures, self._probe_at):
             for peer in [peer for peer in table if peer not in keep]:
                 del table[peer]

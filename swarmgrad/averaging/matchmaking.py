@@ -190,8 +190,12 @@ class Matchmaker:
                 self._start_probe(peer)
             listed, attendance = expected_members, self.attendance
 
-            def waited() -> frozenset[str]:
+            def waiting() -> frozenset[str]:
                 return attendance.waited_for(listed, me) | ((listed & clients) - set(attendance.suspects()))
+
+            def waited() -> frozenset[str] | None:
+                """Who to wait for, or None while a probe of a listed member is still in flight."""
+                return None if attendance.probing(listed) else waiting()
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
         began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
@@ -215,7 +219,7 @@ class Matchmaker:
                 seen["stored"] = time.monotonic() - began
             declared = set(peers)
             if waited is not None:
-                waiting_for = waited()
+                waiting_for = waiting()
                 for peer in declared - {me}:
                     self.attendance.seen_alive(peer)
                 if not looking.committed and time.time() >= ready_at:
@@ -260,7 +264,7 @@ class Matchmaker:
 
     async def _wait_for_peers(
         self, key: str, looking: _Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
-        min_group_size: int, grace: float, poll: float, waited: Callable[[], frozenset[str]] | None = None,
+        min_group_size: int, grace: float, poll: float, waited: Callable[[], frozenset[str] | None] | None = None,
     ) -> list[str]:
         """Peers declared under ``key``, read until the window ends or ``enough`` of them, or exactly
         the ``expected`` ones, or all those of them ``waited()`` names (at least a group's worth)
@@ -276,7 +280,7 @@ class Matchmaker:
                 return peers
             if expected is not None and waited is not None:
                 alive = waited()
-                if len(alive) >= min_group_size and alive <= declared <= expected:
+                if alive is not None and len(alive) >= min_group_size and alive <= declared <= expected:
                     return peers
             if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):
                 return peers
@@ -302,6 +306,9 @@ class Matchmaker:
                 expect_kind(await channel.recv(max_payload=0), "alive")
             self.attendance.answered(peer)
             return True
+        except asyncio.CancelledError:
+            self.attendance.probe_failed(peer)  # no longer in flight
+            raise
         except Exception as error:  # not there, or not a peer of this averager: not waited for
             logger.debug("probe of %s failed: %s: %s", peer, type(error).__name__, error)
             self.attendance.probe_failed(peer)

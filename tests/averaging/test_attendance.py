@@ -129,3 +129,18 @@ def test_a_listed_member_that_never_averages_is_not_waited_for():
             assert took < 3 * WINDOW
 
     run_async(scenario())
+
+
+def test_a_member_whose_probe_is_in_flight_is_undecided_until_it_answers_or_fails():
+    """Matchmaking ends its window early only once no probe of a listed member is in flight: members
+    whose probes answered at different moments grouped different sets of peers, and a round failed
+    now and then with "no group formed" (tests/averaging/test_averaging.py's two averagers per peer)."""
+    attendance = Attendance(Clock())
+    listed = {"me", "a", "b"}
+    assert attendance.probing(listed) == set()
+    assert sorted(attendance.to_probe(listed, "me")) == ["a", "b"]
+    assert attendance.probing(listed) == {"a", "b"}
+    attendance.answered("a")
+    assert attendance.probing(listed) == {"b"} and attendance.waited_for(listed, "me") == {"me", "a"}
+    attendance.probe_failed("b")
+    assert attendance.probing(listed) == set() and attendance.waited_for(listed, "me") == {"me", "a"}
