@@ -236,19 +236,42 @@ def slopes(rows: list[dict], starts: dict[str, float], warm_up: float) -> dict[s
     return table
 
 
-def stalls_and_rounds(slots: list[PeerSlot]) -> dict[str, Any]:
-    """Per incarnation: the longest gap in which its step did not move (after its first step), the
+# what a peer's status says about a stall: how these moved between the event before it and the one after
+STALL_COUNTERS = ("epoch", "rounds_ok", "rounds_failed", "state_downloads", "solo_steps", "rounds_replayed",
+                  "rounds_overlapped", "rounds_unreachable")
+
+
+def stall_cause(before: dict, after: dict) -> dict[str, Any]:
+    """What changed across a stall (rounds, downloads, epochs), and the round errors seen after it."""
+    moved = {key: after.get(key, 0) - before.get(key, 0) for key in STALL_COUNTERS
+             if isinstance(after.get(key), int) and after.get(key) != before.get(key)}
+    return {"moved": moved, "warning": after.get("warning"), "absent": after.get("absent"),
+            "longest_round": after.get("longest_round"), "round_deadline": after.get("round_deadline")}
+
+
+def stalls_and_rounds(slots: list[PeerSlot], began: float, warm_up: float) -> dict[str, Any]:
+    """Per incarnation: the longest gap in which its step did not move (after its first step), and the
+    longest after the warm-up (as the slopes count it: ``warm_up`` seconds into the soak and a fifth of
+    it into the process's life, so a restarted peer's first swarm step, which takes the swarm's
+    state, is not counted as a stall of a running loop), each with what moved across it; the
     longest round it reported against the deadline then, its rounds."""
     result = {}
     for slot in slots:
         for proc in slot.incarnations:
             longest_stall, longest_round, longest_allreduce, over, last_move, last_step = 0.0, 0.0, 0.0, 0, None, None
+            moved_event, stall, steady, steady_stall = None, None, 0.0, None
+            counted_from = max(began + warm_up, proc.started + warm_up / 5)
             for at, event in proc.events:
                 step = event.get("step", 0)
                 if last_step is None or step != last_step:
                     if last_move is not None and last_step:
-                        longest_stall = max(longest_stall, at - last_move)
-                    last_move, last_step = at, step
+                        gap = at - last_move
+                        what = {"seconds": gap, "ended_after": at - proc.started, **stall_cause(moved_event, event)}
+                        if gap > longest_stall:
+                            longest_stall, stall = gap, what
+                        if last_move >= counted_from and gap > steady:
+                            steady, steady_stall = gap, what
+                    last_move, last_step, moved_event = at, step, event
                 longest_round = max(longest_round, event.get("longest_round") or 0.0)
                 # the deadline bounds a round's all-reduce (matchmaking has its own window); the
                 # longest all-reduce is checked against the deadline as it stood then
@@ -256,7 +279,8 @@ def stalls_and_rounds(slots: list[PeerSlot]) -> dict[str, Any]:
                 over += bool(deadline and allreduce > deadline and allreduce > longest_allreduce)
                 longest_allreduce = max(longest_allreduce, allreduce)
             last = proc.events[-1][1] if proc.events else {}
-            result[proc.name] = {"longest_stall": longest_stall, "longest_round": longest_round,
+            result[proc.name] = {"longest_stall": longest_stall, "stall": stall, "longest_stall_after_warm_up": steady,
+                                 "stall_after_warm_up": steady_stall, "longest_round": longest_round,
                                  "longest_allreduce": longest_allreduce,
                                  "rounds_over_deadline": over, "rounds_ok": last.get("rounds_ok", 0),
                                  "rounds_failed": last.get("rounds_failed", 0),
@@ -348,7 +372,7 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -
                 time.sleep(0.2)
             ended = time.monotonic() - began
             all_slots = slots + ([late] if late else [])
-            per_incarnation = stalls_and_rounds(all_slots)
+            per_incarnation = stalls_and_rounds(all_slots, began, warm_up)
         finally:
             everything = [bootstrap, *(p for s in slots for p in s.incarnations), *(late.incarnations if late else [])]
             for proc in everything:  # side by side: a peer's shutdown takes seconds
@@ -375,6 +399,8 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -
         "rounds_after_bootstrap_died": sum(last - first for first, last in rounds_at.values()),
         "late_joiner_averaged_after": late_averaged,
         "longest_stall": max((e["longest_stall"] for e in per_incarnation.values()), default=0.0),
+        "longest_stall_after_warm_up": max((e["longest_stall_after_warm_up"] for e in per_incarnation.values()),
+                                           default=0.0),
         "longest_round": max((e["longest_round"] for e in per_incarnation.values()), default=0.0),
         "rounds_over_deadline": sum(e["rounds_over_deadline"] for e in per_incarnation.values()),
         "slopes": slopes(rows, starts, warm_up), "incarnations": per_incarnation, "samples": rows,
@@ -409,7 +435,12 @@ def main() -> None:
           f"{result['rounds_after_bootstrap_died']} ok")
     print(f"late joiner first averaged after {result['late_joiner_averaged_after']} s; longest round "
           f"{result['longest_round']:.1f} s ({result['rounds_over_deadline']} over their deadline); longest "
-          f"training-loop stall {result['longest_stall']:.1f} s")
+          f"training-loop stall {result['longest_stall']:.1f} s ({result['longest_stall_after_warm_up']:.1f} s "
+          "after the warm-up)")
+    for name, entry in result["incarnations"].items():
+        if entry["stall"]:
+            print(f"{name}: longest stall {entry['longest_stall']:.1f} s ending {entry['stall']['ended_after']:.0f} s "
+                  f"into its life; across it: {entry['stall']['moved']}")
 
 
 if __name__ == "__main__":

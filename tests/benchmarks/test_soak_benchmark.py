@@ -40,3 +40,24 @@ def test_three_minute_soak_goes_on_without_its_bootstrap_and_lets_a_newcomer_in(
     assert max(row["fds"] for row in report["samples"]) < MAX_FDS
     assert max(row["threads"] for row in report["samples"]) < MAX_THREADS
     assert plot.stat().st_size > 10_000
+
+
+def test_a_stall_is_told_with_what_moved_across_it_and_a_restarted_peers_first_swarm_step_is_warm_up():
+    """The soak's stall accounting on made-up progress events: the longest gap in which the step did
+    not move, what the peer's counters did across it, and the same after the warm-up (a fifth of it
+    into a process's life), which leaves out the first swarm step of a peer that took the state."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    import soak
+
+    proc = soak.Proc.__new__(soak.Proc)
+    proc.name, proc.started = "peer1#1", 100.0
+    events = [(101.0, {"step": 0}), (102.0, {"step": 5, "state_downloads": 0, "epoch": 0}),
+              (125.0, {"step": 6, "state_downloads": 1, "epoch": 7}),  # 23 s: its first swarm step took the state
+              (130.0, {"step": 20, "rounds_ok": 3, "epoch": 9}), (140.0, {"step": 21, "rounds_ok": 4, "epoch": 10}),
+              (141.0, {"step": 30, "rounds_ok": 4, "epoch": 10})]
+    proc.events = events
+    slot = soak.PeerSlot("peer1", [], [proc])
+    entry = soak.stalls_and_rounds([slot], began=0.0, warm_up=50.0)["peer1#1"]  # counted from 110 s
+    assert entry["longest_stall"] == 23.0 and entry["stall"]["moved"] == {"state_downloads": 1, "epoch": 7}
+    assert entry["longest_stall_after_warm_up"] == 10.0  # 130 -> 140, a round
+    assert entry["stall_after_warm_up"]["moved"] == {"rounds_ok": 1, "epoch": 1}
