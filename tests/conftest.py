@@ -67,6 +67,16 @@ def lab_unavailable() -> str | None:
     return None
 
 
+class FakeClock:
+    """A clock tests move by hand: ``clock.now += seconds``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def run_async(coroutine):
     return run(coroutine)
 

@@ -12,7 +12,7 @@ import asyncio
 import time
 from contextlib import AsyncExitStack
 
-from conftest import run_async, tiny_classifier, train_steps
+from conftest import FakeClock, run_async, tiny_classifier, train_steps
 
 import swarmgrad as sg
 from swarmgrad.averaging.attendance import MAX_BACKOFF, PROBE_BACKOFF, Attendance
@@ -20,16 +20,8 @@ from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.dht.membership import Membership, Progress
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_only_members_seen_alive_are_waited_for_and_a_no_show_is_not_waited_for_again():
-    attendance = Attendance(Clock())
+    attendance = Attendance(FakeClock())
     slice_ = frozenset({"me", "a", "b", "silent"})
     assert attendance.waited_for(slice_, "me") == {"me"}  # nobody seen alive yet: probes first
     attendance.seen_alive("a")
@@ -44,7 +36,7 @@ def test_only_members_seen_alive_are_waited_for_and_a_no_show_is_not_waited_for_
 
 
 def test_probes_back_off_and_a_peer_that_only_answers_probes_is_waited_for_ever_less_often():
-    clock = Clock()
+    clock = FakeClock()
     attendance = Attendance(clock)
     assert attendance.to_probe({"me", "x"}, "me") == ["x"]
     assert attendance.to_probe({"me", "x"}, "me") == []  # in flight: not twice
@@ -69,7 +61,7 @@ def test_probes_back_off_and_a_peer_that_only_answers_probes_is_waited_for_ever_
 
 
 def test_what_is_remembered_stays_bounded():
-    attendance = Attendance(Clock())
+    attendance = Attendance(FakeClock())
     for index in range(5000):
         attendance.missed([f"p{index}"])
     attendance.keep_only({"p1", "p2"})
@@ -135,7 +127,7 @@ def test_a_member_whose_probe_is_in_flight_is_undecided_until_it_answers_or_fail
     """Matchmaking ends its window early only once no probe of a listed member is in flight: members
     whose probes answered at different moments grouped different sets of peers, and a round failed
     now and then with "no group formed" (tests/averaging/test_averaging.py's two averagers per peer)."""
-    attendance = Attendance(Clock())
+    attendance = Attendance(FakeClock())
     listed = {"me", "a", "b"}
     assert attendance.probing(listed) == set()
     assert sorted(attendance.to_probe(listed, "me")) == ["a", "b"]

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import run_async
+from conftest import FakeClock, run_async
 from rich.console import Console
 
 import swarmgrad as sg
@@ -27,16 +27,8 @@ from swarmgrad.state.transfer import _check_finite
 RULE = Accountability(ban_threshold=5, ban_seconds=30, half_life=10, far_rows=0.5)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_scores_add_the_kinds_weights_and_halve_every_half_life():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     scores = Misbehaviour(RULE, clock=clock)
     scores.note("p", "clipped")
     scores.note("p", "weight cut")
@@ -49,7 +41,7 @@ def test_scores_add_the_kinds_weights_and_halve_every_half_life():
 
 
 def test_an_honest_peer_clipped_now_and_then_is_never_banned():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     scores = Misbehaviour(RULE, clock=clock)
     for _ in range(200):  # every 10 s (one half-life): its score settles at 2, below 5
         assert not scores.note("honest", "clipped")
@@ -58,7 +50,7 @@ def test_an_honest_peer_clipped_now_and_then_is_never_banned():
 
 
 def test_past_the_threshold_a_peer_is_banned_once_logged_and_the_ban_ends(caplog):
-    clock = Clock()
+    clock = FakeClock(1000.0)
     scores = Misbehaviour(RULE, clock=clock)
     with caplog.at_level(logging.WARNING, logger="swarmgrad.net.accountability"):
         assert [scores.note("liar", "invalid frame") for _ in range(5)] == [False] * 4 + [True]
@@ -74,7 +66,7 @@ def test_past_the_threshold_a_peer_is_banned_once_logged_and_the_ban_ends(caplog
 
 
 def test_a_burst_bans_at_once_and_the_peer_itself_is_never_scored():
-    scores = Misbehaviour(RULE, clock=Clock())
+    scores = Misbehaviour(RULE, clock=FakeClock(1000.0))
     scores.ignore.add("me")
     scores.note_round({"me": ["weight cut"] * 5, "a": ["weight cut", "bad state"], "b": ["clipped"]})
     assert set(scores.bans()) == {"a"} and scores.score("me") == 0.0 and scores.score("b") == 0.5
@@ -82,7 +74,7 @@ def test_a_burst_bans_at_once_and_the_peer_itself_is_never_scored():
 
 def test_by_default_clipped_and_rejected_rows_never_ban_however_often():
     """Honest rows late in training are rejected round after round (accountability.py (*))."""
-    scores = Misbehaviour(clock=Clock())
+    scores = Misbehaviour(clock=FakeClock(1000.0))
     for _ in range(1000):
         scores.note_round({"far": ["rejected", "clipped"]}, ["far"])
     assert scores.score("far") == 0.0 and scores.bans() == {}
@@ -91,7 +83,7 @@ def test_by_default_clipped_and_rejected_rows_never_ban_however_often():
 
 
 def test_clean_rounds_forgive_so_only_round_after_round_of_clipping_bans():
-    scores = Misbehaviour(Accountability(far_rows=0.5), clock=Clock())  # threshold 10
+    scores = Misbehaviour(Accountability(far_rows=0.5), clock=FakeClock(1000.0))  # threshold 10
     group = ["liar", "honest", "other"]
     for round_index in range(1000):  # the honest peer is clipped in every other round, the liar in every one
         suspicions = {"liar": ["clipped"]} if round_index < 19 else {}
@@ -115,7 +107,7 @@ def test_bad_settings_are_one_line_errors(field, value):
 
 
 def test_a_public_runs_admission_refuses_a_banned_peer_and_its_records_until_the_ban_ends():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     admission = Admission("public-run", None, accountability=RULE)
     admission.misbehaviour.clock = clock
     admission.admit_self("me")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FakeClock
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 from swarmgrad.peer.driver import MAX_ROUND_ATTEMPTS, RoundDriver, RoundOutcome
@@ -23,14 +24,6 @@ from swarmgrad.timing import Timing
 
 FAST = Timing(presence_refresh=0.1, overlap_min_round=0.01)
 AVERAGE = 0.25  # what every successful round of the fake swarm returns, per element
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_auto_overlaps_only_once_rounds_take_the_set_share_of_the_inner_phase():
