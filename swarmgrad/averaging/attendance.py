@@ -8,7 +8,10 @@ stream to its matchmaking protocol, which a record alone cannot open). A member 
 was waited for and did not declare (a no-show) is not waited for again until it shows life again;
 probes of members not seen alive back off (``PROBE_BACKOFF``, 0.5 s, doubling per no-show or failed probe),
 so a listed member that never averages costs at most one matchmaking window, and a fake record
-behind no peer costs none. Members that are not waited for still take part when they declare in time.
+behind no peer costs no more than its failing probes: while a probe of a listed member is in flight,
+matchmaking does not end its window early (members whose probes answered at different moments
+would group different peers), and probes of a record that never answers grow rare. Members that are
+not waited for still take part when they declare in time.
 
 No-shows are counted per member (``no_shows``, shown in ``status()``); they are not misbehaviour
 scores: a peer that crashed is not a liar, and a ban would outlast its restart.
