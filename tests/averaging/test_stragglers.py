@@ -134,3 +134,15 @@ def test_before_a_period_is_measured_an_alive_member_is_waited_for_as_before():
     # the same far straggler, declaring after 0.3 s: with no period measured there is no cap yet
     group, no_shows = find_group(Pace(2.0, False), declares_after=0.3, measured=False)
     assert sorted(group) == ["me", "other", "slow"] and no_shows == {}
+
+
+def test_the_averager_reads_paces_from_the_members_progress_records():
+    from swarmgrad.averaging.moshpit import Averager
+    from swarmgrad.dht.membership import Progress
+
+    def member(peer: str, progress: Progress | None) -> SimpleNamespace:
+        return SimpleNamespace(peer_id=peer, progress=progress)
+
+    trainer = Progress(epoch=3, samples=64, steps=2, steps_per_second=4.0, averaging=True)
+    averager = SimpleNamespace(_averaging_members=lambda: [member("trainer", trainer), member("averager", None)])
+    assert Averager._paces(averager) == {"trainer": Pace(4.0, True)}  # no progress: no pace, the window rules
