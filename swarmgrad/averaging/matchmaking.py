@@ -205,7 +205,7 @@ class Matchmaker:
 
             def waiting(declared: set[str]) -> frozenset[str]:
                 """The alive members, less the stragglers not (or no longer) waited for."""
-                return frozenset(peer for peer in alive() if peer == me or peer in declared or patience.waits_for(peer))
+                return frozenset(peer for peer in alive() if patience.waits_for(peer) or peer == me or peer in declared)
 
             def waited(declared: set[str]) -> frozenset[str] | None:
                 """Who to wait for, or None while a probe of a listed member is still in flight."""
@@ -236,14 +236,13 @@ class Matchmaker:
                 waiting_for, was_alive = waiting(declared), alive()
                 for peer in declared - {me}:
                     self.attendance.seen_alive(peer)
+                gave_up = patience.gave_up_on(was_alive - declared - {me})
                 if not looking.committed:
                     # waited the window (or a straggler's cap) out: who did not come is not waited for again
-                    missing = patience.gave_up_on(was_alive - declared - {me})
-                    if time.time() >= ready_at:
-                        missing |= waiting_for - declared
+                    missing = gave_up | (waiting_for - declared if time.time() >= ready_at else set())
                     if missing:
                         logger.debug("%s: %s never declared; not waited for until seen alive", key, sorted(missing))
-                    self.attendance.missed(missing)
+                        self.attendance.missed(missing)
                 # the caller knows who belongs here (the moshpit grid): every member then computes the
                 # same group and leader even when a read missed a declaration (a holder that did not
                 # answer in time); an expected peer that is not looking declines and is left out
