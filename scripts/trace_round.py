@@ -70,6 +70,10 @@ NOTES = {
                                                        "invited, accepted or answered a probe); the others are "
                                                        "probed in the background, never waited for",
     ("averaging.moshpit", "averaging.attendance"): "members that left the run are forgotten",
+    ("averaging.moshpit", "averaging.stragglers"): "the pace each member's presence record claims",
+    ("averaging.matchmaking", "averaging.stragglers"): "how long to wait for a straggler: at most a share of "
+                                                       "this peer's measured round period, not at all when its "
+                                                       "claimed pace cannot make that",
     ("averaging.moshpit", "averaging.matchmaking"): "declares a signed match record under the round key and reads "
                                                     "the others'; the leader invites and sends the plan",
     ("averaging.matchmaking", "dht.node"): "the DHT: reads of the declarations, the store of this peer's",

@@ -24,7 +24,9 @@ rounds out until half of them have.
 
 Of the members the caller expects (the moshpit grid's slice), matchmaking waits only for those seen
 alive (attendance.py): a listed member that never declares costs at most one window, and one whose
-record stands behind no live peer (it never answers a probe) costs none.
+record stands behind no live peer (it never answers a probe) costs none. A member whose record
+carries a pace is waited for at most a cap from this peer's own round period, and not at all when
+its pace says it cannot come within it (stragglers.py).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Annotated, Callable
+from typing import Annotated, Callable, Mapping
 
 import pydantic
 
 from swarmgrad.averaging.allreduce import GroupPlan
 from swarmgrad.averaging.attendance import Attendance
 from swarmgrad.averaging.settings import MAX_GROUP
+from swarmgrad.averaging.stragglers import Pace, Patience, RoundClock, straggler_cap
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.eventloop import timeout
@@ -158,6 +161,7 @@ class Matchmaker:
         self.schema_digest, self.codec, self.aggregator = schema_digest, codec, aggregator
         self._looking: dict[str, _Looking] = {}
         self.attendance = Attendance()
+        self.rounds = RoundClock()  # this peer's round period, which caps the wait for stragglers
         self._probes: set[asyncio.Task] = set()
 
     @property
@@ -169,6 +173,7 @@ class Matchmaker:
         self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
         expected: int | None = None, expected_members: frozenset[str] | None = None,
         unreachable: frozenset[str] = frozenset(), clients: frozenset[str] = frozenset(),
+        paces: Mapping[str, Pace] | None = None,
     ) -> GroupPlan | None:
         """The agreed plan for this round, or None when no group of at least min_group_size formed.
 
@@ -181,8 +186,13 @@ class Matchmaker:
         a group's leader is its first member others can dial (it must reach everyone to invite
         them), else its first one reachable through a relay, which then owns every part.
         Of ``expected_members`` only those seen alive are waited for and grouped as if declared
-        (attendance.py); the others are probed meanwhile, and take part when they declare."""
+        (attendance.py); the others are probed meanwhile, and take part when they declare.
+        ``paces``: what members' presence records claim about their pace; once this peer measured its
+        round period, an undeclared member with one is waited for at most ``straggler_cap``, and not at
+        all when its pace says it cannot come by then (stragglers.py)."""
         me = self.node.peer_id
+        patience = Patience(straggler_cap(self.rounds.period, window, self.node.dht_latency), paces or {})
+        self.rounds.started()
         waited = None
         if expected_members is not None:
             # nobody can dial a client to probe it: it is waited for until it misses a window
@@ -190,12 +200,16 @@ class Matchmaker:
                 self._start_probe(peer)
             listed, attendance = expected_members, self.attendance
 
-            def waiting() -> frozenset[str]:
+            def alive() -> frozenset[str]:
                 return attendance.waited_for(listed, me) | ((listed & clients) - set(attendance.suspects()))
 
-            def waited() -> frozenset[str] | None:
+            def waiting(declared: set[str]) -> frozenset[str]:
+                """The alive members, less the stragglers not (or no longer) waited for."""
+                return frozenset(peer for peer in alive() if patience.waits_for(peer) or peer == me or peer in declared)
+
+            def waited(declared: set[str]) -> frozenset[str] | None:
                 """Who to wait for, or None while a probe of a listed member is still in flight."""
-                return None if attendance.probing(listed) else waiting()
+                return None if attendance.probing(listed) else waiting(declared)
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
         began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
@@ -219,15 +233,16 @@ class Matchmaker:
                 seen["stored"] = time.monotonic() - began
             declared = set(peers)
             if waited is not None:
-                waiting_for = waiting()
+                waiting_for, was_alive = waiting(declared), alive()
                 for peer in declared - {me}:
                     self.attendance.seen_alive(peer)
-                if not looking.committed and time.time() >= ready_at:
-                    # waited the window out: who did not come is not waited for again
-                    missing = waiting_for - declared
+                gave_up = patience.gave_up_on(was_alive - declared - {me})
+                if not looking.committed:
+                    # waited the window (or a straggler's cap) out: who did not come is not waited for again
+                    missing = gave_up | (waiting_for - declared if time.time() >= ready_at else set())
                     if missing:
                         logger.debug("%s: %s never declared; not waited for until seen alive", key, sorted(missing))
-                    self.attendance.missed(missing)
+                        self.attendance.missed(missing)
                 # the caller knows who belongs here (the moshpit grid): every member then computes the
                 # same group and leader even when a read missed a declaration (a holder that did not
                 # answer in time); an expected peer that is not looking declines and is left out
@@ -264,7 +279,8 @@ class Matchmaker:
 
     async def _wait_for_peers(
         self, key: str, looking: _Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
-        min_group_size: int, grace: float, poll: float, waited: Callable[[], frozenset[str] | None] | None = None,
+        min_group_size: int, grace: float, poll: float,
+        waited: Callable[[set[str]], frozenset[str] | None] | None = None,
     ) -> list[str]:
         """Peers declared under ``key``, read until the window ends or ``enough`` of them, or exactly
         the ``expected`` ones, or all those of them ``waited()`` names (at least a group's worth)
@@ -279,7 +295,7 @@ class Matchmaker:
             if looking.committed or len(peers) >= enough or expected == declared:
                 return peers
             if expected is not None and waited is not None:
-                alive = waited()
+                alive = waited(declared)
                 if alive is not None and len(alive) >= min_group_size and alive <= declared <= expected:
                     return peers
             if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):

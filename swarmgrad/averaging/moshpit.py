@@ -42,6 +42,7 @@ from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateRelease
 from swarmgrad.averaging.report import RoundReport
 from swarmgrad.averaging.result_frames import Frame, ResultDecoder, ordered_frames
 from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Aggregation, Moshpit
+from swarmgrad.averaging.stragglers import Pace
 from swarmgrad.dht.membership import reachability
 from swarmgrad.errors import ConfigError
 from swarmgrad.eventloop import timeout
@@ -218,7 +219,7 @@ class Averager:
         plan = await self.matchmaker.find_group(
             key, group_size=group_size, min_group_size=self.min_group_size,
             window=self.matchmaking_seconds, share=share, expected=expected_peers, expected_members=slice_peers,
-            unreachable=unreachable, clients=clients,
+            unreachable=unreachable, clients=clients, paces=self._paces() if slice_peers is not None else None,
         )
         if plan is None:
             report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
@@ -350,6 +351,12 @@ class Averager:
     def _averaging_members(self) -> list:
         """Members that take part in rounds: training roles, not paused (a paused one would be waited for)."""
         return [m for m in self.runtime.members() if m.role in AVERAGING_ROLES and not getattr(m, "paused", False)]
+
+    def _paces(self) -> dict[str, Pace]:
+        """What training members' records claim about their pace (stragglers.py: claims decide only
+        whether a straggler is waited for, never for how long)."""
+        return {m.peer_id: Pace(m.progress.steps_per_second, m.progress.averaging)
+                for m in self._averaging_members() if m.progress is not None}
 
     def _unreachable(self) -> frozenset[str]:
         """Members others cannot dial, by the addresses they publish (presence), this peer by its own

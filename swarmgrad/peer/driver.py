@@ -119,6 +119,9 @@ class RoundDriver:
         self.catch_up, self.record, self.run_id, self.keep_result = catch_up, record, run_id, keep_result
         self.solo_steps = 0  # epochs this peer finished alone
         self.overlapped = 0  # rounds that travelled behind an inner phase
+        # samples this peer sent as weight in rounds that succeeded (its own, and those carried from a
+        # round it missed): of the samples it computed, those that reached an average (issue 38 item 5)
+        self.samples_averaged = 0
         self.warning: str | None = None  # why this peer trains alone, when it can tell
         self.clock = PhaseClock(overlap if policy.overlap_steps is not None else "off", timing)
         self.flight: Flight | None = None  # the round travelling while training goes on
@@ -190,6 +193,7 @@ class RoundDriver:
             outcome = await self.backend.average(epoch, attempt, weight, self.expected_peers(epoch))
             self.record(outcome)
             if outcome.ok and outcome.average is not None:
+                self.samples_averaged += int(weight)
                 return outcome, []
             ahead = await self._wait_for_ahead(epoch)
             if ahead:

@@ -64,6 +64,7 @@ class PeerStatus:
     rounds_ok: int = 0
     rounds_failed: int = 0
     solo_steps: int = 0  # epochs finished alone (nobody to average with)
+    samples_averaged: int = 0  # of ``samples``, those sent in rounds that succeeded (carried ones included)
     bytes_sent: int = 0
     bytes_received: int = 0
     state_downloads: int = 0
@@ -410,6 +411,7 @@ class Peer:
             samples=local.total_samples, samples_per_second=local.samples_per_second, loss=counters.loss,
             epsilon=self.epsilon, peers=len(self.tracker.swarm.peers), rounds_ok=counters.rounds_ok,
             rounds_failed=counters.rounds_failed, solo_steps=driver.solo_steps if driver else 0,
+            samples_averaged=driver.samples_averaged if driver else 0,
             bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
             state_downloads=catch_up.downloads if catch_up else 0,
             rounds_replayed=catch_up.replayed if catch_up else 0, settings=self.tracker.settings,

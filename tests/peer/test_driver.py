@@ -63,6 +63,7 @@ def test_a_round_that_succeeds_applies_the_swarms_average_once():
         torch.testing.assert_close(p.detach(), s - 0.25)
     assert h.tracker.local.epoch == 1 and h.tracker.averaging_set == [True]
     assert len(h.recorded) == 1 and h.recorded[0].ok and h.driver.solo_steps == 0
+    assert h.driver.samples_averaged == 8  # the epoch's samples reached an average
 
 
 def test_failed_rounds_are_retried_with_fresh_attempts_and_change_nothing_until_one_succeeds():
@@ -79,6 +80,7 @@ def test_failed_rounds_are_retried_with_fresh_attempts_and_change_nothing_until_
     assert all(torch.equal(call["values"], h.backend.calls[0]["values"]) for call in h.backend.calls)
     assert [outcome.ok for outcome in h.recorded] == [False, False, True]
     assert h.tracker.local.epoch == 1 and h.driver.solo_steps == 0
+    assert h.driver.samples_averaged == 8  # once, for the attempt that succeeded
     assert not all(torch.equal(a, b) for a, b in zip(before, h.params()))
 
 
@@ -89,6 +91,7 @@ def test_after_every_attempt_fails_the_peer_steps_alone():
     assert run_async(h.driver.swarm_step())
     assert len(h.backend.calls) == MAX_ROUND_ATTEMPTS
     assert h.driver.solo_steps == 1 and h.tracker.local.epoch == 1
+    assert h.driver.samples_averaged == 0  # stepped alone: its samples reached no average
     for s, d, p in zip(start, own_delta, h.policy.params):  # the outer step on its own delta: start - delta
         torch.testing.assert_close(p.detach(), s - d)
 

@@ -1,0 +1,101 @@
+"""How long matchmaking waits for a straggler: a member seen alive that has not declared yet.
+
+A member of this peer's slice that trains more slowly reaches a round a little after the others: it
+checks whether the round is due only between its own local steps. Waiting for it keeps its samples
+in the round; waiting too long costs every faster peer its time. So, once this peer has measured its
+own round period (the median gap between the starts of its last rounds, ``RoundClock``), a member
+whose presence record carries a pace (``Pace``: its claimed step rate, and whether it has started
+averaging) is waited for only up to a cap, ``straggler_cap``: ``STRAGGLER_SHARE`` of that period,
+never less than a few of this node's DHT request times (a declaration takes that long to show) and
+never more than the matchmaking window. A member whose claimed pace says it cannot arrive within
+the cap (one of its steps, unless it is averaging already, takes longer) is not waited for at all:
+it replays the round when it comes and keeps its local progress for the next one (catch_up.py).
+A member that was waited for and did not declare within the cap is a no-show (attendance.py).
+
+Pace values are claims: they only decide *whether* a member is waited for, never *how long*. The
+cap comes from this peer's own measurements and the run's window, so no record stretches a wait past
+it. Members with no pace (no training progress in their record) are waited for as attendance.py
+says, up to the window; so is everyone before this peer measured a round period.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+# Issue 38's bar: fast peers keep at least 90% of their samples/s beside a 10x slower peer. A wait of
+# at most a tenth of the round period holds them to that even when a straggler comes at the cap's
+# last moment every round (it usually comes sooner, or is not waited for at all).
+STRAGGLER_SHARE = 0.1
+# a declaration shows after a store and a read: this many DHT request times (matchmaking.GRACE_LATENCIES)
+CAP_LATENCIES = 3
+ROUNDS_KEPT = 9  # round gaps the period is the median of: a retry's short gap moves it little
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What a member's presence record claims about its pace."""
+
+    steps_per_second: float
+    averaging: bool  # it started averaging: it is in matchmaking now or about to be
+
+    def arrival(self) -> float:
+        """Seconds until it declares, by its claim: at once if averaging, else at most one of its
+        steps (it checks whether the round is due after each); never, if it claims no steps at all."""
+        if self.averaging:
+            return 0.0
+        return 1.0 / self.steps_per_second if self.steps_per_second > 0 else float("inf")
+
+
+class RoundClock:
+    """This peer's own round period: the median gap between the starts of its last rounds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._last: float | None = None
+        self._gaps: deque[float] = deque(maxlen=ROUNDS_KEPT)
+
+    def started(self) -> None:
+        now = self.clock()
+        if self._last is not None:
+            self._gaps.append(now - self._last)
+        self._last = now
+
+    @property
+    def period(self) -> float | None:
+        """None until two rounds started."""
+        return statistics.median(self._gaps) if self._gaps else None
+
+
+def straggler_cap(period: float | None, window: float, latency: float) -> float | None:
+    """The longest wait for a straggler (None: no cap measured yet, the window rules)."""
+    if period is None:
+        return None
+    return min(window, max(STRAGGLER_SHARE * period, CAP_LATENCIES * latency))
+
+
+class Patience:
+    """One round's matchmaking: which undeclared members it still waits for, from ``began`` on."""
+
+    def __init__(self, cap: float | None, paces: Mapping[str, Pace],
+                 clock: Callable[[], float] = time.monotonic):
+        self.cap, self.paces, self.clock = cap, paces, clock
+        self.began = clock()
+
+    def _capped(self, peer: str) -> bool:
+        return self.cap is not None and peer in self.paces
+
+    def waits_for(self, peer: str) -> bool:
+        """Whether an alive, undeclared ``peer`` is still waited for now."""
+        if not self._capped(peer):
+            return True  # no cap or no pace: attendance's rule (the window)
+        return self.paces[peer].arrival() <= self.cap and self.clock() - self.began < self.cap
+
+    def gave_up_on(self, peers: Iterable[str]) -> set[str]:
+        """Of ``peers`` (alive, listed, undeclared), those that were waited for up to the cap and did
+        not come: no-shows. A straggler never waited for (beyond the cap) is not one."""
+        return {peer for peer in peers if self._capped(peer) and self.paces[peer].arrival() <= self.cap
+                and self.clock() - self.began >= self.cap}

@@ -1,0 +1,148 @@
+"""How long matchmaking waits for a straggler (issue 38, item 2): once a peer measured its own round
+period, a member whose record carries a pace is waited for at most a tenth of it, and not at all
+when its pace says it cannot come by then; a liar's pace never stretches the wait past that cap.
+
+Unit tests with a fake clock, then ``Matchmaker.find_group`` in-process with a fake DHT (as
+test_matchmaking_grace.py does) and a 20 s window: without the cap every scenario below waits the
+whole window, so each is bounded well below it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from swarmgrad.averaging.matchmaking import Matchmaker, MatchRecord
+from swarmgrad.averaging.stragglers import STRAGGLER_SHARE, Pace, Patience, RoundClock, straggler_cap
+
+WINDOW = 20.0  # the window a straggler would otherwise cost
+PERIOD = 1.0  # this peer's measured round period: the cap is STRAGGLER_SHARE of it
+BOUND = WINDOW / 2  # a round that waited the window fails this bound; the cap is 0.1 s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_round_period_is_the_median_gap_between_round_starts():
+    clock = Clock()
+    rounds = RoundClock(clock)
+    assert rounds.period is None
+    for gap in (1.0, 1.0, 0.01, 1.2):  # a retry's short gap moves the median little
+        rounds.started()
+        clock.now += gap
+    rounds.started()
+    assert rounds.period == pytest.approx(1.0)
+
+
+def test_the_cap_is_a_share_of_the_period_at_least_a_few_dht_requests_at_most_the_window():
+    assert straggler_cap(None, 2.0, 0.01) is None  # nothing measured: the window rules
+    assert straggler_cap(10.0, 2.0, 0.01) == pytest.approx(STRAGGLER_SHARE * 10.0)
+    assert straggler_cap(10.0, 0.5, 0.01) == 0.5
+    assert straggler_cap(0.1, 2.0, 0.05) == pytest.approx(0.15)  # a declaration takes that long to show
+
+
+def test_a_straggler_is_waited_for_up_to_the_cap_only_when_its_pace_fits():
+    clock = Clock()
+    paces = {"near": Pace(20.0, False), "far": Pace(2.0, False), "looking": Pace(0.1, True),
+             "idle": Pace(0.0, False), "liar": Pace(1e6, True)}
+    patience = Patience(0.1, paces, clock)
+    assert {peer for peer in [*paces, "no-pace"] if patience.waits_for(peer)} == {"near", "looking", "liar", "no-pace"}
+    clock.now = 0.1  # the cap is out: only a member without a pace is still waited for (attendance.py)
+    assert [peer for peer in [*paces, "no-pace"] if patience.waits_for(peer)] == ["no-pace"]
+    # those it waited for and that did not come are no-shows; a straggler it never waited for is not
+    assert patience.gave_up_on([*paces, "no-pace"]) == {"near", "looking", "liar"}
+    unmeasured = Patience(None, paces, clock)
+    clock.now = 100.0
+    assert all(unmeasured.waits_for(peer) for peer in paces) and unmeasured.gave_up_on(paces) == set()
+
+
+class DeclaredNode:
+    """A DHT that shows the declarations of ``declared`` under any key, at once."""
+
+    def __init__(self, declared: list[str]):
+        self.peer_id, self.dht_latency, self.declared = "me", 0.001, declared
+
+    async def store(self, key, record, *, expires, all_replicas):
+        pass
+
+    async def get_records(self, key, kind):
+        body = MatchRecord(ready_at=time.time(), share=1.0, schema_digest="schema", codec="none")
+        return {peer: SimpleNamespace(body=body) for peer in self.declared}
+
+
+def find_group(pace: Pace, declares_after: float | None, measured: bool = True) -> tuple[list[str] | None, dict]:
+    """One round with ``me`` and ``other`` declared and ``slow`` (seen alive, claiming ``pace``)
+    declaring after ``declares_after`` seconds (None: never); the group ``me`` leads and the no-shows."""
+    async def scenario():
+        node = DeclaredNode(["me", "other"])
+        matchmaker = Matchmaker(node, SimpleNamespace(admission=None), "test", schema_digest="schema",
+                                codec="none", reply_timeout=0.1)
+        clock = Clock()
+        matchmaker.rounds = RoundClock(clock)
+        if measured:
+            for _ in range(3):
+                matchmaker.rounds.started()
+                clock.now += PERIOD
+        for member in ("other", "slow"):  # both averaged before: alive
+            matchmaker.attendance.seen_alive(member)
+
+        async def lead(key, group, min_group_size, share):
+            return group
+
+        async def declare_late():
+            await asyncio.sleep(declares_after)
+            node.declared.append("slow")
+
+        matchmaker._lead = lead
+        if declares_after is not None:
+            asyncio.ensure_future(declare_late())
+        # nobody else can be dialled: "me" leads whichever group holds it
+        plan = await asyncio.wait_for(matchmaker.find_group(
+            "round", group_size=4, min_group_size=2, window=WINDOW, share=1.0, expected=3,
+            expected_members=frozenset({"me", "other", "slow"}), unreachable=frozenset({"other", "slow"}),
+            paces={"other": Pace(100.0, True), "slow": pace}), BOUND)
+        return plan, matchmaker.attendance.no_shows
+
+    return asyncio.run(scenario())
+
+
+def test_a_straggler_that_cannot_come_within_the_cap_is_not_waited_for_nor_a_no_show():
+    # one step takes it 0.5 s, the cap is 0.1 s: the round goes on without it (it replays and keeps its work)
+    group, no_shows = find_group(Pace(2.0, False), declares_after=None)
+    assert group == ["me", "other"] and no_shows == {}
+
+
+def test_a_straggler_whose_pace_fits_the_cap_is_waited_for_and_joins():
+    group, no_shows = find_group(Pace(50.0, False), declares_after=0.03)
+    assert sorted(group) == ["me", "other", "slow"] and no_shows == {}
+
+
+def test_a_liars_pace_does_not_stretch_the_wait_past_the_cap():
+    # it claims to be averaging at a million steps a second and never declares: waited for 0.1 s, then a no-show
+    group, no_shows = find_group(Pace(1e6, True), declares_after=None)
+    assert group == ["me", "other"] and no_shows == {"slow": 1}
+
+
+def test_before_a_period_is_measured_an_alive_member_is_waited_for_as_before():
+    # the same far straggler, declaring after 0.3 s: with no period measured there is no cap yet
+    group, no_shows = find_group(Pace(2.0, False), declares_after=0.3, measured=False)
+    assert sorted(group) == ["me", "other", "slow"] and no_shows == {}
+
+
+def test_the_averager_reads_paces_from_the_members_progress_records():
+    from swarmgrad.averaging.moshpit import Averager
+    from swarmgrad.dht.membership import Progress
+
+    def member(peer: str, progress: Progress | None) -> SimpleNamespace:
+        return SimpleNamespace(peer_id=peer, progress=progress)
+
+    trainer = Progress(epoch=3, samples=64, steps=2, steps_per_second=4.0, averaging=True)
+    averager = SimpleNamespace(_averaging_members=lambda: [member("trainer", trainer), member("averager", None)])
+    assert Averager._paces(averager) == {"trainer": Pace(4.0, True)}  # no progress: no pace, the window rules
