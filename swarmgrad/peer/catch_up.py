@@ -123,15 +123,39 @@ class CatchUp:
         await self.download(self.tracker.ahead_of(self.epoch) or donors, max(min_version, self.epoch + 1))
         await self.replay(self.tracker.ahead_of(self.epoch))  # the rounds the swarm finished meanwhile
 
+    def result_bytes(self) -> int:
+        """About what one round's result takes to replay: the frames it travelled in (where this peer
+        decodes them), else bfloat16."""
+        if self.decoder is not None and self.decoder.nbytes > 0:
+            return self.decoder.nbytes
+        return self.policy.layout.total * torch.empty(0, dtype=RESULT_DTYPE).element_size()
+
+    def state_bytes(self) -> int:
+        """What a download of the state would take (``download``: without the optimizer's moments
+        where this peer keeps its own)."""
+        keep_optimizer = self.policy.local_optimizer and bool(self.state.optimizer.state)
+        return sum(tensor.numel() * tensor.element_size() for name, tensor in self.state.tensors().items()
+                   if not keep_optimizer or not_optimizer(name))
+
+    def replay_rounds(self) -> int:
+        """The most rounds one replay takes: as many results as a download's bytes (past that, taking
+        the state is cheaper, and a replay slower than the swarm's rounds would chase it for ever);
+        never fewer than ``KEPT_RESULTS``. A ratio of bytes, so a bigger model does not outgrow it
+        (DiLoCo with Adam: a 16-byte-per-parameter state against 1 for int8's frames, 0.31 for q2's)."""
+        return max(KEPT_RESULTS, self.state_bytes() // max(1, self.result_bytes()))
+
     async def replay(self, donors: list[str]) -> int:
-        """Apply, one by one, the results of the rounds from this peer's epoch up to the swarm's (at
-        most ``KEPT_RESULTS`` behind: further, the state is the way). Returns how many it applied."""
+        """Apply, one by one, the results of the rounds from this peer's epoch up to the swarm's, as
+        long as donors hand them over (they keep their last ``KEPT_RESULTS``, and more for a joiner
+        whose download of their state they served: StateServer's holds), and at most
+        ``replay_rounds``: further behind, the state is the way. Returns how many it applied."""
         assert self.runtime.transport is not None and self.server is not None
         behind = self.tracker.fresh().epoch - self.epoch
-        if not (self.policy.synchronous and self.in_step and donors and 0 < behind <= KEPT_RESULTS):
+        most = self.replay_rounds()
+        if not (self.policy.synchronous and self.in_step and donors and 0 < behind <= most):
             return 0
         applied = 0
-        while donors and applied < KEPT_RESULTS:
+        while donors and applied < most:
             epoch = self.epoch
             try:
                 asked = self.runtime.admission.misbehaviour.least_suspect_first(self.runtime.reachable_first(donors))
