@@ -118,7 +118,7 @@ class ResultHolds:
     def floor(self) -> int | None:
         """The oldest round a live hold needs (None: no joiner needs any); ends the expired ones."""
         now = time.monotonic()
-        for peer in [peer for peer, hold in self._holds.items() if hold.channels <= 0 and hold.expires < now]:
+        for peer in [peer for peer, hold in self._holds.items() if hold.channels <= 0 and hold.expires <= now]:
             del self._holds[peer]
         return min((hold.floor for hold in self._holds.values()), default=None)
 
