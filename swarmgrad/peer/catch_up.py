@@ -1,9 +1,10 @@
 """How a peer that fell behind the swarm gets back in step (architecture.md, invariant 'joining is cheap').
 
-A peer a round or two behind (its round failed while the others' succeeded, it was paused for a
-moment, or its state download ended with the swarm a round further) replays the rounds it missed:
-it takes each round's result from the peers that applied it (donors keep their last few,
-``StateServer.publish_result``) and applies it to its own state, as if it had averaged with them,
+A peer behind (its round failed while the others' succeeded, it was paused for a moment, or its
+state download ended with the swarm rounds further) replays the rounds it missed: it takes each
+round's result from the peers that applied it (donors keep their last ``KEPT_RESULTS``,
+``StateServer.publish_result``, and, for a joiner whose download of their state they served, every
+round since its state's version, within a byte cap: ``ResultHolds``) and applies it to its own state, as if it had averaged with them,
 keeping the local steps it made since its last round on top (``Policy.apply_keeping_progress``, as
 overlap's land does): they, and their samples as weight, go into its next round.
 No donor alone decides what it applies (``CatchUp.agreed_result``): three are asked (those with the
@@ -15,9 +16,11 @@ applied. On a 10 Mbit/s link three results of the 5M-parameter model took 24 s w
 That moves the frames the round travelled in (averaging/result_frames.py: q2's are 0.31 bytes an
 element; where the donor has none, a bfloat16 copy), not the whole state (parameters, strategy state
 and, for a fresh joiner, optimizer moments), so a peer on a slow link is back in time for the next round
-instead of spiralling through downloads that each end with the swarm a round further on. Further
-behind, or when no donor kept a round, the peer downloads the state and then replays whatever
-the swarm finished meanwhile.
+instead of spiralling through downloads that each end with the swarm rounds further on (issue 35:
+at 60M parameters over 100 Mbit/s a download took 75 s against rounds of 5-12 s, and a joiner that
+could replay two rounds downloaded six times and never averaged). A replay takes at most as many
+rounds as a download's bytes are worth (``replay_rounds``). Further behind, or when no donor kept a
+round, the peer downloads the state and then replays whatever the swarm finished meanwhile.
 """
 
 from __future__ import annotations
