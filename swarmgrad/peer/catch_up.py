@@ -133,10 +133,17 @@ class CatchUp:
             return self.decoder.nbytes
         return self.policy.layout.total * torch.empty(0, dtype=RESULT_DTYPE).element_size()
 
+    def keeps_optimizer(self) -> bool:
+        """Whether a download leaves this peer's inner optimizer state as it is (and so takes none):
+        one that steps its own keeps what it has, and one without any starts its own where the
+        strategy says so (DiLoCo's ``joiner_moments="fresh"``: Adam's moments are half a state)."""
+        return self.policy.local_optimizer and (bool(self.state.optimizer.state)
+                                                 or self.policy.fresh_optimizer_on_join)
+
     def state_bytes(self) -> int:
         """What a download of the state would take (``download``: without the optimizer's moments
         where this peer keeps its own)."""
-        keep_optimizer = self.policy.local_optimizer and bool(self.state.optimizer.state)
+        keep_optimizer = self.keeps_optimizer()
         return sum(tensor.numel() * tensor.element_size() for name, tensor in self.state.tensors().items()
                    if not keep_optimizer or not_optimizer(name))
 
@@ -247,9 +254,10 @@ class CatchUp:
     async def download(self, donors: list[str], min_version: int) -> None:
         """Take the swarm's state. A peer that steps its own optimizer and has its state keeps it,
         and so downloads about half the bytes (Adam: params + 2 moments); a fresh joiner takes the
-        donors' whole state."""
+        donors' whole state, or all but their optimizer state where its strategy starts its own
+        (``keeps_optimizer``)."""
         assert self.runtime.transport is not None
-        keep_optimizer = self.policy.local_optimizer and bool(self.state.optimizer.state)
+        keep_optimizer = self.keeps_optimizer()
         donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
         snapshot = await download_state(self.runtime.transport, self.server.protocol, donors,
                                         seconds=self.timing.join_timeout, min_version=min_version,

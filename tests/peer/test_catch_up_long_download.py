@@ -17,10 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import joiner_and_donors
-from peer_fakes import FakeTracker, attach, model_and_optimizer
+from peer_fakes import FakeTracker, attach, model_and_optimizer, train_steps
 
 from swarmgrad.net.accountability import Misbehaviour
 from swarmgrad.net.ratelimit import UNLIMITED
+from swarmgrad.peer import catch_up as catch_up_module
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.state import TrainingState
@@ -38,9 +39,10 @@ def swarm():
         yield started
 
 
-def diloco_peer(seed: int, tracker: FakeTracker):
-    model, optimizer = model_and_optimizer(seed)
-    policy = attach(DiLoCo(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), model, optimizer, tracker)
+def diloco_peer(seed: int, tracker: FakeTracker, kind: str = "sgd", joiner_moments: str = "download"):
+    model, optimizer = model_and_optimizer(seed, kind=kind)
+    policy = attach(DiLoCo(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, joiner_moments=joiner_moments),
+                    model, optimizer, tracker)
     return model, policy, TrainingState(model, optimizer, policy)
 
 
@@ -69,14 +71,17 @@ class SteppingDonor(StateServer):
 class Scenario:
     """The donor at epoch ``VERSION`` on the swarm's second node; a fresh joiner on its first."""
 
-    def __init__(self, swarm, held_result_bytes: float):
+    def __init__(self, swarm, held_result_bytes: float, kind: str = "sgd", joiner_moments: str = "download"):
         self.swarm, self.protocol = swarm, f"swarmgrad/test-catch-up-{next(_protocols)}/state"
         donor_id = swarm.donors[0].peer_id
         self.joiner_tracker = FakeTracker((PeerProgress(donor_id, VERSION, 0.0, 0.0, 0.0, False),))
         self.donor_tracker = FakeTracker()
         self.donor_tracker.next_epoch(VERSION)
-        _, self.donor, self.donor_state = diloco_peer(0, self.donor_tracker)
-        self.model, self.joiner, self.joiner_state = diloco_peer(1, self.joiner_tracker)
+        donor_model, self.donor, self.donor_state = diloco_peer(0, self.donor_tracker, kind)
+        if kind == "adam":  # the donor's inner optimizer has moments (its own, trained with)
+            train_steps(donor_model, self.donor.optimizer, 2)
+            self.donor.copy_params_into(self.donor.start)
+        self.model, self.joiner, self.joiner_state = diloco_peer(1, self.joiner_tracker, kind, joiner_moments)
         self.server = SteppingDonor(swarm.transports[1], self.protocol, held_result_bytes=held_result_bytes)
         self.server.step = self.step
         self.donor.before_outer_step = self.server.retire
@@ -154,3 +159,34 @@ def test_a_joiner_further_behind_than_the_donors_byte_cap_downloads_again(swarm)
     assert s.catch_up.downloads == 2 and s.catch_up.replayed == 0
     assert s.joiner_tracker.local.epoch == VERSION + rounds and s.joiner_is_the_donor()
     assert s.kept == (KEPT_RESULTS + 1) * 2 * s.donor.layout.total  # the cap: 2 bytes an element beyond two
+
+
+@pytest.mark.parametrize("joiner_moments", ["download", "fresh"])
+def test_a_fresh_diloco_joiner_may_leave_the_donors_inner_optimizer_state_and_start_its_own(
+        swarm, monkeypatch, joiner_moments):
+    """Adam's moments are each peer's own under DiLoCo (never averaged, never compared between
+    donors) and 8 of a fresh joiner's 16 bytes per parameter: with joiner_moments="fresh" the joiner
+    fetches only the parts before them (model, outer momentum), its Adam starts afresh, and it is
+    otherwise where the donor is; by default it takes the donor's moments too."""
+    taken: list[int] = []
+    download_state = catch_up_module.download_state
+
+    async def counted(*args, **kwargs):
+        snapshot = await download_state(*args, **kwargs)
+        taken.append(snapshot.nbytes)
+        return snapshot
+
+    monkeypatch.setattr(catch_up_module, "download_state", counted)
+    s = Scenario(swarm, held_result_bytes=4.0, kind="adam", joiner_moments=joiner_moments)
+    assert not s.joiner.optimizer.state
+    s.run(rounds_during_download=1)
+    assert s.catch_up.downloads == 1 and s.catch_up.replayed == 1 and s.joiner_is_the_donor()
+    moments = sum(value.numel() * value.element_size() for state in s.donor.optimizer.state.values()
+                  for value in state.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+    whole = s.donor_state.capture(0, {}).nbytes
+    if joiner_moments == "fresh":
+        assert not s.joiner.optimizer.state and taken[0] <= whole - moments
+    else:
+        mine, theirs = s.joiner.optimizer.state_dict()["state"], s.donor.optimizer.state_dict()["state"]
+        assert taken == [whole] and set(mine) == set(theirs) == set(range(4))
+        assert all(torch.equal(mine[index]["exp_avg_sq"], theirs[index]["exp_avg_sq"]) for index in mine)
