@@ -171,6 +171,7 @@ class WorkerConfig:
     overlap: str
     deadline_s: float
     seed: int = 0
+    joiner_moments: str = "download"  # DiLoCo's: "fresh" leaves the donors' Adam moments
 
 
 class PeakSampler(threading.Thread):
@@ -354,7 +355,8 @@ def run_worker(cfg: WorkerConfig, send: Any) -> None:
         raise TimeoutError("the parent never said go")
     started = time.perf_counter()
     peer = sg.Peer(model, optimizer, run_id=cfg.run_id, initial_peers=commands.initial_peers,
-                   strategy=sg.DiLoCo(inner_steps=cfg.inner_steps, overlap=cfg.overlap),
+                   strategy=sg.DiLoCo(inner_steps=cfg.inner_steps, overlap=cfg.overlap,
+                                      joiner_moments=cfg.joiner_moments),
                    averaging=sg.Moshpit(group_size=PEERS), compression=cfg.codec, network=sg.NodeConfig(host=cfg.host))
     daemon_rss: list[int] = []
     with peer:
@@ -515,6 +517,7 @@ class Case:
     inner_steps: int
     overlap: str
     deadline_s: float
+    joiner_moments: str = "download"
 
 
 JOINER_PATIENCE = 3  # the swarm waits at most this many times the joiner's rounds for it to average them
@@ -602,7 +605,7 @@ def run_case(case: Case, network: Network, log_dir: Path, cap_bytes: float) -> t
     run_id = f"bigmodel-{case.network}-{case.codec}-{case.size}-{os.getpid()}"
     for index, role in enumerate(("starter", "starter", "joiner")):
         group.start(WorkerConfig(role, index, case.layers, case.codec, run_id, network.host(index), case.inner_steps,
-                                 case.overlap, case.deadline_s))
+                                 case.overlap, case.deadline_s, joiner_moments=case.joiner_moments))
     conductor, results, finished = Conductor(case, group), {}, False
     try:
         while len(results) < PEERS:
@@ -755,7 +758,8 @@ def cases(args: argparse.Namespace) -> list[Case]:
                 layers = layers_for(parse_size(size))
                 params = layers * PARAMS_PER_LAYER
                 found.append(Case(network, codec, size, params, layers, args.rounds, args.join_after,
-                                  args.inner_steps, args.overlap, case_deadline(params, args.rounds, args)))
+                                  args.inner_steps, args.overlap, case_deadline(params, args.rounds, args),
+                                  args.joiner_moments))
     return found
 
 
@@ -873,6 +877,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--join-after", type=int, default=3, help="the joiner starts once both starters did this many")
     parser.add_argument("--inner-steps", type=int, default=5, help="DiLoCo H")
     parser.add_argument("--overlap", default="off", choices=("off", "auto", "on"))
+    parser.add_argument("--joiner-moments", default="download", choices=("download", "fresh"),
+                        help="DiLoCo's joiner_moments: fresh, the joiner takes no Adam moments (half its download)")
     parser.add_argument("--mbps", type=float, default=100.0, help="lab: every link's rate, up and down")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="lab: round trip between any two peers")
     parser.add_argument("--swarm-bytes-per-param", type=float, default=100.0,
@@ -976,8 +982,8 @@ def rerender(paths: list[Path], args: argparse.Namespace) -> dict:
 
 
 def make_report(args: argparse.Namespace, records: list[dict], load: tuple[float, ...], started: float) -> dict:
-    keys = ("sizes", "codecs", "networks", "rounds", "join_after", "inner_steps", "overlap", "mbps", "rtt_ms",
-            "swarm_bytes_per_param")
+    keys = ("sizes", "codecs", "networks", "rounds", "join_after", "inner_steps", "overlap", "joiner_moments", "mbps",
+            "rtt_ms", "swarm_bytes_per_param")
     return {"config": {key: getattr(args, key) for key in keys},
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(),
                         "mem_available_end": mem_available()},

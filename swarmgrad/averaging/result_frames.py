@@ -39,7 +39,9 @@ class ResultDecoder:
         self.schema, self.codec = schema, gather_codec_for(codec)
         self.frames = len(schema.chunks)
         # the most bytes one frame's payload may carry: read once per received frame, so computed once
-        self.max_payload = max((self.codec.encoded_nbytes(chunk.view) for chunk in schema.chunks), default=0)
+        sizes = [self.codec.encoded_nbytes(chunk.view) for chunk in schema.chunks]
+        self.max_payload = max(sizes, default=0)
+        self.nbytes = sum(sizes)  # a result's payload bytes: what a replay of one round moves
 
     def check_header(self, index: int, header: dict) -> None:
         """Before a payload is read: the frame must be chunk ``index``'s average."""

@@ -1,9 +1,10 @@
 """How a peer that fell behind the swarm gets back in step (architecture.md, invariant 'joining is cheap').
 
-A peer a round or two behind (its round failed while the others' succeeded, it was paused for a
-moment, or its state download ended with the swarm a round further) replays the rounds it missed:
-it takes each round's result from the peers that applied it (donors keep their last few,
-``StateServer.publish_result``) and applies it to its own state, as if it had averaged with them,
+A peer behind (its round failed while the others' succeeded, it was paused for a moment, or its
+state download ended with the swarm rounds further) replays the rounds it missed: it takes each
+round's result from the peers that applied it (donors keep their last ``KEPT_RESULTS``,
+``StateServer.publish_result``, and, for a joiner whose download of their state they served, every
+round since its state's version, within a byte cap: ``ResultHolds``) and applies it to its own state, as if it had averaged with them,
 keeping the local steps it made since its last round on top (``Policy.apply_keeping_progress``, as
 overlap's land does): they, and their samples as weight, go into its next round.
 No donor alone decides what it applies (``CatchUp.agreed_result``): three are asked (those with the
@@ -15,9 +16,11 @@ applied. On a 10 Mbit/s link three results of the 5M-parameter model took 24 s w
 That moves the frames the round travelled in (averaging/result_frames.py: q2's are 0.31 bytes an
 element; where the donor has none, a bfloat16 copy), not the whole state (parameters, strategy state
 and, for a fresh joiner, optimizer moments), so a peer on a slow link is back in time for the next round
-instead of spiralling through downloads that each end with the swarm a round further on. Further
-behind, or when no donor kept a round, the peer downloads the state and then replays whatever
-the swarm finished meanwhile.
+instead of spiralling through downloads that each end with the swarm rounds further on (issue 35:
+at 60M parameters over 100 Mbit/s a download took 75 s against rounds of 5-12 s, and a joiner that
+could replay two rounds downloaded six times and never averaged). A replay takes at most as many
+rounds as a download's bytes are worth (``replay_rounds``). Further behind, or when no donor kept a
+round, the peer downloads the state and then replays whatever the swarm finished meanwhile.
 """
 
 from __future__ import annotations
@@ -123,15 +126,46 @@ class CatchUp:
         await self.download(self.tracker.ahead_of(self.epoch) or donors, max(min_version, self.epoch + 1))
         await self.replay(self.tracker.ahead_of(self.epoch))  # the rounds the swarm finished meanwhile
 
+    def result_bytes(self) -> int:
+        """About what one round's result takes to replay: the frames it travelled in (where this peer
+        decodes them), else bfloat16."""
+        if self.decoder is not None and self.decoder.nbytes > 0:
+            return self.decoder.nbytes
+        return self.policy.layout.total * torch.empty(0, dtype=RESULT_DTYPE).element_size()
+
+    def keeps_optimizer(self) -> bool:
+        """Whether a download leaves this peer's inner optimizer state as it is (and so takes none):
+        one that steps its own keeps what it has, and one without any starts its own where the
+        strategy says so (DiLoCo's ``joiner_moments="fresh"``: Adam's moments are half a state)."""
+        return self.policy.local_optimizer and (bool(self.state.optimizer.state)
+                                                 or self.policy.fresh_optimizer_on_join)
+
+    def state_bytes(self) -> int:
+        """What a download of the state would take (``download``: without the optimizer's moments
+        where this peer keeps its own)."""
+        keep_optimizer = self.keeps_optimizer()
+        return sum(tensor.numel() * tensor.element_size() for name, tensor in self.state.tensors().items()
+                   if not keep_optimizer or not_optimizer(name))
+
+    def replay_rounds(self) -> int:
+        """The most rounds one replay takes: as many results as a download's bytes (past that, taking
+        the state is cheaper, and a replay slower than the swarm's rounds would chase it for ever);
+        never fewer than ``KEPT_RESULTS``. A ratio of bytes, so a bigger model does not outgrow it
+        (DiLoCo with Adam: a 16-byte-per-parameter state against 1 for int8's frames, 0.31 for q2's)."""
+        return max(KEPT_RESULTS, self.state_bytes() // max(1, self.result_bytes()))
+
     async def replay(self, donors: list[str]) -> int:
-        """Apply, one by one, the results of the rounds from this peer's epoch up to the swarm's (at
-        most ``KEPT_RESULTS`` behind: further, the state is the way). Returns how many it applied."""
+        """Apply, one by one, the results of the rounds from this peer's epoch up to the swarm's, as
+        long as donors hand them over (they keep their last ``KEPT_RESULTS``, and more for a joiner
+        whose download of their state they served: StateServer's holds), and at most
+        ``replay_rounds``: further behind, the state is the way. Returns how many it applied."""
         assert self.runtime.transport is not None and self.server is not None
         behind = self.tracker.fresh().epoch - self.epoch
-        if not (self.policy.synchronous and self.in_step and donors and 0 < behind <= KEPT_RESULTS):
+        most = self.replay_rounds()
+        if not (self.policy.synchronous and self.in_step and donors and 0 < behind <= most):
             return 0
         applied = 0
-        while donors and applied < KEPT_RESULTS:
+        while donors and applied < most:
             epoch = self.epoch
             try:
                 asked = self.runtime.admission.misbehaviour.least_suspect_first(self.runtime.reachable_first(donors))
@@ -220,9 +254,10 @@ class CatchUp:
     async def download(self, donors: list[str], min_version: int) -> None:
         """Take the swarm's state. A peer that steps its own optimizer and has its state keeps it,
         and so downloads about half the bytes (Adam: params + 2 moments); a fresh joiner takes the
-        donors' whole state."""
+        donors' whole state, or all but their optimizer state where its strategy starts its own
+        (``keeps_optimizer``)."""
         assert self.runtime.transport is not None
-        keep_optimizer = self.policy.local_optimizer and bool(self.state.optimizer.state)
+        keep_optimizer = self.keeps_optimizer()
         donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
         snapshot = await download_state(self.runtime.transport, self.server.protocol, donors,
                                         seconds=self.timing.join_timeout, min_version=min_version,

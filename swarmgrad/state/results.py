@@ -63,6 +63,7 @@ class ResultFrames(Protocol):
 
     frames: int
     max_payload: int
+    nbytes: int
 
     def check_header(self, index: int, header: dict) -> None: ...
 

@@ -31,7 +31,9 @@ a loaded 2-core machine); it runs off the event loop, one at a time; donors keep
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -49,6 +51,14 @@ from swarmgrad.state.snapshot import StateSnapshot, part_count
 from swarmgrad.timing import DEFAULT_TIMING
 
 KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or two rounds behind
+# results a donor keeps beyond those, for the joiners its state downloads serve (``ResultHolds``):
+# at most this many bytes per element of a result, oldest dropped first. A donor serving a download
+# is at the peak of DESIGN's budget (12 bytes per parameter steady, 16 at a round's or download's
+# peak), so the held results get the 4 between: int8's frames (about 1 byte an element a round) 4
+# rounds more than KEPT_RESULTS, q2's (0.31) 12, bfloat16 copies 2. A download that takes longer is
+# followed by another one, as before.
+HELD_RESULT_BYTES_PER_ELEMENT = 4.0
+MAX_RESULT_HOLDERS = 64  # joiners a donor keeps results for at once (past it, the longest-idle goes)
 # older snapshots a donor keeps while downloads under way still read them (past its latest ``keep``):
 # on a slow link a state takes longer than an epoch (40 MB at 10 Mbit/s: 32 s, against epochs of
 # 8 s), and a download whose version the donor dropped failed on every retry; bounded, since each
@@ -62,13 +72,67 @@ def state_protocol(run_id: str) -> str:
     return f"swarmgrad/{run_id}/state"
 
 
+@dataclass
+class _Hold:
+    floor: int  # the oldest round whose result the joiner still needs (its state's version, then its replay's)
+    channels: int  # its downloads under way: held for as long as they read
+    expires: float  # time.monotonic() past which, with no download under way, the hold ends
+
+
+class ResultHolds:
+    """Which round results joiners that downloaded this donor's state still need: a joiner that
+    described version v replays the rounds from v on once its download is in, so results from v on
+    are kept while it reads and ``idle_seconds`` after its last request (each result or digest it
+    asks for moves its floor up and renews that). Keyed by the channel's authenticated peer id, at
+    most ``MAX_RESULT_HOLDERS`` of them; the bytes they keep are capped by the server."""
+
+    def __init__(self, idle_seconds: float):
+        self.idle_seconds = idle_seconds
+        self._holds: dict[str, _Hold] = {}
+
+    def reading(self, peer: str, version: int, new_channel: bool = True) -> None:
+        """``peer``'s download reads ``version`` (on one more channel, or on one that read another)."""
+        hold = self._holds.get(peer)
+        if hold is None:
+            if len(self._holds) >= MAX_RESULT_HOLDERS:
+                self._holds.pop(min(self._holds, key=lambda key: (self._holds[key].channels > 0,
+                                                                  self._holds[key].expires)))
+            hold = self._holds[peer] = _Hold(version, 0, 0.0)
+        hold.floor = version
+        hold.channels += 1 if new_channel or hold.channels == 0 else 0
+
+    def read(self, peer: str) -> None:
+        """One of ``peer``'s download channels ended: its replay comes next."""
+        hold = self._holds.get(peer)
+        if hold is not None:
+            hold.channels = max(0, hold.channels - 1)
+            hold.expires = time.monotonic() + self.idle_seconds
+
+    def replaying(self, peer: str, epoch: int) -> None:
+        """``peer`` asked for the result of round ``epoch``: it no longer needs the ones before."""
+        hold = self._holds.get(peer)
+        if hold is not None:
+            hold.floor = max(hold.floor, epoch)
+            hold.expires = time.monotonic() + self.idle_seconds
+
+    def floor(self) -> int | None:
+        """The oldest round a live hold needs (None: no joiner needs any); ends the expired ones."""
+        now = time.monotonic()
+        for peer in [peer for peer, hold in self._holds.items() if hold.channels <= 0 and hold.expires <= now]:
+            del self._holds[peer]
+        return min((hold.floor for hold in self._holds.values()), default=None)
+
+
 class StateServer:
     """Serves this peer's latest snapshots to joiners over ``protocol``."""
 
     def __init__(self, transport: Transport, protocol: str, keep: int = 2,
-                 idle_seconds: float = DEFAULT_TIMING.join_timeout, keep_results: int = KEPT_RESULTS):
+                 idle_seconds: float = DEFAULT_TIMING.join_timeout, keep_results: int = KEPT_RESULTS,
+                 held_result_bytes: float = HELD_RESULT_BYTES_PER_ELEMENT):
         self.transport, self.protocol, self.keep, self.idle_seconds = transport, protocol, keep, idle_seconds
         self.keep_results = keep_results
+        self.held_result_bytes = held_result_bytes  # per element, beyond the last ``keep_results``
+        self.holds = ResultHolds(idle_seconds)
         self._snapshots: dict[int, StateSnapshot | ServedState] = {}
         self._described: dict[int, bytes] = {}
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
@@ -163,8 +227,26 @@ class StateServer:
         self._result_frames.pop(epoch, None)
         if frames is not None:
             self._result_frames[epoch] = frames
-        for old in sorted(self._results)[: -self.keep_results]:
-            self._drop_result(old)
+        self._drop_old_results()
+
+    def _drop_old_results(self) -> None:
+        """Keep the last ``keep_results`` results, and the older ones a joiner still needs
+        (``holds``) within ``held_result_bytes`` per element, dropping the oldest past that."""
+        older = sorted(self._results)[: -self.keep_results]
+        floor = self.holds.floor()
+        held = [epoch for epoch in older if floor is not None and epoch >= floor]
+        if held:
+            cap = self.held_result_bytes * max(self._result_numel.values())
+            while held and sum(self._result_bytes(epoch) for epoch in held) > cap:
+                held.pop(0)
+        for epoch in older:
+            if epoch not in held:
+                self._drop_result(epoch)
+
+    def _result_bytes(self, epoch: int) -> int:
+        result, frames = self._results[epoch], self._result_frames.get(epoch)
+        kept = result.numel() * result.element_size() if result is not None else 0
+        return kept + sum(len(payload) for _, payload in frames or ())
 
     def _drop_result(self, epoch: int) -> None:
         self._results.pop(epoch)
@@ -174,10 +256,8 @@ class StateServer:
 
     def held_bytes(self) -> dict[str, int]:
         """Host bytes this server holds of its own: served states' copies and kept results."""
-        kept = sum(result.numel() * result.element_size() for result in self._results.values() if result is not None)
-        kept += sum(len(payload) for frames in self._result_frames.values() for _, payload in frames)
         return {"served_state_copies": sum(snapshot.held_bytes() for snapshot in self._snapshots.values()),
-                "kept_results": kept}
+                "kept_results": sum(self._result_bytes(epoch) for epoch in self._results)}
 
     async def _serve(self, channel: Channel) -> None:
         sketches = 0  # asked on this channel
@@ -202,6 +282,7 @@ class StateServer:
                         if snapshot is None:
                             await channel.send_error("this peer has no state to share yet")
                             return
+                    self.holds.reading(channel.peer_id, snapshot.version, new_channel=reading is None)
                     reading = self._reading(reading, snapshot.version)
                     await channel.send({"t": "state", "version": snapshot.version, "digest": snapshot.digest,
                                         "nbytes": snapshot.nbytes}, self._described[snapshot.version])
@@ -230,6 +311,7 @@ class StateServer:
                                        memoryview(snapshot.read_part(index).numpy()))
                 elif request.kind in ("result", "digest"):
                     epoch = field(request.header, "epoch", int)
+                    self.holds.replaying(channel.peer_id, epoch)
                     if epoch not in self._results:
                         await channel.send_error(f"the result of round {epoch} is not kept here")
                         return
@@ -241,6 +323,8 @@ class StateServer:
                 else:
                     raise FrameError(f"unexpected request {request.kind!r}")
         finally:
+            if reading is not None:
+                self.holds.read(channel.peer_id)  # held idle_seconds more: its replay comes next
             self._reading(reading, None)
 
     async def _send_result(self, channel: Channel, epoch: int, frames_asked: bool, chunks_asked: bool) -> None:

@@ -126,22 +126,64 @@ def test_two_rounds_behind_replays_both_in_order(monkeypatch):
     assert torch.allclose(h.policy.start, start - h.donor_results[0] - h.donor_results[1])
 
 
-def test_further_behind_than_the_kept_results_downloads_the_state(monkeypatch):
-    h = Harness(swarm_epoch=KEPT_RESULTS + 1, monkeypatch=monkeypatch)
+def replay_reach(monkeypatch) -> int:
+    """The most rounds the Harness peer replays at once (its state's bytes over a result's)."""
+    return Harness(swarm_epoch=1, monkeypatch=monkeypatch).catch_up.replay_rounds()
+
+
+def test_more_rounds_behind_than_donors_keep_for_everyone_replays_them_all_where_donors_hand_them_over(
+        monkeypatch):
+    """Donors keep more than KEPT_RESULTS for a joiner whose download they served (StateServer's
+    holds): a peer that many rounds behind replays every one, not at most KEPT_RESULTS."""
+    behind = KEPT_RESULTS + 2
+    assert replay_reach(monkeypatch) >= behind
+    h = Harness(swarm_epoch=behind, monkeypatch=monkeypatch)
+    start = h.start()
+    h.run()
+    assert h.downloads == 0 and h.asked_results == list(range(behind)) and h.catch_up.replayed == behind
+    assert torch.allclose(h.policy.start, start - sum(h.donor_results[epoch] for epoch in range(behind)))
+
+
+def test_a_replay_is_bounded_by_the_bytes_of_a_download_not_by_a_count(monkeypatch):
+    """The state is 4 results' bytes here (bfloat16 results, a DiLoCo state of model and momentum in
+    float32, plain SGD): replaying more rounds than that moves more than the state, so the peer
+    downloads; with results in frames of a quarter of the bytes it replays four times as many."""
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    numel = h.policy.layout.total
+    assert h.catch_up.result_bytes() == 2 * numel
+    assert h.catch_up.replay_rounds() == h.catch_up.state_bytes() // (2 * numel) == 4
+    h.catch_up.decoder = SimpleNamespace(nbytes=numel // 2)
+    assert h.catch_up.replay_rounds() == h.catch_up.state_bytes() // (numel // 2) >= 16
+
+
+def test_further_behind_than_a_downloads_worth_of_results_downloads_the_state(monkeypatch):
+    behind = replay_reach(monkeypatch) + 1
+    h = Harness(swarm_epoch=behind, monkeypatch=monkeypatch)
     h.run()
     assert h.asked_results == [] and h.downloads == 1 and h.catch_up.replayed == 0
-    assert h.tracker.local.epoch == KEPT_RESULTS + 1
+    assert h.tracker.local.epoch == behind
 
 
 def test_a_download_that_ends_with_the_swarm_a_round_further_replays_that_round(monkeypatch):
     """The spiral this breaks: a slow link's download takes longer than a round, so every download
     ended one round behind and the next step downloaded again."""
-    h = Harness(swarm_epoch=KEPT_RESULTS + 3, monkeypatch=monkeypatch)
+    version = replay_reach(monkeypatch) + 1
+    h = Harness(swarm_epoch=version, monkeypatch=monkeypatch)
     h.swarm_moves_during_download = 1
     h.run()
-    version = KEPT_RESULTS + 3
     assert h.downloads == 1 and h.asked_results == [version]
     assert h.tracker.local.epoch == version + 1 and h.catch_up.replayed == 1
+
+
+def test_a_peer_whose_oldest_missed_round_no_donor_kept_downloads_the_state(monkeypatch):
+    """Past a donor's byte cap the oldest rounds go first: a peer that needs one of them cannot
+    replay from where it is, and takes the state instead (then replays what is left)."""
+    behind = KEPT_RESULTS + 2
+    h = Harness(swarm_epoch=behind, monkeypatch=monkeypatch)
+    del h.donor_results[0]
+    h.run()
+    assert h.asked_results == [0] and h.downloads == 1 and h.catch_up.replayed == 0
+    assert h.tracker.local.epoch == behind
 
 
 def test_a_replay_no_donor_can_serve_falls_back_to_the_state(monkeypatch):

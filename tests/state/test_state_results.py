@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from contextlib import AsyncExitStack, asynccontextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from swarmgrad.state import results as state_results
 from swarmgrad.state import server as state_server
 from swarmgrad.state.results import download_result, download_result_digest, result_digest
 from swarmgrad.state.server import StateServer
-from swarmgrad.state.snapshot import StateTransferError
+from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +219,63 @@ def test_a_result_in_chunks_that_do_not_add_up_is_refused(swarm, monkeypatch, fa
     with pytest.raises(StateTransferError, match="expected chunk 1 of the result of round 3" if fault == "order"
                        else "chunk\\(s\\) hold 199998 bytes, expected 200000"):
         run(swarm, scenario())
+
+
+def test_a_donor_keeps_the_results_a_download_of_its_state_will_replay_within_its_byte_cap(swarm, monkeypatch):
+    """A joiner that described version 4 replays the rounds from 4 on once its state is in: the donor
+    keeps their results past its last KEPT_RESULTS while the joiner reads and for idle_seconds after
+    its last request, each request letting the rounds before it go; at most 4 bytes an element
+    beyond the last two (two bfloat16 results here), the oldest dropped first; then as before."""
+    clock = [1000.0]
+    monkeypatch.setattr(state_server, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    numel = 1000
+    result = {epoch: torch.full((numel,), float(epoch)) for epoch in range(20)}
+
+    async def scenario():
+        protocol = new_protocol()
+        async with StateServer(swarm.transports[1], protocol, idle_seconds=30.0) as server:
+            server.publish(StateSnapshot.capture(4, {"w": torch.zeros(10)}, {}))
+            kept = lambda: sorted(server._results)  # noqa: E731
+
+            def publish(*epochs: int) -> None:
+                for epoch in epochs:
+                    server.publish_result(epoch, result[epoch])
+
+            publish(2, 3)
+            channel = await swarm.transports[0].open(donor_ids(swarm)[0], protocol)
+            await channel.send({"t": "describe"})
+            assert (await channel.recv(max_payload=1 << 20)).header["version"] == 4
+            publish(4, 5, 6, 7)  # the swarm goes on while the joiner reads version 4
+            reading = kept()
+            publish(8)  # past the cap: 4, 5, 6 and 7 held would be 8 bytes an element
+            capped, held_bytes = kept(), server.held_bytes()["kept_results"]
+            await channel.send({"t": "done"})
+            await channel.close()
+            while any(hold.channels for hold in server.holds._holds.values()):  # the donor saw it end
+                await asyncio.sleep(0.01)
+            clock[0] += 29.0  # the joiner's replay comes within idle_seconds of its download's end
+            digest = await download_result_digest(swarm.transports[0], protocol, donor_ids(swarm)[0], 7)
+            publish(9)
+            replaying = kept()
+            clock[0] += 31.0  # then it went quiet
+            publish(10)
+            return reading, capped, held_bytes, replaying, kept(), digest
+
+    reading, capped, held_bytes, replaying, after, digest = run(swarm, scenario())
+    assert reading == [4, 5, 6, 7]
+    assert capped == [5, 6, 7, 8] and held_bytes == 4 * numel * 2
+    assert replaying == [7, 8, 9] and digest == result_digest(result[7])  # asked for 7: 5 and 6 let go
+    assert after == [9, 10]  # no joiner needs more: the last KEPT_RESULTS
+
+
+def test_a_donor_keeps_results_for_a_bounded_number_of_joiners():
+    """Any peer may open a channel: at most MAX_RESULT_HOLDERS joiners are remembered, the one idle
+    longest forgotten first (the bytes they keep are capped apart from that)."""
+    holds = state_server.ResultHolds(idle_seconds=60.0)
+    for index in range(state_server.MAX_RESULT_HOLDERS):
+        holds.reading(f"peer{index}", 100 + index)
+        if index:
+            holds.read(f"peer{index}")  # its download ended: idle from now on; peer0 still reads
+    holds.reading("late", 500)
+    assert len(holds._holds) == state_server.MAX_RESULT_HOLDERS and "peer1" not in holds._holds
+    assert holds.floor() == 100  # peer0, still reading, is kept

@@ -102,6 +102,8 @@ class Policy(ABC):
                  synchronous: bool = True):
         self.model, self.optimizer, self.progress = model, optimizer, progress
         self.synchronous = synchronous  # swarm steps are numbered epochs every peer takes together
+        # a joiner without optimizer state downloads none and starts its own (DiLoCo's joiner_moments)
+        self.fresh_optimizer_on_join = False
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.layout = FlatLayout(self.params)
         from swarmgrad.device.boundary import DeviceBoundary
