@@ -15,7 +15,7 @@ from swarmgrad.version import __version__
 _PUBLIC = {
     "Peer": "swarmgrad.peer.peer",
     "Optimizer": "swarmgrad.peer.optimizer",
-    "PeerStatus": "swarmgrad.peer.peer",
+    "PeerStatus": "swarmgrad.peer.status",
     "PeerConfig": "swarmgrad.peer.peer_config",
     "RunConfig": "swarmgrad.peer.config",
     "RunConfigMismatch": "swarmgrad.peer.config",

@@ -12,7 +12,7 @@ _EXPORTS = {
     "RunConfigMismatch": "swarmgrad.peer.config",
     "SyncSGD": "swarmgrad.peer.strategies.sync",
     "Peer": "swarmgrad.peer.peer",
-    "PeerStatus": "swarmgrad.peer.peer",
+    "PeerStatus": "swarmgrad.peer.status",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -26,8 +26,9 @@ from typing import Any, Callable
 import torch
 
 from swarmgrad.peer.config import RunConfig
-from swarmgrad.peer.peer import Peer, PeerStatus
+from swarmgrad.peer.peer import Peer
 from swarmgrad.peer.peer_config import PeerConfig
+from swarmgrad.peer.status import PeerStatus
 
 SWARM_KEY = "swarm"  # state_dict(): the wrapped optimizer's own keys, and this one for the swarm's
 

@@ -18,7 +18,7 @@ stale model); otherwise training goes on from where it paused.
 
 The Peer is a façade: ``PeerAssembly`` (assembly.py) builds and owns the parts (node, network
 runtime, state server, policy, averaging backend, round driver, catch-up, checkpointer); the Peer
-steps, pauses, reports and publishes evaluations through them. ``OpenRun`` is the two-phase way in
+steps, pauses, reports and publishes evaluations through them. ``OpenRun`` (open_run.py) is the two-phase way in
 for a caller that needs the run's settings before it can build its model (``swarmgrad peer``).
 """
 
@@ -27,9 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -38,71 +36,15 @@ from swarmgrad.dht.evaluations import Evaluation, evaluation
 from swarmgrad.dht.membership import reachability
 from swarmgrad.eventloop import BackgroundLoop
 from swarmgrad.hostmemory import return_freed_memory
-from swarmgrad.peer.assembly import Fingerprint, PeerAssembly, Training, check_privacy
+from swarmgrad.peer.assembly import PeerAssembly, Training, check_privacy
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.keywords import peer_settings
 from swarmgrad.peer.manifest import RunManifest
 from swarmgrad.peer.peer_config import PeerConfig
+from swarmgrad.peer.status import PeerStatus
 from swarmgrad.state.snapshot import StateTransferError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PeerStatus:
-    """What ``peer.status()`` returns; ``to_json()`` for scripts and event streams."""
-
-    peer_id: str
-    run_id: str
-    step: int  # local optimizer steps (or accumulation steps) so far
-    epoch: int  # swarm steps taken part in (or caught up to)
-    samples: int  # samples trained on by this peer
-    samples_per_second: float
-    loss: float | None  # smoothed training loss, when step() was given one
-    epsilon: float | None  # privacy spent so far, when privacy is on
-    peers: int  # peers seen in the run's progress with this peer's settings (this one included)
-    rounds_ok: int = 0
-    rounds_failed: int = 0
-    solo_steps: int = 0  # epochs finished alone (nobody to average with)
-    samples_averaged: int = 0  # of ``samples``, those sent in rounds that succeeded (carried ones included)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    state_downloads: int = 0
-    rounds_replayed: int = 0  # rounds it missed and applied afterwards, from a peer that kept their result
-    epsilon_local: float | None = None  # one release seen alone (update level with noise shares: > epsilon)
-    rounds_overlapped: int = 0  # rounds that travelled while the next inner phase ran (overlap.py)
-    settings: str = ""  # digest of the run settings this peer trains with
-    warning: str | None = None  # why this peer trains alone, when it can tell
-    paused: bool = False  # peer.pause() (SIGUSR1): no rounds, no training, until resume()
-    reachability: str = "public"  # how others reach it: public, relayed (behind a NAT) or client
-    rounds_unreachable: int = 0  # rounds sat out: nobody in its group publishes an address to reach it by
-    last_report: dict[str, Any] | None = None
-    refused_records: int = 0  # private run: member records of peers without a valid ticket, ignored
-    refused_streams: int = 0  # private run: their streams, refused
-    banned: dict[str, float] = field(default_factory=dict)  # peers banned here for misbehaviour -> seconds left
-    # host bytes the swarm's work holds beyond the model, its gradients and the optimizer, by holder
-    # (outer_start, outer_momentum, contribution, error_feedback, result, kept_results, served_state_copies)
-    swarm_memory: dict[str, int] = field(default_factory=dict)
-    round_deadline: float | None = None  # seconds a round like the last may take now (moshpit; timing.py RoundTimer)
-    round_rate_mbps: float | None = None  # the rate it assumes: measured by rounds, else Timing.assumed_rate_mbps
-    # members that were waited for in a round and never declared -> how often (averaging/attendance.py);
-    # ``absent``: those of them not seen alive since, which matchmaking does not wait for
-    no_shows: dict[str, int] = field(default_factory=dict)
-    absent: list[str] = field(default_factory=list)
-    # addresses a newcomer can join through (this peer's own if public, then members seen recently):
-    # any public member is an entry point, so the run outlives its bootstrap node
-    entry_points: list[str] = field(default_factory=list)
-    longest_round: float = 0.0  # seconds the longest round took, matchmaking included
-    longest_allreduce: float = 0.0  # seconds the longest all-reduce took (what round_deadline bounds)
-    asyncio_tasks: int | None = None  # tasks on the peer's event loop now (a soak watches they stay flat)
-    device_bytes: int = 0  # bytes that crossed between the training device and the host (device/boundary.py)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("loss", "epsilon", "epsilon_local"):
-            if data[key] is not None and not math.isfinite(data[key]):
-                data[key] = None
-        return data
 
 
 class Peer:
@@ -135,11 +77,12 @@ class Peer:
         self.grad_scaler = grad_scaler
 
     @classmethod
-    def _on(cls, opened: OpenRun, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int | None,
-            dataset_size: int | None, grad_scaler: torch.amp.GradScaler | None = None) -> Peer:
-        """A Peer on a run that ``OpenRun`` opened: its node, its settled settings, its event loop."""
+    def _on(cls, assembly: PeerAssembly, background: BackgroundLoop, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, batch_size: int | None, dataset_size: int | None,
+            grad_scaler: torch.amp.GradScaler | None = None) -> Peer:
+        """A Peer on a run that ``OpenRun`` (open_run.py) opened: its node, its settled settings, its event loop."""
         peer = cls.__new__(cls)
-        peer._attach(opened.assembly, model, optimizer, batch_size, dataset_size, opened.background)
+        peer._attach(assembly, model, optimizer, batch_size, dataset_size, background)
         peer.grad_scaler = grad_scaler
         return peer
 
@@ -522,61 +465,3 @@ class Peer:
             training.publish_state()
             if training.checkpointer is not None and training.checkpointer.due():
                 training.checkpointer.save()  # on a thread: the step goes on
-
-
-class OpenRun:
-    """The run opened before its model exists, for a caller that needs the run's settings to build it
-    (``swarmgrad peer``: the task, its hyperparameters and seed): phase one of ``PeerAssembly``, on the
-    event loop and with the node the Peer then runs on.
-
-        with OpenRun(config=requested, peer=local) as run:
-            model, optimizer = build(run.config)
-            with run.peer(model, optimizer, batch_size=64) as peer:
-                ...
-
-    Takes what ``Peer`` takes besides the model, plus ``fingerprint`` and ``wait_for_manifest``
-    (``PeerAssembly``)."""
-
-    def __init__(self, *, config: RunConfig | None = None, peer: PeerConfig | None = None,
-                 manifest: RunManifest | None = None, fingerprint: Fingerprint = lambda task: None,
-                 wait_for_manifest: float | None = None, **options: Any):
-        requested, local = peer_settings(config, peer, options)
-        self.assembly = PeerAssembly(requested, local, manifest, fingerprint=fingerprint,
-                                     wait_for_manifest=wait_for_manifest)
-        self.background: BackgroundLoop | None = None
-
-    @property
-    def config(self) -> RunConfig:
-        """The run's settings, settled once entered."""
-        return self.assembly.config
-
-    @property
-    def manifest(self) -> RunManifest | None:
-        return self.assembly.manifest
-
-    def __enter__(self) -> OpenRun:
-        self.background = BackgroundLoop(name=f"swarmgrad-peer-{self.assembly.run_id}")
-        try:
-            self.background.run(self.assembly.open())
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def peer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, batch_size: int | None = None,
-             dataset_size: int | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> Peer:
-        """The Peer that trains ``model`` in this run; ``with`` it to assemble the rest and join."""
-        if self.background is None:
-            raise RuntimeError("use `with OpenRun(...) as run:` first")
-        return Peer._on(self, model, optimizer, batch_size, dataset_size, grad_scaler)
-
-    def __exit__(self, *exc_info) -> None:
-        """Closes what the Peer did not (it closes all it entered, the loop included)."""
-        if self.background is None:
-            return
-        try:
-            if self.background.loop.is_running():
-                self.background.run(self.assembly.close(), timeout=6 * self.assembly.timing.close_part)
-        finally:
-            self.background.close()
-            self.background = None

@@ -29,7 +29,7 @@ from swarmgrad.device.placement import Precision, move_batch, resolve_device, re
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.evaluator import BackgroundEvaluator
-from swarmgrad.peer.peer import OpenRun
+from swarmgrad.peer.open_run import OpenRun
 from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.tasks import Task, get_task
 from swarmgrad.tasks.base import dataset_size, endless_batches

@@ -22,7 +22,7 @@ from swarmgrad.peer.assembly import PeerAssembly
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.driver import GossipBackend, MoshpitBackend
 from swarmgrad.peer.keywords import option_paths, peer_settings
-from swarmgrad.peer.peer import OpenRun
+from swarmgrad.peer.open_run import OpenRun
 from swarmgrad.peer.peer_config import PeerConfig, Stop
 
 
