@@ -8,6 +8,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+from matchmaking_fakes import DeclaredNode
+
 from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, REPLY_STRETCH, Matchmaker, MatchRecord, split_groups
 
 WINDOW = 0.1
@@ -108,20 +110,6 @@ def test_the_wait_for_an_answer_is_bounded_whatever_the_dht_takes():
     node = SimpleNamespace(peer_id="me", dht_latency=100.0)
     matchmaker = Matchmaker(node, SlowInvitee(0), "test", schema_digest="schema", codec="none", reply_timeout=0.1)
     assert matchmaker.reply_deadline == REPLY_STRETCH * 0.1
-
-
-class DeclaredNode:
-    """A DHT that shows the declarations of ``declared`` under any key, at once."""
-
-    def __init__(self, declared: list[str]):
-        self.peer_id, self.dht_latency, self.declared = "me", 0.001, declared
-
-    async def store(self, key, record, *, expires, all_replicas):
-        pass
-
-    async def get_records(self, key, kind):
-        body = MatchRecord(ready_at=time.time(), share=1.0, schema_digest="schema", codec="none")
-        return {peer: SimpleNamespace(body=body) for peer in self.declared}
 
 
 def key_ordering(first: str, second: str) -> str:

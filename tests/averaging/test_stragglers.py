@@ -9,12 +9,12 @@ whole window, so each is bounded well below it."""
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 
 import pytest
+from matchmaking_fakes import DeclaredNode
 
-from swarmgrad.averaging.matchmaking import Matchmaker, MatchRecord
+from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.stragglers import STRAGGLER_SHARE, Pace, Patience, RoundClock, straggler_cap
 
 WINDOW = 20.0  # the window a straggler would otherwise cost
@@ -61,20 +61,6 @@ def test_a_straggler_is_waited_for_up_to_the_cap_only_when_its_pace_fits():
     unmeasured = Patience(None, paces, clock)
     clock.now = 100.0
     assert all(unmeasured.waits_for(peer) for peer in paces) and unmeasured.gave_up_on(paces) == set()
-
-
-class DeclaredNode:
-    """A DHT that shows the declarations of ``declared`` under any key, at once."""
-
-    def __init__(self, declared: list[str]):
-        self.peer_id, self.dht_latency, self.declared = "me", 0.001, declared
-
-    async def store(self, key, record, *, expires, all_replicas):
-        pass
-
-    async def get_records(self, key, kind):
-        body = MatchRecord(ready_at=time.time(), share=1.0, schema_digest="schema", codec="none")
-        return {peer: SimpleNamespace(body=body) for peer in self.declared}
 
 
 def find_group(pace: Pace, declares_after: float | None, measured: bool = True) -> tuple[list[str] | None, dict]:
