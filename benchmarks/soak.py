@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py --minutes 60 --plot soak.png [--json]     # the full run (about 65 min)
     python benchmarks/soak.py --minutes 3 --json                       # CI's variant
+    python benchmarks/soak.py --minutes 10 --peers 7 --no-churn --logs DIR   # no kills; every log kept
 
 Real processes on loopback: a ``swarmgrad bootstrap`` node and ``--peers`` (6) ``swarmgrad peer
 digits`` peers (DiLoCo), each with a fixed identity. The schedule is written for an hour and
@@ -12,7 +13,9 @@ a new peer joining at minute 25 through a member's address (``status().entry_poi
 descriptors, threads; and from each peer's last ``--json`` progress event: asyncio tasks, the bytes
 of kept results and served state copies, rounds ok/failed, the longest round seen against its
 deadline. The longest training-loop stall of each peer is the longest gap between progress events
-in which its step did not move (events come every second: that is its resolution).
+in which its step did not move (events come every second: that is its resolution), with what moved
+across it (rounds failed, downloads, replays); failed rounds are counted by kind from each peer's
+log (``--logs DIR`` keeps the logs whole).
 
 Then: a table of slopes after the warm-up (10 min, scaled; for a restarted process, also from a
 fifth of that after its start), RSS as % per hour of its mean, the others per hour; the share of
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,11 +91,26 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+# a peer's log line for a failed round (peer/counters.py), and what makes two errors the same kind
+FAILED_ROUND = re.compile(r"round \d+: failed \((.*)\), \d+ peers")
+ERROR_DETAILS = re.compile(r"12D3Koo\w+|\d+(\.\d+)?")
+
+
+def error_kind(error: str) -> str:
+    """A round error with its peer ids and numbers left out, so the same failure counts once."""
+    return ERROR_DETAILS.sub("#", error)[:160]
+
+
 class Proc:
-    """A child process whose stdout lines (JSON events) and stderr tail are drained by threads."""
+    """A child process whose stdout lines (JSON events) and stderr tail are drained by threads; its
+    failed rounds are counted by kind from its log, which ``logs`` (a directory) also keeps whole."""
+
+    logs: Path | None = None
 
     def __init__(self, name: str, argv: list[str]):
         self.name, self.argv, self.started = name, argv, time.monotonic()
+        self.round_errors: Counter[str] = Counter()
+        self.log = open(self.logs / f"{name}.log", "w") if self.logs is not None else None
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         self.lines: list[str] = []
         self.stderr: list[str] = []
@@ -116,6 +136,11 @@ class Proc:
 
     def _stderr(self, line: str) -> None:
         self.stderr = (self.stderr + [line])[-50:]
+        failed = FAILED_ROUND.search(line)
+        if failed:
+            self.round_errors[error_kind(failed.group(1))] += 1
+        if self.log is not None:
+            self.log.write(line + "\n")
 
     def processes(self) -> list[int]:
         """This process's pid and its descendants' (p2pd among them), remembered for a kill."""
@@ -283,6 +308,7 @@ def stalls_and_rounds(slots: list[PeerSlot], began: float, warm_up: float) -> di
                                  "stall_after_warm_up": steady_stall, "longest_round": longest_round,
                                  "longest_allreduce": longest_allreduce,
                                  "rounds_over_deadline": over, "rounds_ok": last.get("rounds_ok", 0),
+                                 "round_errors": dict(proc.round_errors.most_common(5)),
                                  "rounds_failed": last.get("rounds_failed", 0),
                                  "deadline": last.get("round_deadline")}
     return result
@@ -314,10 +340,13 @@ def plot(rows: list[dict], path: Path, events: list[tuple[float, str]]) -> None:
     figure.savefig(path, dpi=80)
 
 
-def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -> dict:
+def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None, churn: bool = True) -> dict:
+    """``churn=False``: no peer is killed (the bootstrap still dies and the late joiner still comes)."""
     scale = minutes * 60 / HOUR
     kill_every, bootstrap_dies, late_join = max(MIN_KILL_EVERY, KILL_EVERY * scale), BOOTSTRAP_DIES * scale, \
         LATE_JOIN * scale
+    if not churn:
+        kill_every = float("inf")
     sample_every, warm_up = max(1.0, SAMPLE_EVERY * scale), WARM_UP * scale
     rows: list[dict] = []
     timeline: list[tuple[float, str]] = []
@@ -393,7 +422,7 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -
                          None) if late else None
     result = {
         "minutes": minutes, "peers": peers, "scale": scale, "seconds": ended,
-        "schedule": {"kill_every": kill_every, "bootstrap_dies": bootstrap_dies, "late_join": late_join,
+        "schedule": {"kill_every": kill_every if churn else None, "bootstrap_dies": bootstrap_dies, "late_join": late_join,
                      "sample_every": sample_every, "warm_up": warm_up},
         "rounds_ok": ok, "rounds_failed": failed, "rounds_ok_share": ok / max(1, ok + failed),
         "rounds_after_bootstrap_died": sum(last - first for first, last in rounds_at.values()),
@@ -403,6 +432,7 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None) -
                                            default=0.0),
         "longest_round": max((e["longest_round"] for e in per_incarnation.values()), default=0.0),
         "rounds_over_deadline": sum(e["rounds_over_deadline"] for e in per_incarnation.values()),
+        "round_errors": dict(sum((Counter(e["round_errors"]) for e in per_incarnation.values()), Counter())),
         "slopes": slopes(rows, starts, warm_up), "incarnations": per_incarnation, "samples": rows,
         "timeline": timeline,
     }
@@ -418,10 +448,15 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=20, help="DiLoCo local steps per round")
     parser.add_argument("--plot", type=Path, help="draw every sampled series against time into this PNG")
     parser.add_argument("--json", action="store_true", help="print the result as JSON (samples included)")
+    parser.add_argument("--logs", type=Path, help="keep every process's log in this directory")
+    parser.add_argument("--no-churn", action="store_true", help="kill no peer (the bootstrap still dies)")
     args = parser.parse_args()
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        Proc.logs = args.logs
     if not (0.5 <= args.minutes <= 24 * 60 and 2 <= args.peers <= 16):
         parser.error("--minutes must be within 0.5..1440 and --peers within 2..16")
-    result = soak(args.minutes, args.peers, args.inner_steps, args.plot)
+    result = soak(args.minutes, args.peers, args.inner_steps, args.plot, churn=not args.no_churn)
     if args.json:
         print(json.dumps(result))
         return
@@ -437,6 +472,8 @@ def main() -> None:
           f"{result['longest_round']:.1f} s ({result['rounds_over_deadline']} over their deadline); longest "
           f"training-loop stall {result['longest_stall']:.1f} s ({result['longest_stall_after_warm_up']:.1f} s "
           "after the warm-up)")
+    for error, count in sorted(result["round_errors"].items(), key=lambda item: -item[1]):
+        print(f"{count:>6} failed rounds: {error}")
     for name, entry in result["incarnations"].items():
         if entry["stall"]:
             print(f"{name}: longest stall {entry['longest_stall']:.1f} s ending {entry['stall']['ended_after']:.0f} s "

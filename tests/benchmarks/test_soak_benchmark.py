@@ -50,7 +50,13 @@ def test_a_stall_is_told_with_what_moved_across_it_and_a_restarted_peers_first_s
     import soak
 
     proc = soak.Proc.__new__(soak.Proc)
-    proc.name, proc.started = "peer1#1", 100.0
+    proc.name, proc.started, proc.round_errors, proc.log = "peer1#1", 100.0, soak.Counter(), None
+    proc.stderr = []
+    for line in ("round 12: failed (no group formed this round; tensors unchanged), 1 peers, 2.0 s",
+                 "round 13: failed (deadline of 5.0 s passed; next deadline 10.0 s), 3 peers, 7.1 s",
+                 "round 14: failed (deadline of 10.0 s passed; next deadline 20.0 s), 3 peers, 12.0 s",
+                 "round 15: ok, 3 peers, 0.2 s"):
+        proc._stderr(line)
     events = [(101.0, {"step": 0}), (102.0, {"step": 5, "state_downloads": 0, "epoch": 0}),
               (125.0, {"step": 6, "state_downloads": 1, "epoch": 7}),  # 23 s: its first swarm step took the state
               (130.0, {"step": 20, "rounds_ok": 3, "epoch": 9}), (140.0, {"step": 21, "rounds_ok": 4, "epoch": 10}),
@@ -61,3 +67,6 @@ def test_a_stall_is_told_with_what_moved_across_it_and_a_restarted_peers_first_s
     assert entry["longest_stall"] == 23.0 and entry["stall"]["moved"] == {"state_downloads": 1, "epoch": 7}
     assert entry["longest_stall_after_warm_up"] == 10.0  # 130 -> 140, a round
     assert entry["stall_after_warm_up"]["moved"] == {"rounds_ok": 1, "epoch": 1}
+    # failed rounds counted by kind from the peer's log, numbers left out
+    assert entry["round_errors"] == {"deadline of # s passed; next deadline # s": 2,
+                                     "no group formed this round; tensors unchanged": 1}
