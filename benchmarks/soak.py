@@ -110,7 +110,8 @@ class Proc:
     def __init__(self, name: str, argv: list[str]):
         self.name, self.argv, self.started = name, argv, time.monotonic()
         self.round_errors: Counter[str] = Counter()
-        self.log = open(self.logs / f"{name}.log", "w") if self.logs is not None else None
+        # line-buffered: the log is readable while the soak runs
+        self.log = open(self.logs / f"{name}.log", "w", buffering=1) if self.logs is not None else None
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         self.lines: list[str] = []
         self.stderr: list[str] = []
@@ -188,7 +189,8 @@ class PeerSlot:
 
 
 def peer_argv(directory: Path, index: int, initial: str, inner_steps: int, create: bool) -> list[str]:
-    return [*SWARMGRAD, "peer", "digits", "--run-id", RUN, "--initial-peers", initial, "--threads", "1",
+    # -v: every round's outcome in the log (INFO), where failed rounds are counted by kind
+    return [*SWARMGRAD, "-v", "peer", "digits", "--run-id", RUN, "--initial-peers", initial, "--threads", "1",
             "--identity", str(directory / f"peer{index}.key"), "--inner-steps", str(inner_steps), "--json",
             "--shard", str(index), "--num-shards", "8", *(["--create"] if create else [])]
 
@@ -422,7 +424,8 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None, c
                          None) if late else None
     result = {
         "minutes": minutes, "peers": peers, "scale": scale, "seconds": ended,
-        "schedule": {"kill_every": kill_every if churn else None, "bootstrap_dies": bootstrap_dies, "late_join": late_join,
+        "schedule": {"kill_every": kill_every if churn else None, "bootstrap_dies": bootstrap_dies,
+                     "late_join": late_join,
                      "sample_every": sample_every, "warm_up": warm_up},
         "rounds_ok": ok, "rounds_failed": failed, "rounds_ok_share": ok / max(1, ok + failed),
         "rounds_after_bootstrap_died": sum(last - first for first, last in rounds_at.values()),
