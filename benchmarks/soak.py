@@ -7,7 +7,8 @@
 Real processes on loopback: a ``swarmgrad bootstrap`` node and ``--peers`` (6) ``swarmgrad peer
 digits`` peers (DiLoCo), each with a fixed identity. The schedule is written for an hour and
 compressed by ``--minutes / 60``: one peer killed (SIGKILL, its p2pd too: a crash, its presence
-record left behind) and restarted every 5 min, round robin; the bootstrap node killed at minute 20;
+record left behind) and restarted every 5 min, round robin over all but peer0, which started the run
+and lives the whole of it (one Python peer's memory over an hour); the bootstrap node killed at minute 20;
 a new peer joining at minute 25 through a member's address (``status().entry_points``). Every 30 s
 (scaled, at least 1 s) it samples each live process, Python and p2pd: resident memory, open file
 descriptors, threads; and from each peer's last ``--json`` progress event: asyncio tasks, the bytes
@@ -378,12 +379,14 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None, c
                     rows += sample(now, live)
                     next_sample += sample_every
                 if now >= next_kill:
-                    slot = slots[victim % peers]
+                    # round robin over all but peer0: it lives the whole run, so one Python peer's memory
+                    # is measured over an hour of one process, not warm-up and a 30 min life
+                    slot = slots[1 + (victim - 1) % (peers - 1)] if peers > 1 else slots[0]
                     log(f"killing {slot.current.name} (SIGKILL) and restarting it")
                     slot.current.kill()
                     # it comes back through the bootstrap node and two live members: several initial
                     # peers, so the bootstrap's death does not keep it out
-                    slot.argv = peer_argv(directory, victim % peers, ",".join([boot, *entry_points(slots)[:2]]),
+                    slot.argv = peer_argv(directory, slots.index(slot), ",".join([boot, *entry_points(slots)[:2]]),
                                           inner_steps, create=False)
                     starts[slot.start().name] = now
                     timeline.append((now, f"restart {slot.name}"))

@@ -57,9 +57,10 @@ class FakeBackend:
         self.contribution, self.outcomes, self.fixed_average, self.on_call = contribution, list(outcomes), average, on_call
         self.calls: list[dict] = []
 
-    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
+                      moved_on=lambda: False) -> RoundOutcome:
         self.calls.append({"epoch": epoch, "attempt": attempt, "weight": weight, "expected": expected_peers,
-                           "values": self.contribution.clone()})
+                           "values": self.contribution.clone(), "moved_on": moved_on})
         if self.on_call is not None:
             self.on_call(len(self.calls))
         ok = self.outcomes.pop(0)

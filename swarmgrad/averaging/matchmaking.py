@@ -70,6 +70,9 @@ GRACE_LATENCIES = 3
 # answer is still dropped, not waited for.
 REPLY_STRETCH = 4
 MAX_PEER_ID = 128  # characters: libp2p's base58 peer ids are 52
+# How often a peer that is looking asks whether the swarm finished the round without it: a local
+# read of the presence records it already holds, which change once a presence refresh.
+MOVED_ON_POLL = 0.1
 
 
 
@@ -113,6 +116,7 @@ class _Looking:
     key: str
     share: float
     committed: bool = False  # accepted an invitation, or leading: no more invitations accepted
+    stopped: bool = False  # the swarm moved on: looking stopped before any group took this peer
     plan: asyncio.Future | None = None
 
 
@@ -173,7 +177,7 @@ class Matchmaker:
         self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
         expected: int | None = None, expected_members: frozenset[str] | None = None,
         unreachable: frozenset[str] = frozenset(), clients: frozenset[str] = frozenset(),
-        paces: Mapping[str, Pace] | None = None,
+        paces: Mapping[str, Pace] | None = None, moved_on: Callable[[], bool] | None = None,
     ) -> GroupPlan | None:
         """The agreed plan for this round, or None when no group of at least min_group_size formed.
 
@@ -189,7 +193,11 @@ class Matchmaker:
         (attendance.py); the others are probed meanwhile, and take part when they declare.
         ``paces``: what members' presence records claim about their pace; once this peer measured its
         round period, an undeclared member with one is waited for at most ``straggler_cap``, and not at
-        all when its pace says it cannot come by then (stragglers.py)."""
+        all when its pace says it cannot come by then (stragglers.py).
+        ``moved_on``: whether the swarm finished this round without this peer (the caller's view of
+        the others' progress); once it says so, and no group has taken this peer yet, looking stops
+        (None is returned): the round is replayed, not waited out (issue 38: a late peer waited about
+        6 s, window, grace and a plan's wait, for a group nobody else was looking for any more)."""
         me = self.node.peer_id
         patience = Patience(straggler_cap(self.rounds.period, window, self.node.dht_latency), paces or {})
         self.rounds.started()
@@ -212,6 +220,7 @@ class Matchmaker:
                 return None if attendance.probing(listed) else waiting(declared)
         looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
         self._looking[key] = looking
+        watch = asyncio.ensure_future(self._stop_when(moved_on, looking)) if moved_on is not None else None
         began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
         ready_at = time.time() + window
         grace = max(window, GRACE_LATENCIES * self.node.dht_latency)
@@ -274,8 +283,22 @@ class Matchmaker:
                          key, seen.get("peers", "no"), seen.get("at", math.nan), seen.get("stored", math.nan),
                          time.monotonic() - began)
             self._looking.pop(key, None)
+            if watch is not None:
+                watch.cancel()
             if not looking.plan.done():
                 looking.plan.cancel()
+
+    @staticmethod
+    async def _stop_when(moved_on: Callable[[], bool], looking: _Looking) -> None:
+        """Stop looking once ``moved_on()`` says so, unless a group took this peer first: from then on
+        no invitation is accepted, and the waits for declarations and for a plan end with none."""
+        while not looking.committed:
+            if moved_on():
+                looking.committed = looking.stopped = True
+                if not looking.plan.done():
+                    looking.plan.set_result(None)
+                return
+            await asyncio.sleep(MOVED_ON_POLL)
 
     async def _wait_for_peers(
         self, key: str, looking: _Looking, ready_at: float, enough: int, expected: frozenset[str] | None,

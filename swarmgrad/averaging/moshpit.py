@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 
 AVERAGING_ROLES = ("peer", "client")  # client: a training peer that others cannot dial
+NO_GROUP = "no group formed this round; tensors unchanged"
+SWARM_MOVED_ON = "the swarm finished this round without this peer; tensors unchanged"
 UNREACHABLE_GROUP = "no member of this round's group can be reached (none publishes an address): left out of the round"
 
 
@@ -182,7 +184,7 @@ class Averager:
 
     async def step(
         self, weight: float = 1.0, round_index: int | None = None, expected_peers: int | None = None,
-        attempt: int = 0, in_place: bool = False,
+        attempt: int = 0, in_place: bool = False, moved_on: Callable[[], bool] | None = None,
     ) -> RoundReport:
         """Meet this round's group, average, and write the result into the tensors.
 
@@ -194,7 +196,9 @@ class Averager:
         releasing and the report says so. The tensors are changed only when the round succeeds, and must not be changed
         by anyone else while the step runs. ``in_place`` (``write_back=False``): the average lands in the
         contribution buffer itself, no buffer of its own (a failed round leaves it partly overwritten:
-        the caller fills it again before a retry).
+        the caller fills it again before a retry). ``moved_on``: whether the swarm finished this round
+        without this peer; once it says so before a group took this peer, the round ends unchanged
+        (``SWARM_MOVED_ON``) instead of waiting out matchmaking (``Matchmaker.find_group``).
         """
         if self.matchmaker is None:
             raise RuntimeError("use `async with Averager(...)` before calling step()")
@@ -220,9 +224,11 @@ class Averager:
             key, group_size=group_size, min_group_size=self.min_group_size,
             window=self.matchmaking_seconds, share=share, expected=expected_peers, expected_members=slice_peers,
             unreachable=unreachable, clients=clients, paces=self._paces() if slice_peers is not None else None,
+            moved_on=moved_on,
         )
         if plan is None:
-            report.group, report.error = [self.node.peer_id], "no group formed this round; tensors unchanged"
+            moved = moved_on is not None and moved_on()
+            report.group, report.error = [self.node.peer_id], SWARM_MOVED_ON if moved else NO_GROUP
         else:
             result = await self._allreduce(plan, weight, in_place and not self.write_back)
             self._apply(report, result, plan)

@@ -4,7 +4,9 @@ expect, stepping alone) so the policies only say what they contribute and how th
 
 A DiLoCo round may also travel behind the next inner phase (overlap.py decides when): it is
 launched, the training loop goes on, and ``land()`` takes its outer step once it is back (or once
-the next inner phase is done, waiting for it then).
+the next inner phase is done, waiting for it then). A round run in turn whose first attempt failed
+sends its retries that way too (unless overlap is off): a failing round holds the training loop for
+one attempt, not ``MAX_ROUND_ATTEMPTS``.
 
 The driver talks to an ``AveragingBackend`` (a moshpit ``Averager`` or a ``GossipAverager``
 behind a small adapter, or a fake in unit tests) and to the peer's progress tracker; it does no
@@ -44,7 +46,10 @@ class RoundOutcome:
 
 
 class AveragingBackend(Protocol):
-    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome: ...
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
+                      moved_on: Callable[[], bool]) -> RoundOutcome:
+        """One attempt at ``epoch``'s round; ``moved_on()`` says when the swarm finished it without
+        this peer, so that an attempt no group takes stops early."""
 
 
 class MoshpitBackend:
@@ -55,9 +60,10 @@ class MoshpitBackend:
     def __init__(self, averager: Averager, in_place: Callable[[], bool] = lambda: False):
         self.averager, self.in_place = averager, in_place
 
-    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
-        report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch,
-                                          expected_peers=expected_peers, attempt=attempt, in_place=self.in_place())
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
+                      moved_on: Callable[[], bool]) -> RoundOutcome:
+        report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch, expected_peers=expected_peers,
+                                          attempt=attempt, in_place=self.in_place(), moved_on=moved_on)
         if not report.ok:
             return RoundOutcome(False, None, report)
         if self.averager.write_back:
@@ -73,7 +79,8 @@ class GossipBackend:
     def __init__(self, gossip: GossipAverager, contribution: torch.Tensor):
         self.gossip, self.contribution = gossip, contribution
 
-    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
+                      moved_on: Callable[[], bool]) -> RoundOutcome:
         self.gossip.add_weight(weight)  # push-sum mass from the samples since the last step, not 1 a peer
         report = await self.gossip.step()
         return RoundOutcome(report.ok, self.contribution, report)
@@ -146,7 +153,7 @@ class RoundDriver:
         self._check_settings(self.tracker.fresh())
         if not self.policy.synchronous:
             self.policy.prepare()
-            outcome = await self.backend.average(epoch, 0, self.policy.weight(), 0)
+            outcome = await self.backend.average(epoch, 0, self.policy.weight(), 0, lambda: False)
             self.record(outcome)
             if outcome.average is not None:
                 self.policy.apply(outcome.average)
@@ -163,8 +170,9 @@ class RoundDriver:
             self._launch(epoch)
             return False
         began = self.clock.clock()  # rounds and inner phases on one clock: the rule compares them
-        outcome, ahead = await self._attempts(epoch, 0 if alone else MAX_ROUND_ATTEMPTS, self.policy.weight(),
-                                              self.policy.prepare)
+        retries_travel = not alone and self._retries_may_travel()
+        attempts = 0 if alone else 1 if retries_travel else MAX_ROUND_ATTEMPTS
+        outcome, ahead = await self._attempts(epoch, attempts, self.policy.weight(), self.policy.prepare)
         if outcome is not None:
             self.clock.round_took(self.clock.clock() - began)
             self.keep_result(epoch, outcome.average, outcome.frames)
@@ -173,6 +181,11 @@ class RoundDriver:
             return True
         if ahead:
             return await self._try_catch_up(ahead, epoch + 1)
+        if retries_travel and self.tracker.others_at(epoch):
+            # the first attempt failed: the retries travel behind the next inner phase, so a failing
+            # round holds the training loop for one attempt, not three (issue 38: 18-32 s stalls)
+            self._launch(epoch, first_attempt=1)
+            return False
         rejoined = await self._rejoin(epoch)
         if rejoined is not None:
             return rejoined
@@ -184,13 +197,14 @@ class RoundDriver:
         self.tracker.next_epoch(epoch + 1)
         return True
 
-    async def _attempts(self, epoch: int, attempts: int, weight: float,
-                        prepare: Callable[[], None]) -> tuple[RoundOutcome | None, list[str]]:
-        """Up to ``attempts`` rounds for ``epoch`` (``prepare`` fills the contribution before each):
-        the outcome of the one that succeeded, or None and the peers that finished the epoch meanwhile."""
-        for attempt in range(attempts):
+    async def _attempts(self, epoch: int, attempts: int, weight: float, prepare: Callable[[], None],
+                        first: int = 0) -> tuple[RoundOutcome | None, list[str]]:
+        """Rounds ``first`` to ``attempts - 1`` for ``epoch`` (``prepare`` fills the contribution before
+        each): the outcome of the one that succeeded, or None and the peers that finished the epoch meanwhile."""
+        for attempt in range(first, attempts):
             prepare()
-            outcome = await self.backend.average(epoch, attempt, weight, self.expected_peers(epoch))
+            outcome = await self.backend.average(epoch, attempt, weight, self.expected_peers(epoch),
+                                                 lambda: bool(self.tracker.ahead_of(epoch)))
             self.record(outcome)
             if outcome.ok and outcome.average is not None:
                 self.samples_averaged += int(weight)
@@ -241,13 +255,18 @@ class RoundDriver:
         self._overlapping = overlap
         return overlap
 
-    def _launch(self, epoch: int) -> None:
+    def _retries_may_travel(self) -> bool:
+        """Whether a round run in turn sends its retries behind the next inner phase (the policy's rounds
+        can travel, and overlap is not switched off)."""
+        return self.clock.mode != "off"  # "off" also where the policy's rounds cannot travel (__init__)
+
+    def _launch(self, epoch: int, first_attempt: int = 0) -> None:
         local = self.tracker.local
         weight = self.policy.weight()
         sent = self.policy.launch()
         flight = Flight(epoch, sent, local.steps, local.samples, self.clock.clock())
-        flight.task = asyncio.ensure_future(
-            self._attempts(epoch, MAX_ROUND_ATTEMPTS, weight, lambda: self.policy.contribution.copy_(sent)))
+        flight.task = asyncio.ensure_future(self._attempts(
+            epoch, MAX_ROUND_ATTEMPTS, weight, lambda: self.policy.contribution.copy_(sent), first_attempt))
         flight.task.add_done_callback(lambda _: setattr(flight, "landed_at", self.clock.clock()))
         self.flight = flight
         self.overlapped += 1

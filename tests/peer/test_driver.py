@@ -118,6 +118,20 @@ def test_a_round_missed_while_the_others_finished_it_is_caught_up():
     assert h.driver.solo_steps == 0
 
 
+def test_an_attempt_is_told_when_the_swarm_finished_its_round_without_this_peer():
+    h = Harness([False])
+    told = []
+
+    def others_finish(calls: int) -> None:
+        told.append(h.backend.calls[0]["moved_on"]())  # the other is still at epoch 0
+        h.tracker.others = (peer_at(1, "finished"),)
+        told.append(h.backend.calls[0]["moved_on"]())  # half the swarm is past epoch 0
+
+    h.backend.on_call = others_finish
+    run_async(h.driver.swarm_step())
+    assert told == [False, True]  # matchmaking stops looking once the swarm moved on (matchmaking.py)
+
+
 def test_when_the_others_leave_after_a_failed_round_the_peer_steps_alone_at_once():
     h = Harness([False])
     h.backend.on_call = lambda calls: setattr(h.tracker, "others", ())

@@ -69,7 +69,8 @@ class GatedBackend:
         self.calls: list[torch.Tensor] = []
         self.release = asyncio.Event()
 
-    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int) -> RoundOutcome:
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
+                      moved_on=lambda: False) -> RoundOutcome:
         self.calls.append(self.contribution.clone())
         await self.release.wait()
         ok = self.outcomes.pop(0)
@@ -292,6 +293,36 @@ def test_in_turn_the_round_applies_before_training_goes_on():
         assert await step
         assert h.driver.overlapped == 0 and h.tracker.local.epoch == 1
         torch.testing.assert_close(h.flat_params(), start - AVERAGE)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("overlap", ["auto", "off"])
+def test_a_round_in_turn_whose_first_attempt_fails_sends_its_retries_behind_the_next_inner_phase(overlap):
+    async def scenario():
+        h = Harness([False, True], overlap=overlap)
+        h.driver.clock.round, h.driver.clock.inner = 2.0, 0.1  # measured: auto runs rounds in turn
+        h.train(2)
+        start, at_round = h.policy.start.clone(), h.flat_params()
+        h.backend.release.set()
+        advanced = await h.driver.swarm_step()
+        await _settle()
+        assert len(h.backend.calls) == 2  # the retry resends the pseudo-gradient of the round
+        torch.testing.assert_close(h.backend.calls[1], start - at_round)
+        if overlap == "off":  # rounds never travel: the loop waited for the retry
+            assert advanced and h.driver.flight is None and h.driver.overlapped == 0
+            torch.testing.assert_close(h.flat_params(), start - AVERAGE)
+            return
+        # one attempt held the training loop; the retry travels while the next inner phase runs
+        assert not advanced and h.driver.flight is not None and h.driver.overlapped == 1
+        assert h.tracker.local.epoch == 0
+        h.train(1, seed=10)
+        meanwhile = h.flat_params() - at_round  # outer lr 1: the eager step on its own delta stays at at_round
+        assert h.driver.landing_due()  # the retry is back
+        assert await h.driver.land()
+        torch.testing.assert_close(h.policy.start, start - AVERAGE)
+        torch.testing.assert_close(h.flat_params(), start - AVERAGE + meanwhile)
+        assert h.tracker.local.epoch == 1 and h.tracker.local.steps == 1
 
     asyncio.run(scenario())
 

@@ -1,0 +1,64 @@
+"""A peer that looks for a group after the swarm finished the round without it stops looking once its
+view of the others' progress says so (issue 38: a late peer waited about 6 s, its window, the grace
+and a plan's wait, for a group nobody was looking for any more, up to three times a round).
+
+In-process, with a fake DHT (as test_matchmaking_grace.py does) and a 20 s window: without
+``moved_on`` each scenario below waits the window out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from matchmaking_fakes import DeclaredNode
+
+from swarmgrad.averaging.matchmaking import Matchmaker, _Looking
+
+WINDOW = 20.0
+
+
+def matchmaker(declared: list[str]) -> Matchmaker:
+    return Matchmaker(DeclaredNode(declared), SimpleNamespace(admission=None), "test", schema_digest="schema",
+                      codec="none", reply_timeout=0.1)
+
+
+def test_a_peer_alone_under_a_key_stops_looking_once_the_swarm_moved_on():
+    async def scenario() -> tuple[object, float]:
+        began = time.monotonic()
+        plan = await matchmaker(["me"]).find_group(
+            "round", group_size=4, min_group_size=2, window=WINDOW, share=1.0,
+            moved_on=lambda: time.monotonic() - began > 0.3)
+        return plan, time.monotonic() - began
+
+    plan, took = asyncio.run(scenario())
+    assert plan is None and 0.3 <= took < 2.0  # not the 20 s window
+
+
+def test_a_listed_member_that_moved_on_is_not_waited_for_past_the_moment_that_shows():
+    # the grid lists a member alive (probes answer) that never declares: it finished the round
+    async def scenario() -> tuple[object, float]:
+        mm = matchmaker(["me"])
+        mm.attendance.answered("ahead")
+        began = time.monotonic()
+        plan = await mm.find_group("round", group_size=4, min_group_size=2, window=WINDOW, share=1.0,
+                                   expected_members=frozenset({"me", "ahead"}),
+                                   moved_on=lambda: time.monotonic() - began > 0.3)
+        return plan, time.monotonic() - began
+
+    plan, took = asyncio.run(scenario())
+    assert plan is None and took < 2.0
+
+
+def test_stopping_declines_every_later_invitation_and_leaves_a_committed_peer_alone():
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        looking = _Looking("round", 1.0, plan=loop.create_future())
+        await Matchmaker._stop_when(lambda: True, looking)
+        assert looking.committed and looking.stopped and looking.plan.result() is None
+
+        taken = _Looking("round", 1.0, committed=True, plan=loop.create_future())  # a group took it first
+        await Matchmaker._stop_when(lambda: True, taken)
+        assert not taken.stopped and not taken.plan.done()
+
+    asyncio.run(scenario())
