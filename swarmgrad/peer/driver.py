@@ -172,7 +172,9 @@ class RoundDriver:
         began = self.clock.clock()  # rounds and inner phases on one clock: the rule compares them
         retries_travel = not alone and self._retries_may_travel()
         attempts = 0 if alone else 1 if retries_travel else MAX_ROUND_ATTEMPTS
-        outcome, ahead = await self._attempts(epoch, attempts, self.policy.weight(), self.policy.prepare)
+        # where the retries travel, the training loop does not wait on the records either: the flight does
+        outcome, ahead = await self._attempts(epoch, attempts, self.policy.weight(), self.policy.prepare,
+                                              settle=not retries_travel)
         if outcome is not None:
             self.clock.round_took(self.clock.clock() - began)
             self.keep_result(epoch, outcome.average, outcome.frames)
@@ -198,9 +200,11 @@ class RoundDriver:
         return True
 
     async def _attempts(self, epoch: int, attempts: int, weight: float, prepare: Callable[[], None],
-                        first: int = 0) -> tuple[RoundOutcome | None, list[str]]:
+                        first: int = 0, settle: bool = True) -> tuple[RoundOutcome | None, list[str]]:
         """Rounds ``first`` to ``attempts - 1`` for ``epoch`` (``prepare`` fills the contribution before
-        each): the outcome of the one that succeeded, or None and the peers that finished the epoch meanwhile."""
+        each): the outcome of the one that succeeded, or None and the peers that finished the epoch
+        meanwhile. After a failed attempt it waits for the records to say whether the swarm finished
+        the epoch (``ahead_wait``); ``settle=False``: not after the last one, the records as they are."""
         for attempt in range(first, attempts):
             prepare()
             outcome = await self.backend.average(epoch, attempt, weight, self.expected_peers(epoch),
@@ -209,6 +213,8 @@ class RoundDriver:
             if outcome.ok and outcome.average is not None:
                 self.samples_averaged += int(weight)
                 return outcome, []
+            if not settle and attempt == attempts - 1:
+                return None, self.tracker.ahead_of(epoch)
             ahead = await self._wait_for_ahead(epoch)
             if ahead:
                 return None, ahead

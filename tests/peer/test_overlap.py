@@ -305,7 +305,16 @@ def test_a_round_in_turn_whose_first_attempt_fails_sends_its_retries_behind_the_
         h.train(2)
         start, at_round = h.policy.start.clone(), h.flat_params()
         h.backend.release.set()
+        waits, wait_for_ahead = [], h.driver._wait_for_ahead
+
+        async def counted(epoch):
+            waits.append(epoch)
+            return await wait_for_ahead(epoch)
+
+        h.driver._wait_for_ahead = counted
         advanced = await h.driver.swarm_step()
+        # the training loop did not wait for the records after the failed attempt (the flight does)
+        assert waits == ([0] if overlap == "off" else [])
         await _settle()
         assert len(h.backend.calls) == 2  # the retry resends the pseudo-gradient of the round
         torch.testing.assert_close(h.backend.calls[1], start - at_round)
