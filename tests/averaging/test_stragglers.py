@@ -63,8 +63,9 @@ def test_a_straggler_is_waited_for_up_to_the_cap_only_when_its_pace_fits():
     assert all(unmeasured.waits_for(peer) for peer in paces) and unmeasured.gave_up_on(paces) == set()
 
 
-def find_group(pace: Pace, declares_after: float | None, measured: bool = True) -> tuple[list[str] | None, dict]:
-    """One round with ``me`` and ``other`` declared and ``slow`` (seen alive, claiming ``pace``)
+def find_group(pace: Pace, declares_after: float | None, measured: bool = True,
+               stragglers: tuple[str, ...] = ("slow",)) -> tuple[list[str] | None, dict]:
+    """One round with ``me`` and ``other`` declared and ``stragglers`` (seen alive, claiming ``pace``)
     declaring after ``declares_after`` seconds (None: never); the group ``me`` leads and the no-shows."""
     async def scenario():
         node = DeclaredNode(["me", "other"])
@@ -76,7 +77,7 @@ def find_group(pace: Pace, declares_after: float | None, measured: bool = True) 
             for _ in range(3):
                 matchmaker.rounds.started()
                 clock.now += PERIOD
-        for member in ("other", "slow"):  # both averaged before: alive
+        for member in ("other", *stragglers):  # all averaged before: alive
             matchmaker.attendance.seen_alive(member)
 
         async def lead(key, group, min_group_size, share):
@@ -84,16 +85,16 @@ def find_group(pace: Pace, declares_after: float | None, measured: bool = True) 
 
         async def declare_late():
             await asyncio.sleep(declares_after)
-            node.declared.append("slow")
+            node.declared.extend(stragglers)
 
         matchmaker._lead = lead
         if declares_after is not None:
             asyncio.ensure_future(declare_late())
         # nobody else can be dialled: "me" leads whichever group holds it
         plan = await asyncio.wait_for(matchmaker.find_group(
-            "round", group_size=4, min_group_size=2, window=WINDOW, share=1.0, expected=3,
-            expected_members=frozenset({"me", "other", "slow"}), unreachable=frozenset({"other", "slow"}),
-            paces={"other": Pace(100.0, True), "slow": pace}), BOUND)
+            "round", group_size=8, min_group_size=2, window=WINDOW, share=1.0, expected=2 + len(stragglers),
+            expected_members=frozenset({"me", "other", *stragglers}), unreachable=frozenset({"other", *stragglers}),
+            paces={"other": Pace(100.0, True), **{peer: pace for peer in stragglers}}), BOUND)
         return plan, matchmaker.attendance.no_shows
 
     return asyncio.run(scenario())
@@ -114,6 +115,14 @@ def test_a_liars_pace_does_not_stretch_the_wait_past_the_cap():
     # it claims to be averaging at a million steps a second and never declares: waited for 0.1 s, then a no-show
     group, no_shows = find_group(Pace(1e6, True), declares_after=None)
     assert group == ["me", "other"] and no_shows == {"slow": 1}
+
+
+def test_an_early_minority_waits_for_the_majority_past_the_cap():
+    # 2 of 6 here first, the 4 others 0.3 s later (3x the cap): those here are early, not the rest
+    # late, so the round waits and takes all 6 instead of splitting the swarm 2 / 4
+    late = ("a", "b", "c", "d")
+    group, no_shows = find_group(Pace(50.0, False), declares_after=0.3, stragglers=late)
+    assert sorted(group) == sorted(["me", "other", *late]) and no_shows == {}
 
 
 def test_before_a_period_is_measured_an_alive_member_is_waited_for_as_before():
