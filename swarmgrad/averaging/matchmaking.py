@@ -45,7 +45,7 @@ import pydantic
 from swarmgrad.averaging.allreduce import GroupPlan
 from swarmgrad.averaging.attendance import Attendance
 from swarmgrad.averaging.settings import MAX_GROUP
-from swarmgrad.averaging.stragglers import Pace, Patience, RoundClock, majority_declared, straggler_cap
+from swarmgrad.averaging.stragglers import Pace, Patience, RoundClock, half_declared, straggler_cap
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.eventloop import timeout
@@ -214,7 +214,7 @@ class Matchmaker:
             def waiting(declared: set[str]) -> frozenset[str]:
                 """The alive members, less the stragglers not (or no longer) waited for."""
                 members = alive()
-                capped = majority_declared(members, declared)
+                capped = half_declared(members, declared)
                 return frozenset(peer for peer in members
                                  if peer == me or peer in declared or not capped or patience.waits_for(peer))
 
@@ -248,7 +248,7 @@ class Matchmaker:
                 waiting_for, was_alive = waiting(declared), alive()
                 for peer in declared - {me}:
                     self.attendance.seen_alive(peer)
-                gave_up = patience.gave_up_on(was_alive - declared - {me}) if majority_declared(was_alive, declared) \
+                gave_up = patience.gave_up_on(was_alive - declared - {me}) if half_declared(was_alive, declared) \
                     else set()
                 if not looking.committed:
                     # waited the window (or a straggler's cap) out: who did not come is not waited for again

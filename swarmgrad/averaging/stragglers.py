@@ -11,9 +11,9 @@ never more than the matchmaking window. A member whose claimed pace says it cann
 the cap (one of its steps, unless it is averaging already, takes longer) is not waited for at all:
 it replays the round when it comes and keeps its local progress for the next one (catch_up.py).
 A member that was waited for and did not declare within the cap is a no-show (attendance.py).
-The cap bounds the wait for a minority only: while at most half the alive members have declared,
-those here are early rather than the rest late, and all are waited for as attendance.py says
-(``majority_declared``).
+The cap bounds the wait for at most half the members only: while fewer than half the alive members
+have declared, those here are early rather than the rest late, and all are waited for as
+attendance.py says (``half_declared``).
 
 Pace values are claims: they only decide *whether* a member is waited for, never *how long*. The
 cap comes from this peer's own measurements and the run's window, so no record stretches a wait past
@@ -80,12 +80,15 @@ def straggler_cap(period: float | None, window: float, latency: float) -> float 
     return min(window, max(STRAGGLER_SHARE * period, CAP_LATENCIES * latency))
 
 
-def majority_declared(alive: frozenset[str], declared: set[str]) -> bool:
-    """Whether more than half the ``alive`` members declared: only then are the others stragglers,
+def half_declared(alive: frozenset[str], declared: set[str]) -> bool:
+    """Whether at least half the ``alive`` members declared: only then are the others stragglers,
     waited for up to the cap. Capping the wait of an early minority split a 6-peer soak swarm: 2 peers
     declared first, gave up on the other 4 after the cap (60 ms there) and averaged alone, and the 4
-    waited 6 s for a leader that had gone with the 2 (issue 38)."""
-    return 2 * len(alive & declared) > len(alive)
+    waited 6 s for a leader that had gone with the 2 (issue 38). Half, not a strict majority: 2 fast
+    peers of 4 then still cap their wait for the other two (one evaluating, one 10x slower), as the
+    heterogeneous benchmark wants (a strict majority measured 0.89 and 0.90 of the fast peers' rate
+    against the 0.90 bar)."""
+    return 2 * len(alive & declared) >= len(alive)
 
 
 class Patience:

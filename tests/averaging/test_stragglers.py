@@ -117,12 +117,18 @@ def test_a_liars_pace_does_not_stretch_the_wait_past_the_cap():
     assert group == ["me", "other"] and no_shows == {"slow": 1}
 
 
-def test_an_early_minority_waits_for_the_majority_past_the_cap():
+def test_an_early_minority_waits_for_the_others_past_the_cap():
     # 2 of 6 here first, the 4 others 0.3 s later (3x the cap): those here are early, not the rest
     # late, so the round waits and takes all 6 instead of splitting the swarm 2 / 4
     late = ("a", "b", "c", "d")
     group, no_shows = find_group(Pace(50.0, False), declares_after=0.3, stragglers=late)
     assert sorted(group) == sorted(["me", "other", *late]) and no_shows == {}
+
+
+def test_once_half_are_here_the_others_are_stragglers_and_the_cap_holds():
+    # 2 of 4 here: the other two, whose paces fit, are waited for up to the cap only (no-shows after it)
+    group, no_shows = find_group(Pace(50.0, False), declares_after=None, stragglers=("a", "b"))
+    assert group == ["me", "other"] and no_shows == {"a": 1, "b": 1}
 
 
 def test_before_a_period_is_measured_an_alive_member_is_waited_for_as_before():
