@@ -116,7 +116,6 @@ class _Looking:
     key: str
     share: float
     committed: bool = False  # accepted an invitation, or leading: no more invitations accepted
-    stopped: bool = False  # the swarm moved on: looking stopped before any group took this peer
     plan: asyncio.Future | None = None
 
 
@@ -298,7 +297,7 @@ class Matchmaker:
         no invitation is accepted, and the waits for declarations and for a plan end with none."""
         while not looking.committed:
             if moved_on():
-                looking.committed = looking.stopped = True
+                looking.committed = True
                 if not looking.plan.done():
                     looking.plan.set_result(None)
                 return
