@@ -52,6 +52,9 @@ class FakeBackend:
     """Averaging without a network: each call takes the next of ``outcomes`` (True: the round succeeds
     and the average is ``average`` or the contribution itself); records what it was asked."""
 
+    in_turn_wait = 60.0  # its rounds end at once
+    writing_in_place = False
+
     def __init__(self, contribution: torch.Tensor, outcomes: list[bool], average: torch.Tensor | None = None,
                  on_call=None):
         self.contribution, self.outcomes, self.fixed_average, self.on_call = contribution, list(outcomes), average, on_call

@@ -184,7 +184,7 @@ class Averager:
 
     async def step(
         self, weight: float = 1.0, round_index: int | None = None, expected_peers: int | None = None,
-        attempt: int = 0, in_place: bool = False, moved_on: Callable[[], bool] | None = None,
+        attempt: int = 0, in_place: bool | Callable[[], bool] = False, moved_on: Callable[[], bool] | None = None,
     ) -> RoundReport:
         """Meet this round's group, average, and write the result into the tensors.
 
@@ -196,7 +196,8 @@ class Averager:
         releasing and the report says so. The tensors are changed only when the round succeeds, and must not be changed
         by anyone else while the step runs. ``in_place`` (``write_back=False``): the average lands in the
         contribution buffer itself, no buffer of its own (a failed round leaves it partly overwritten:
-        the caller fills it again before a retry). ``moved_on``: whether the swarm finished this round
+        the caller fills it again before a retry); a callable is asked when the all-reduce begins, so
+        the caller may change its mind while matchmaking runs. ``moved_on``: whether the swarm finished this round
         without this peer; once it says so before a group took this peer, the round ends unchanged
         (``SWARM_MOVED_ON``) instead of waiting out matchmaking (``Matchmaker.find_group``).
         """
@@ -230,6 +231,7 @@ class Averager:
             moved = moved_on is not None and moved_on()
             report.group, report.error = [self.node.peer_id], SWARM_MOVED_ON if moved else NO_GROUP
         else:
+            in_place = in_place() if callable(in_place) else in_place
             result = await self._allreduce(plan, weight, in_place and not self.write_back)
             self._apply(report, result, plan)
         report.seconds = time.monotonic() - started

@@ -6,7 +6,9 @@ A DiLoCo round may also travel behind the next inner phase (overlap.py decides w
 launched, the training loop goes on, and ``land()`` takes its outer step once it is back (or once
 the next inner phase is done, waiting for it then). A round run in turn whose first attempt failed
 sends its retries that way too (unless overlap is off): a failing round holds the training loop for
-one attempt, not ``MAX_ROUND_ATTEMPTS``.
+one attempt, not ``MAX_ROUND_ATTEMPTS``; and one whose group has not formed within the backend's
+``in_turn_wait`` (its matchmaking window) goes on that way itself, so that a silent member or a dead
+entry point holds training for a window, not for however long matchmaking then takes.
 
 The driver talks to an ``AveragingBackend`` (a moshpit ``Averager`` or a ``GossipAverager``
 behind a small adapter, or a fake in unit tests) and to the peer's progress tracker; it does no
@@ -46,6 +48,13 @@ class RoundOutcome:
 
 
 class AveragingBackend(Protocol):
+    # how long a round run in turn holds the training loop before it travels behind the next inner
+    # phase instead (seconds; a group forms within its matchmaking window, or is late)
+    in_turn_wait: float
+    # whether the attempt now running writes the average into the contribution itself: it has to be
+    # waited for then (the contribution is no longer what was sent)
+    writing_in_place: bool
+
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
                       moved_on: Callable[[], bool]) -> RoundOutcome:
         """One attempt at ``epoch``'s round; ``moved_on()`` says when the swarm finished it without
@@ -59,11 +68,22 @@ class MoshpitBackend:
 
     def __init__(self, averager: Averager, in_place: Callable[[], bool] = lambda: False):
         self.averager, self.in_place = averager, in_place
+        self.in_turn_wait = averager.matchmaking_seconds
+        self.writing_in_place = False
+
+    def _in_place_now(self) -> bool:
+        """Asked as the all-reduce begins (a round in turn may have become a flight meanwhile)."""
+        self.writing_in_place = self.in_place()
+        return self.writing_in_place
 
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
                       moved_on: Callable[[], bool]) -> RoundOutcome:
-        report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch, expected_peers=expected_peers,
-                                          attempt=attempt, in_place=self.in_place(), moved_on=moved_on)
+        try:
+            report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch,
+                                              expected_peers=expected_peers, attempt=attempt,
+                                              in_place=self._in_place_now, moved_on=moved_on)
+        finally:
+            self.writing_in_place = False
         if not report.ok:
             return RoundOutcome(False, None, report)
         if self.averager.write_back:
@@ -75,6 +95,9 @@ class MoshpitBackend:
 class GossipBackend:
     """Push-sum gossip: no rounds; every step merges what arrived into the contribution, which then
     holds this peer's estimate of the swarm's mean whether or not its own push got through."""
+
+    in_turn_wait = float("inf")  # gossip steps are not rounds in turn
+    writing_in_place = False
 
     def __init__(self, gossip: GossipAverager, contribution: torch.Tensor):
         self.gossip, self.contribution = gossip, contribution
@@ -171,10 +194,26 @@ class RoundDriver:
             return False
         began = self.clock.clock()  # rounds and inner phases on one clock: the rule compares them
         retries_travel = not alone and self._retries_may_travel()
-        attempts = 0 if alone else 1 if retries_travel else MAX_ROUND_ATTEMPTS
-        # where the retries travel, the training loop does not wait on the records either: the flight does
-        outcome, ahead = await self._attempts(epoch, attempts, self.policy.weight(), self.policy.prepare,
-                                              settle=not retries_travel)
+        if retries_travel:
+            # the first attempt, waited for within the backend's bound; where the retries travel, the
+            # training loop does not wait on the records either: the flight does
+            first = asyncio.ensure_future(self._attempts(epoch, 1, self.policy.weight(), self.policy.prepare,
+                                                         settle=False))
+            try:
+                await asyncio.wait({first}, timeout=self.backend.in_turn_wait)
+            except asyncio.CancelledError:  # pausing or leaving: the attempt goes with this step
+                first.cancel()
+                raise
+            if not first.done() and not self.backend.writing_in_place:
+                # no group yet past its window (a silent member, a dead entry point): training goes on and
+                # the attempt travels behind the next inner phase (issue 38: 23 s stalls in the soak)
+                self._launch(epoch, first_attempt=1, running=first)
+                self.flight.launched_at = began  # type: ignore[union-attr]  # the round's length counts from here
+                return False
+            outcome, ahead = await first
+        else:
+            outcome, ahead = await self._attempts(epoch, 0 if alone else MAX_ROUND_ATTEMPTS, self.policy.weight(),
+                                                  self.policy.prepare)
         if outcome is not None:
             self.clock.round_took(self.clock.clock() - began)
             self.keep_result(epoch, outcome.average, outcome.frames)
@@ -266,16 +305,40 @@ class RoundDriver:
         can travel, and overlap is not switched off)."""
         return self.clock.mode != "off"  # "off" also where the policy's rounds cannot travel (__init__)
 
-    def _launch(self, epoch: int, first_attempt: int = 0) -> None:
+    def _launch(self, epoch: int, first_attempt: int = 0,
+                running: asyncio.Future[tuple[RoundOutcome | None, list[str]]] | None = None) -> None:
+        """Send ``epoch``'s round behind the next inner phase, from attempt ``first_attempt``; ``running``:
+        an attempt already under way (in matchmaking: the contribution it sent is untouched), which
+        goes on, the retries after it if it fails."""
         local = self.tracker.local
         weight = self.policy.weight()
-        sent = self.policy.launch()
+        sent = self.policy.launch(refill=running is None)
         flight = Flight(epoch, sent, local.steps, local.samples, self.clock.clock())
-        flight.task = asyncio.ensure_future(self._attempts(
-            epoch, MAX_ROUND_ATTEMPTS, weight, lambda: self.policy.contribution.copy_(sent), first_attempt))
+
+        def keep_sent() -> None:
+            self.policy.contribution.copy_(sent)
+
+        if running is None:
+            flight.task = asyncio.ensure_future(self._attempts(epoch, MAX_ROUND_ATTEMPTS, weight, keep_sent,
+                                                               first_attempt))
+        else:
+            flight.task = asyncio.ensure_future(self._go_on(running, epoch, weight, keep_sent, first_attempt))
         flight.task.add_done_callback(lambda _: setattr(flight, "landed_at", self.clock.clock()))
         self.flight = flight
         self.overlapped += 1
+
+    async def _go_on(self, running: asyncio.Future[tuple[RoundOutcome | None, list[str]]], epoch: int,
+                     weight: float, keep_sent: Callable[[], None],
+                     retry_from: int) -> tuple[RoundOutcome | None, list[str]]:
+        """An attempt that became a flight while it ran: its outcome, or the retries after it (as
+        ``_attempts`` goes on after a failed attempt). Cancelling this cancels the attempt too."""
+        outcome, ahead = await running
+        if outcome is not None or ahead:
+            return outcome, ahead
+        ahead = await self._wait_for_ahead(epoch)
+        if ahead or not self.tracker.others_at(epoch):
+            return None, ahead
+        return await self._attempts(epoch, MAX_ROUND_ATTEMPTS, weight, keep_sent, retry_from)
 
     async def land(self) -> bool:
         """Wait for the round in flight and take its outer step under the local progress made

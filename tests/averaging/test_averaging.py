@@ -235,6 +235,43 @@ def test_in_place_lands_the_average_in_the_contribution_itself(codec):
     run_async(scenario())
 
 
+def test_in_place_may_be_decided_when_the_group_formed():
+    """A callable ``in_place`` is asked as the all-reduce begins, not when the step does (a round run
+    in turn that became a flight while it looked for its group keeps what it sent)."""
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            runtimes = await start_runtimes(stack, 2)
+            values = [torch.full((1000,), 1.0), torch.full((1000,), 3.0)]
+            flats = [value.clone() for value in values]
+            averagers = [await stack.enter_async_context(
+                Averager(runtime, [flat], settings=moshpit(2), grid_dims=1, write_back=False))
+                for runtime, flat in zip(runtimes, flats)]
+            asked: list[int] = []
+            # the first peer changes its mind while matchmaking runs; the second keeps writing in place
+            choices = [True, True]
+
+            def deciding(index: int):
+                def in_place() -> bool:
+                    asked.append(index)
+                    return choices[index]
+                return in_place
+
+            steps = [asyncio.ensure_future(a.step(weight=1.0, in_place=deciding(i))) for i, a in enumerate(averagers)]
+            choices[0] = False  # before the group formed: nothing was asked yet
+            assert asked == []
+            reports = await asyncio.gather(*steps)
+            assert all(r.ok for r in reports), [r.error for r in reports]
+            assert sorted(asked) == [0, 1]
+            first, _ = averagers[0].take_average()
+            second, _ = averagers[1].take_average()
+            assert first.data_ptr() != flats[0].data_ptr() and torch.equal(flats[0], values[0])  # kept as sent
+            assert second.data_ptr() == flats[1].data_ptr()
+            torch.testing.assert_close(first, torch.full((1000,), 2.0))
+            torch.testing.assert_close(second, torch.full((1000,), 2.0))
+
+    run_async(scenario())
+
+
 @pytest.mark.parametrize("codec, tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 3e-2)])
 def test_lossy_codecs_average_within_their_bound(codec, tolerance):
     async def scenario():

@@ -64,6 +64,9 @@ def test_on_and_off_need_no_measurement(mode, expected):
 class GatedBackend:
     """Rounds that end when the test says: each call waits for ``release`` and takes the next outcome."""
 
+    in_turn_wait = float("inf")  # a round in turn holds the training loop until released
+    writing_in_place = False
+
     def __init__(self, contribution: torch.Tensor, outcomes: list[bool]):
         self.contribution, self.outcomes = contribution, list(outcomes)
         self.calls: list[torch.Tensor] = []
@@ -328,6 +331,47 @@ def test_a_round_in_turn_whose_first_attempt_fails_sends_its_retries_behind_the_
         h.train(1, seed=10)
         meanwhile = h.flat_params() - at_round  # outer lr 1: the eager step on its own delta stays at at_round
         assert h.driver.landing_due()  # the retry is back
+        assert await h.driver.land()
+        torch.testing.assert_close(h.policy.start, start - AVERAGE)
+        torch.testing.assert_close(h.flat_params(), start - AVERAGE + meanwhile)
+        assert h.tracker.local.epoch == 1 and h.tracker.local.steps == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_round_in_turn_still_looking_for_its_group_past_its_window_travels_behind_the_next_inner_phase(in_place):
+    async def scenario():
+        h = Harness([False, True], overlap="auto")
+        h.driver.clock.round, h.driver.clock.inner = 2.0, 0.1  # measured: auto runs rounds in turn
+        h.backend.in_turn_wait = 0.05
+        h.backend.writing_in_place = in_place  # its all-reduce already writes the average into the contribution
+        h.train(2)
+        start, at_round = h.policy.start.clone(), h.flat_params()
+        step = asyncio.ensure_future(h.driver.swarm_step())
+        done, _ = await asyncio.wait({step}, timeout=1.0)
+        if in_place:  # the contribution is no longer what was sent: the loop waits for the attempt
+            assert not done
+            h.backend.release.set()
+            h.backend.writing_in_place = False
+            await asyncio.wait_for(step, 5.0)
+            assert h.driver.flight is not None and h.driver.overlapped == 1  # it failed: the retries travel
+        else:  # the attempt goes on as a flight (the same one: no second call) and training goes on
+            assert done and not step.result()
+            assert h.driver.flight is not None and h.driver.overlapped == 1 and h.tracker.local.epoch == 0
+            assert len(h.backend.calls) == 1
+        h.train(1, seed=10)
+        meanwhile = h.flat_params() - at_round  # outer lr 1: the eager step on its own delta stays at at_round
+        h.backend.release.set()
+        await _settle()
+        # the attempt failed; the retry resends the round's pseudo-gradient, not one measured from the
+        # parameters that moved meanwhile
+        for _ in range(100):
+            if len(h.backend.calls) == 2 and h.driver.landing_due():
+                break
+            await asyncio.sleep(0.02)
+        assert len(h.backend.calls) == 2
+        torch.testing.assert_close(h.backend.calls[1], start - at_round)
         assert await h.driver.land()
         torch.testing.assert_close(h.policy.start, start - AVERAGE)
         torch.testing.assert_close(h.flat_params(), start - AVERAGE + meanwhile)

@@ -229,7 +229,7 @@ class Policy(ABC):
     # ``launch`` fills the contribution and returns it as sent (it stays so until the round ends),
     # then exactly one of ``land`` (with the swarm's average; the progress made meanwhile stays on
     # top) or ``withdraw`` (the round is dropped: as if it had never been sent)
-    def launch(self) -> torch.Tensor:
+    def launch(self, refill: bool = True) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} rounds do not overlap training")
 
     def land(self, average: torch.Tensor) -> None:

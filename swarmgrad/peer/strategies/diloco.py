@@ -137,13 +137,16 @@ class DiLoCoPolicy(Policy):
         return self.start[offset:end], self.momentum[offset:end], self.contribution[offset:end]
 
     @no_grad
-    def launch(self) -> torch.Tensor:
+    def launch(self, refill: bool = True) -> torch.Tensor:
         """Eager (arXiv 2502.12996): the parameters take the outer step on this peer's own
         pseudo-gradient at once, standing in for the swarm's until the round lands, so the next inner
         phase starts near where the swarm's step will put it. Start and momentum stay as they were
         (and the state served from them with them), and the contribution stays as sent until the
-        round lands: no copy of any of the three. Returns the contribution as sent."""
-        self.prepare()
+        round lands: no copy of any of the three. Returns the contribution as sent. ``refill=False``:
+        the contribution already holds this epoch's pseudo-gradient (a round in turn, already being
+        sent, becomes a flight; the parameters have not moved since)."""
+        if refill:
+            self.prepare()
         self.boundary.write(self.params, lambda offset, numel: self._provisional(*self._slices(offset, numel)))
         self._launched = True
         return self.contribution
