@@ -367,11 +367,18 @@ class Matchmaker:
             await asyncio.wait(list(self._probes))
 
     async def _plan(self, looking: _Looking, window: float) -> GroupPlan | None:
-        """The plan a leader sends (None: a cancel, or none within the window and two replies)."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=window + 2 * self.reply_deadline)
-        except asyncio.TimeoutError:
-            return None
+        """The plan a leader sends (None: a cancel, or none within the window and two replies). An
+        invitation accepted as that wait ends is waited for too (``serve`` bounds its decision):
+        leaving then, the leader would start a round with a member that never comes, and its group
+        would wait out the all-reduce's deadline (soak: a next-in-order leader invited followers just
+        as they gave up waiting for the expected one's plan; 5 s lost each time)."""
+        for wait in (window + 2 * self.reply_deadline, 2 * self.reply_deadline):
+            try:
+                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=wait)
+            except asyncio.TimeoutError:
+                if not looking.committed:
+                    return None
+        return None
 
     async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)

@@ -2,6 +2,8 @@
 view of the others' progress says so (issue 38: a late peer waited about 6 s, its window, the grace
 and a plan's wait, for a group nobody was looking for any more, up to three times a round).
 
+The last test is about the end of a follower's wait for a plan, where the same rounds lost time.
+
 In-process, with a fake DHT (as test_matchmaking_grace.py does) and a 20 s window: without
 ``moved_on`` each scenario below waits the window out."""
 
@@ -62,3 +64,26 @@ def test_stopping_declines_every_later_invitation_and_leaves_a_committed_peer_al
         assert not taken.plan.done()
 
     asyncio.run(scenario())
+
+
+def test_an_invitation_accepted_as_the_wait_for_a_plan_ends_is_waited_for():
+    """A follower that accepted an invitation just as its wait for the expected leader's plan ran
+    out waits for that leader's decision: leaving, it would be in the plan and never come, and the
+    group would wait out the all-reduce's deadline (soak: 5 s lost each time)."""
+    async def scenario() -> tuple[bool, object]:
+        mm = matchmaker(["me"])  # reply deadline 0.1 s: the first wait is window + 0.2 s
+        loop = asyncio.get_running_loop()
+        accepted = _Looking("round", 1.0, plan=loop.create_future())
+        plan = object()
+
+        def accept() -> None:  # what serve() does on an invitation, then the leader's "begin"
+            accepted.committed = True
+            loop.call_later(0.1, accepted.plan.set_result, plan)
+
+        loop.call_later(0.28, accept)
+        got = await mm._plan(accepted, window=0.1)
+        alone = await mm._plan(_Looking("round", 1.0, plan=loop.create_future()), window=0.1)  # nobody invited it
+        return got is plan, alone
+
+    got, alone = asyncio.run(scenario())
+    assert got and alone is None
