@@ -78,6 +78,8 @@ NOTES = {
                                                     "the others'; the leader invites and sends the plan",
     ("averaging.matchmaking", "dht.node"): "the DHT: reads of the declarations, the store of this peer's",
     ("averaging.matchmaking", "net.direct"): "a pooled direct connection to each invitee (AES-256-GCM over TCP)",
+    ("averaging.moshpit", "peer.driver"): "as the all-reduce begins: may the average land in the contribution "
+                                          "(a round in turn, not one that became a flight meanwhile)",
     ("averaging.moshpit", "averaging.allreduce"): "the all-reduce: each part's chunks encoded and streamed to its "
                                                   "owner, this peer's part reduced, the averages received",
     ("averaging.allreduce", "averaging.codecs"): "encode with error feedback (staged), decode what arrives",
