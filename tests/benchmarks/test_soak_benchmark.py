@@ -70,3 +70,17 @@ def test_a_stall_is_told_with_what_moved_across_it_and_a_restarted_peers_first_s
     # failed rounds counted by kind from the peer's log, numbers left out
     assert entry["round_errors"] == {"deadline of # s passed; next deadline # s": 2,
                                      "no group formed this round; tensors unchanged": 1}
+
+
+def test_every_process_gets_the_whole_warm_up_before_its_slopes_count():
+    """A process restarted mid-soak is measured from ``warm_up`` after its own start, as the first
+    ones are from the soak's: its allocator's first minutes are growth that is not a leak."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    import soak
+
+    # restarted at 300 s: +100 MB over its first 600 s (warming up), flat after
+    rows = [{"process": "peer1#1", "t": t, "rss": 400e6 + min(t - 300.0, 600.0) / 600.0 * 100e6, "fds": 20,
+             "threads": 8} for t in range(310, 1800, 30)]
+    entry = soak.slopes(rows, {"peer1#1": 300.0}, warm_up=600.0)["peer1#1"]
+    assert entry["samples"] == len([t for t in range(310, 1800, 30) if t >= 900])
+    assert abs(entry["rss_pct_per_hour"]) < 1e-6  # flat once warm; counted from 2 min, it would be ~40%/h
