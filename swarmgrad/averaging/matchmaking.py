@@ -45,7 +45,7 @@ import pydantic
 from swarmgrad.averaging.allreduce import GroupPlan
 from swarmgrad.averaging.attendance import Attendance
 from swarmgrad.averaging.settings import MAX_GROUP
-from swarmgrad.averaging.stragglers import Pace, Patience, RoundClock, half_declared, straggler_cap
+from swarmgrad.averaging.stragglers import CAP_LATENCIES, Pace, Patience, RoundClock, half_declared, straggler_cap
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.eventloop import timeout
@@ -198,7 +198,9 @@ class Matchmaker:
         (None is returned): the round is replayed, not waited out (issue 38: a late peer waited about
         6 s, window, grace and a plan's wait, for a group nobody else was looking for any more)."""
         me = self.node.peer_id
-        patience = Patience(straggler_cap(self.rounds.period, window, self.node.dht_latency), paces or {})
+        latency = self.node.dht_latency
+        patience = Patience(straggler_cap(self.rounds.period, window, latency), paces or {},
+                            shown_after=CAP_LATENCIES * latency)
         self.rounds.started()
         waited = None
         if expected_members is not None:

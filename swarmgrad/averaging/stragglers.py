@@ -7,7 +7,8 @@ own round period (the median gap between the starts of its last rounds, ``RoundC
 whose presence record carries a pace (``Pace``: its claimed step rate, and whether it has started
 averaging) is waited for only up to a cap, ``straggler_cap``: ``STRAGGLER_SHARE`` of that period,
 never less than a few of this node's DHT request times (a declaration takes that long to show) and
-never more than the matchmaking window. A member whose claimed pace says it cannot arrive within
+never more than the matchmaking window; and a declaration made at the cap's last moment is looked
+for as long as a declaration takes to show. A member whose claimed pace says it cannot arrive within
 the cap (one of its steps, unless it is averaging already, takes longer) is not waited for at all:
 it replays the round when it comes and keeps its local progress for the next one (catch_up.py).
 A member that was waited for and did not declare within the cap is a no-show (attendance.py).
@@ -92,24 +93,31 @@ def half_declared(alive: frozenset[str], declared: set[str]) -> bool:
 
 
 class Patience:
-    """One round's matchmaking: which undeclared members it still waits for, from ``began`` on."""
+    """One round's matchmaking: which undeclared members it still waits for, from ``began`` on.
+    ``shown_after``: how long a declaration takes to show here (a store and a read); a straggler that
+    declares within the cap is waited for that much longer, so one that came in time is seen (a NAT
+    lab peer declared 0.43 s into a 0.44 s cap, and the others went on without it)."""
 
     def __init__(self, cap: float | None, paces: Mapping[str, Pace],
-                 clock: Callable[[], float] = time.monotonic):
-        self.cap, self.paces, self.clock = cap, paces, clock
+                 clock: Callable[[], float] = time.monotonic, shown_after: float = 0.0):
+        self.cap, self.paces, self.clock, self.shown_after = cap, paces, clock, shown_after
         self.began = clock()
 
     def _capped(self, peer: str) -> bool:
         return self.cap is not None and peer in self.paces
 
+    def _out(self) -> bool:
+        """The cap, and the time its last moment's declaration takes to show, have passed."""
+        return self.clock() - self.began >= self.cap + self.shown_after  # type: ignore[operator]
+
     def waits_for(self, peer: str) -> bool:
         """Whether an alive, undeclared ``peer`` is still waited for now."""
         if not self._capped(peer):
             return True  # no cap or no pace: attendance's rule (the window)
-        return self.paces[peer].arrival() <= self.cap and self.clock() - self.began < self.cap
+        return self.paces[peer].arrival() <= self.cap and not self._out()  # type: ignore[operator]
 
     def gave_up_on(self, peers: Iterable[str]) -> set[str]:
         """Of ``peers`` (alive, listed, undeclared), those that were waited for up to the cap and did
         not come: no-shows. A straggler never waited for (beyond the cap) is not one."""
-        return {peer for peer in peers if self._capped(peer) and self.paces[peer].arrival() <= self.cap
-                and self.clock() - self.began >= self.cap}
+        return {peer for peer in peers if self._capped(peer) and self.paces[peer].arrival() <= self.cap  # type: ignore[operator]
+                and self._out()}

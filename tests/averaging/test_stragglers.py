@@ -63,6 +63,15 @@ def test_a_straggler_is_waited_for_up_to_the_cap_only_when_its_pace_fits():
     assert all(unmeasured.waits_for(peer) for peer in paces) and unmeasured.gave_up_on(paces) == set()
 
 
+def test_a_declaration_made_at_the_caps_last_moment_is_looked_for_while_it_takes_to_show():
+    clock = Clock()
+    patience = Patience(0.1, {"near": Pace(20.0, False)}, clock, shown_after=0.05)
+    clock.now = 0.12  # past the cap: a declaration made just before it may not have shown yet
+    assert patience.waits_for("near") and patience.gave_up_on(["near"]) == set()
+    clock.now = 0.16
+    assert not patience.waits_for("near") and patience.gave_up_on(["near"]) == {"near"}
+
+
 def find_group(pace: Pace, declares_after: float | None, measured: bool = True,
                stragglers: tuple[str, ...] = ("slow",)) -> tuple[list[str] | None, dict]:
     """One round with ``me`` and ``other`` declared and ``stragglers`` (seen alive, claiming ``pace``)
