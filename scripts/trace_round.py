@@ -77,7 +77,10 @@ NOTES = {
     ("averaging.moshpit", "averaging.matchmaking"): "declares a signed match record under the round key and reads "
                                                     "the others'; the leader invites and sends the plan",
     ("averaging.matchmaking", "dht.node"): "the DHT: reads of the declarations, the store of this peer's",
-    ("averaging.matchmaking", "net.direct"): "a pooled direct connection to each invitee (AES-256-GCM over TCP)",
+    ("averaging.matchmaking", "averaging.invitations"): "the leader invites its group and sends the plan; a "
+                                                         "follower's answer arrives through the same exchange",
+    ("averaging.invitations", "net.direct"): "a pooled direct connection to each invitee (AES-256-GCM over TCP)",
+    ("averaging.invitations", "averaging.attendance"): "the members that accepted are seen alive",
     ("averaging.moshpit", "peer.driver"): "as the all-reduce begins: may the average land in the contribution "
                                           "(a round in turn, not one that became a flight meanwhile)",
     ("averaging.moshpit", "averaging.allreduce"): "the all-reduce: each part's chunks encoded and streamed to its "

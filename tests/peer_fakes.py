@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from swarmgrad.averaging.report import RoundReport
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
@@ -50,14 +51,16 @@ class FakeTracker:
 
 class FakeBackend:
     """Averaging without a network: each call takes the next of ``outcomes`` (True: the round succeeds
-    and the average is ``average`` or the contribution itself); records what it was asked."""
+    and the average is ``average`` or the contribution itself; its owners left out ``rejected_share``
+    of the contribution); records what it was asked."""
 
     in_turn_wait = 60.0  # its rounds end at once
     writing_in_place = False
 
     def __init__(self, contribution: torch.Tensor, outcomes: list[bool], average: torch.Tensor | None = None,
-                 on_call=None):
+                 on_call=None, rejected_share: float = 0.0):
         self.contribution, self.outcomes, self.fixed_average, self.on_call = contribution, list(outcomes), average, on_call
+        self.rejected_share = rejected_share
         self.calls: list[dict] = []
 
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
@@ -68,7 +71,8 @@ class FakeBackend:
             self.on_call(len(self.calls))
         ok = self.outcomes.pop(0)
         average = self.fixed_average if self.fixed_average is not None else self.contribution
-        return RoundOutcome(ok, average if ok else None, report={"attempt": attempt})
+        report = RoundReport("moshpit", attempt, ok=ok, rejected_share=self.rejected_share if ok else 0.0)
+        return RoundOutcome(ok, average if ok else None, report)
 
 
 def model_and_optimizer(seed: int = 0, lr: float = 0.1, kind: str = "sgd"):

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Sequence
 
 import torch
 
@@ -118,6 +118,9 @@ class AllReduceReport:
     # the peers whose contributions to this peer's part it aggregated (whom the suspicions could name;
     # empty when it owns no part): a clean round for those not suspected (accountability.py)
     observed: list[str] = field(default_factory=list)
+    # the share of this peer's contribution (in elements) that owners' rules left out: the average
+    # holds the rest of it (its owners say so in each chunk's average, ``"out"``)
+    rejected_share: float = 0.0
 
 
 class GroupAllReduce:
@@ -166,6 +169,7 @@ class GroupAllReduce:
         self._channels: list[Channel] = []
         self._contributors: dict[str, float] = {}  # claimed weights of the peers that contribute to my part
         self.suspicions: dict[str, list[str]] = {}
+        self.rejected_elements = 0  # of this peer's contribution, what the owners' rules left out
         # owner state for my part, for the chunks open now (at most OPEN_CHUNKS): weighted sums (a
         # streaming rule) or one row per member; contributions seen, averages ready to send
         self._sums: dict[int, torch.Tensor] = {}
@@ -235,6 +239,7 @@ class GroupAllReduce:
             transports={channel.peer_id: channel.transport_name for channel in self._channels},
             suspicions={peer: list(reasons) for peer, reasons in self.suspicions.items()},
             observed=[peer for peer in self._contributors if peer != self.me],
+            rejected_share=self.rejected_elements / max(1, self.schema.total),
         )
         if not report.ok:
             report.error, report.timed_out = str(self._failure.exception()), timed_out
@@ -315,6 +320,8 @@ class GroupAllReduce:
             while len(done) < len(owner_chunks):
                 header, length = await channel.recv_header(self.max_payload)
                 chunk = self._chunk_of(_expect(header, "avg"), owner_chunks, done)
+                if self.index in _left_out(header, len(self.plan.members)):
+                    self.rejected_elements += chunk.length
                 target = self.result[chunk.start : chunk.start + chunk.length]
                 if self.gather_codec.name == "none":  # straight from the socket into the result
                     check_raw_header(header, length, chunk.view)
@@ -385,10 +392,12 @@ class GroupAllReduce:
         self._contributors[channel.peer_id] = weight
         self._channels.append(channel)
         used = self._capped(channel.peer_id, weight) if self.streams else weight  # rows: bounded once all are in
-        tasks = [self._spawn(self._reduce_from(channel, used), channel), self._spawn(self._send_averages(channel))]
+        handed: asyncio.Future[None] = self._loop.create_future()  # its last average is being sent
+        tasks = [self._spawn(self._reduce_from(channel, used, handed), channel),
+                 self._spawn(self._send_averages(channel, handed))]
         await asyncio.wait(tasks)  # the round cancels them on failure; the handler then closes the stream
 
-    async def _reduce_from(self, channel: Channel, weight: float) -> None:
+    async def _reduce_from(self, channel: Channel, weight: float, handed: asyncio.Future[None]) -> None:
         mine = {chunk.index: chunk for chunk in self.my_chunks}
         done: set[int] = set()
         scratch = memoryview(bytearray(self.max_payload))  # one receive buffer per contributor, reused
@@ -412,14 +421,37 @@ class GroupAllReduce:
                     weights = self._bounded_weights()
                     rows = self._rows.pop(chunk.index)
                     outcome = await asyncio.to_thread(self.rule.aggregate, rows, weights)
-                    self._finish_chunk(chunk, self._aggregated(outcome))
+                    self._finish_chunk(chunk, self._aggregated(outcome), outcome.rejected)
                 await self._close_chunk(chunk)
                 async with self._averages_changed:
                     self._averages_changed.notify_all()
+        await self._until_averaged(channel, handed)
 
-    def _finish_chunk(self, chunk: Chunk, average: torch.Tensor | None = None) -> None:
+    async def _until_averaged(self, channel: Channel, handed: asyncio.Future[None]) -> None:
+        """After its last chunk a contributor sends nothing until it has every average of this part.
+        A frame or a closed channel before then means its round failed (a member it streams with
+        died, a deadline): this one fails at once, and its own aborted channels tell the others, where
+        it would wait out the round's deadline for a contribution that never comes (soak: a member
+        killed mid-round held every other member 5 s)."""
+        reading, error = asyncio.ensure_future(channel.recv_header(0)), None
+        try:
+            await asyncio.wait([reading, handed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reading.done():
+                reading.cancel()
+        if reading.done() and not reading.cancelled():
+            error = reading.exception()  # retrieved either way
+        if handed.done():
+            return
+        why = f"{type(error).__name__}: {error}" if error is not None else f"sent {reading.result()[0].get('t')!r}"
+        raise AllReduceFailed(f"{channel.peer_id} left the round ({why})")
+
+    def _finish_chunk(self, chunk: Chunk, average: torch.Tensor | None = None, rejected: Sequence[int] = ()) -> None:
+        """The chunk's average to every contributor (``rejected``: the member rows the rule left out,
+        named in the frame so each contributor knows how much of its contribution counted)."""
         if not self.streams and average is None:  # a group of one
-            average = self._aggregated(self.rule.aggregate(self._rows.pop(chunk.index), self._bounded_weights()))
+            outcome = self.rule.aggregate(self._rows.pop(chunk.index), self._bounded_weights())
+            average, rejected = self._aggregated(outcome), outcome.rejected
         elif average is None:
             total_weight = self._capped(self.me, self.weight) + sum(
                 self._capped(peer, weight) for peer, weight in self._contributors.items())
@@ -429,7 +461,9 @@ class GroupAllReduce:
         if self.gather_codec.lossy:
             average = decode_chunk(self.gather_codec, header, payload, chunk.view)
         self.result[chunk.start : chunk.start + chunk.length] = average
-        frame = ({"t": "avg", "c": chunk.index, **header}, payload)
+        if self.index in rejected:
+            self.rejected_elements += chunk.length
+        frame = ({"t": "avg", "c": chunk.index, **header, **({"out": sorted(rejected)} if rejected else {})}, payload)
         self._averages.append(frame)
         if self.gather_codec.lossy:
             self.result_frames[chunk.index] = (frame[0], bytes(payload))
@@ -484,17 +518,29 @@ class GroupAllReduce:
                 logger.info("round %s: %s's contribution was %s%s", self.plan.round_id, peer, reason, detail)
             reasons.append(reason)
 
-    async def _send_averages(self, channel: Channel) -> None:
+    async def _send_averages(self, channel: Channel, handed: asyncio.Future[None]) -> None:
         sent = 0
         while sent < len(self.my_chunks):
             async with self._averages_changed:
                 await self._averages_changed.wait_for(lambda: len(self._averages) > sent)
             for header, payload in self._averages[sent:]:
+                if sent + 1 == len(self.my_chunks) and not handed.done():
+                    handed.set_result(None)  # the contributor may close as soon as this one arrives
                 await channel.send(header, payload)
                 sent += 1
         self._served += 1
         if self._served == len(self.others) and not self._all_served.done():
             self._all_served.set_result(None)
+
+
+def _left_out(header: dict, members: int) -> set[int]:
+    """The member rows an average's frame says its rule left out (absent: none)."""
+    if "out" not in header:
+        return set()
+    rows = frame_field(header, "out", list)
+    if len(rows) > members or not all(type(row) is int and 0 <= row < members for row in rows):
+        raise FrameError(f"frame field 'out' must list at most {members} member indices")
+    return set(rows)
 
 
 def _retrieved(future: asyncio.Future) -> None:

@@ -6,21 +6,9 @@
 2. Then it reads the key. The live declarations with the same schema, codec and aggregator
    are ordered by a per-key hash and cut into balanced groups of at most ``group_size``; the first
    peer of each group is its *leader*.
-3. A leader invites its group over the control protocol. A peer accepts the first invitation it
-   gets (so two leaders with different views never share a member), declines the rest, and a
-   leader declines every invitation. Members that do not answer within the deadline are left out:
-   stragglers are dropped, not waited for (architecture.md, invariant 'stragglers are dropped').
-4. The leader sends ``begin`` with the final plan (members, shares, codec, schema) to those who
-   accepted, or ``cancel`` if fewer than ``min_group_size`` did. Everyone then runs the all-reduce
-   on exactly the same plan.
-
-Bans are local (accountability.py), so a group may hold a peer that one member has banned and will
-not stream with: the whole round would fail for everyone, round after round, until every member
-had banned it. So the invitation names the leader's group, and an accepting member lists the
-members it refuses. The leader leaves out a member refused by a strict majority of the others,
-then every member that still refuses one who stays (``left_out``). A liar that refuses an honest
-peer thus loses only its own seat, and an honest peer that banned a liar before the others sits
-rounds out until half of them have.
+3. A leader invites its group over the control protocol, and sends the final plan to those who
+   accepted (invitations.py: who accepts, who is left out, and why). Everyone then runs the
+   all-reduce on exactly the same plan.
 
 Of the members the caller expects (the moshpit grid's slice), matchmaking waits only for those seen
 alive (attendance.py): a listed member that never declares costs at most one window, and one whose
@@ -35,23 +23,21 @@ import asyncio
 import hashlib
 import logging
 import math
-import secrets
 import time
-from dataclasses import dataclass
 from typing import Annotated, Callable, Mapping
 
 import pydantic
 
 from swarmgrad.averaging.allreduce import GroupPlan
 from swarmgrad.averaging.attendance import Attendance
-from swarmgrad.averaging.settings import MAX_GROUP
+from swarmgrad.averaging.invitations import Invitations, Looking, Terms
 from swarmgrad.averaging.stragglers import CAP_LATENCIES, Pace, Patience, RoundClock, half_declared, straggler_cap
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
-from swarmgrad.net.wire import FrameError, expect_kind, field
+from swarmgrad.net.wire import expect_kind
 from swarmgrad.timing import DEFAULT_TIMING
 
 logger = logging.getLogger(__name__)
@@ -63,13 +49,6 @@ FIRST_POLL, POLLS_PER_WINDOW = 0.01, 8
 # recent request times if longer. A store and the read that sees it each take one; a short window
 # on a loaded machine (0.2 s against stores of 0.5 s) otherwise ends with every peer alone.
 GRACE_LATENCIES = 3
-# An invitation, its answer and the plan are a stream and a few frames: milliseconds on a live peer.
-# On loaded cores every p2pd round trip slows at once, DHT requests too, and a fixed 2 s let every
-# invitation of a 16-peer round time out. A reply is waited for as long as this node's slowest recent
-# DHT request, never less than reply_timeout nor more than this many times it: a peer that does not
-# answer is still dropped, not waited for.
-REPLY_STRETCH = 4
-MAX_PEER_ID = 128  # characters: libp2p's base58 peer ids are 52
 # How often a peer that is looking asks whether the swarm finished the round without it: a local
 # read of the presence records it already holds, which change once a presence refresh.
 MOVED_ON_POLL = 0.1
@@ -89,36 +68,6 @@ class MatchRecord(RecordBody):
     aggregator: Annotated[str, pydantic.Field(max_length=32)] = "mean"  # absent: a peer that only averages
 
 
-@dataclass
-class Invitee:
-    """A peer that accepted a leader's invitation: its channel, bandwidth share, and the members of
-    the leader's group it refuses (its local bans)."""
-
-    channel: Channel
-    share: float
-    refuses: set[str]
-
-
-def peer_ids(header: dict, name: str, most: int) -> set[str]:
-    """A frame's optional list of at most ``most`` peer ids (absent: none), as a set."""
-    if name not in header:
-        return set()
-    values = field(header, name, list)
-    if len(values) > most or not all(isinstance(value, str) and 0 < len(value) <= MAX_PEER_ID for value in values):
-        raise FrameError(f"frame field {name!r} must list at most {most} peer ids")
-    return set(values)
-
-
-@dataclass
-class _Looking:
-    """This peer's state while it looks for a group under one key."""
-
-    key: str
-    share: float
-    committed: bool = False  # accepted an invitation, or leading: no more invitations accepted
-    plan: asyncio.Future | None = None
-
-
 def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[str]]:
     """Peers cut into ceil(n / group_size) groups whose sizes differ by at most one.
 
@@ -136,17 +85,6 @@ def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[st
     return groups
 
 
-def left_out(leader: str, refusals: dict[str, set[str]]) -> set[str]:
-    """The members a leader leaves out of its group (the leader and the members that accepted;
-    ``refusals``: member -> the members it refuses): each refused by a strict majority of the
-    others, then each that refuses a member who stays. The leader itself always stays."""
-    members = {leader, *refusals}
-    dropped = {peer for peer in members - {leader}
-               if 2 * sum(peer in refused for refused in refusals.values()) > len(members) - 1}
-    staying = members - dropped
-    return dropped | {peer for peer, refused in refusals.items() if peer in staying and refused & staying}
-
-
 def leader_of(group: list[str], unreachable: frozenset[str], clients: frozenset[str] = frozenset()) -> str:
     """The group's first member that others can dial; else (all behind NATs) its first one with a
     relayed address; else its first member."""
@@ -160,17 +98,17 @@ class Matchmaker:
     def __init__(self, node: SwarmNode, transport: Transport, protocol: str, *, schema_digest: str, codec: str,
                  aggregator: str = "mean", reply_timeout: float = DEFAULT_TIMING.reply_timeout):
         self.node, self.transport, self.protocol = node, transport, protocol
-        self.reply_timeout = reply_timeout
         self.schema_digest, self.codec, self.aggregator = schema_digest, codec, aggregator
-        self._looking: dict[str, _Looking] = {}
         self.attendance = Attendance()
+        self.invitations = Invitations(node, transport, protocol, Terms(schema_digest, codec, aggregator),
+                                       self.attendance, reply_timeout)
         self.rounds = RoundClock()  # this peer's round period, which caps the wait for stragglers
         self._probes: set[asyncio.Task] = set()
 
     @property
     def reply_deadline(self) -> float:
-        """Seconds to wait for one reply of the matchmaking exchange (see :data:`REPLY_STRETCH`)."""
-        return min(REPLY_STRETCH * self.reply_timeout, max(self.reply_timeout, self.node.dht_latency))
+        """Seconds to wait for one reply of the matchmaking exchange (invitations.py ``REPLY_STRETCH``)."""
+        return self.invitations.reply_deadline
 
     async def find_group(
         self, key: str, *, group_size: int, min_group_size: int, window: float, share: float,
@@ -222,8 +160,8 @@ class Matchmaker:
             def waited(declared: set[str]) -> frozenset[str] | None:
                 """Who to wait for, or None while a probe of a listed member is still in flight."""
                 return None if attendance.probing(listed) else waiting(declared)
-        looking = _Looking(key, share, plan=asyncio.get_running_loop().create_future())
-        self._looking[key] = looking
+        looking = Looking(key, share, plan=asyncio.get_running_loop().create_future())
+        self.invitations.looking[key] = looking
         watch = asyncio.ensure_future(self._stop_when(moved_on, looking)) if moved_on is not None else None
         began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
         ready_at = time.time() + window
@@ -264,7 +202,7 @@ class Matchmaker:
             group = self._my_group(key, peers, group_size) if not looking.committed else []
             if group and leader_of(group, unreachable, clients) == me:
                 looking.committed = True
-                return await self._lead(key, group, min_group_size, share)
+                return await self.invitations.lead(key, group, min_group_size, share)
             # a follower: the leader we accepted (or will accept) sends the plan
             plan = await self._plan(looking, window)
             if plan is not None or looking.committed or not group:
@@ -280,21 +218,21 @@ class Matchmaker:
             logger.debug("%s: expected leader %s never declared; the next member leads", key, leader)
             if rest and leader_of(rest, unreachable, clients) == me:
                 looking.committed = True
-                return await self._lead(key, rest, min_group_size, share)
+                return await self.invitations.lead(key, rest, min_group_size, share)
             return await self._plan(looking, window)
         finally:
             # where a round's matchmaking time goes (a DHT store, the reads, the invitations), for -vv
             logger.debug("%s: %s peers seen after %.2f s, declaration stored after %.2f s, done after %.2f s",
                          key, seen.get("peers", "no"), seen.get("at", math.nan), seen.get("stored", math.nan),
                          time.monotonic() - began)
-            self._looking.pop(key, None)
+            self.invitations.looking.pop(key, None)
             if watch is not None:
                 watch.cancel()
             if not looking.plan.done():
                 looking.plan.cancel()
 
     @staticmethod
-    async def _stop_when(moved_on: Callable[[], bool], looking: _Looking) -> None:
+    async def _stop_when(moved_on: Callable[[], bool], looking: Looking) -> None:
         """Stop looking once ``moved_on()`` says so, unless a group took this peer first: from then on
         no invitation is accepted, and the waits for declarations and for a plan end with none."""
         while not looking.committed:
@@ -306,7 +244,7 @@ class Matchmaker:
             await asyncio.sleep(MOVED_ON_POLL)
 
     async def _wait_for_peers(
-        self, key: str, looking: _Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
+        self, key: str, looking: Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
         min_group_size: int, grace: float, poll: float,
         waited: Callable[[set[str]], frozenset[str] | None] | None = None,
     ) -> list[str]:
@@ -368,7 +306,7 @@ class Matchmaker:
         if self._probes:
             await asyncio.wait(list(self._probes))
 
-    async def _plan(self, looking: _Looking, window: float) -> GroupPlan | None:
+    async def _plan(self, looking: Looking, window: float) -> GroupPlan | None:
         """The plan a leader sends (None: a cancel, or none within the window and two replies). An
         invitation accepted as that wait ends is waited for too (``serve`` bounds its decision):
         leaving then, the leader would start a round with a member that never comes, and its group
@@ -404,103 +342,11 @@ class Matchmaker:
                 return group
         return []
 
-    async def _lead(self, key: str, group: list[str], min_group_size: int, share: float) -> GroupPlan | None:
-        me = self.node.peer_id
-        admission = self.transport.admission  # the expected members of a grid may hold a peer banned here
-        group = [peer for peer in group if peer == me or admission is None or admission.admits(peer)]
-        invitations = {peer: asyncio.ensure_future(self._invite(peer, key, group)) for peer in group if peer != me}
-        if invitations:
-            await asyncio.wait(invitations.values())
-        accepted: dict[str, Invitee] = {}
-        for peer, task in invitations.items():
-            if not task.cancelled() and task.exception() is None and task.result() is not None:
-                accepted[peer] = task.result()
-                self.attendance.seen_alive(peer)
-        dropped = left_out(me, {peer: invitee.refuses for peer, invitee in accepted.items()})
-        staying = {me, *accepted} - dropped
-        for peer in sorted(dropped):
-            refused = accepted[peer].refuses & staying
-            why = f"it refuses {', '.join(sorted(refused))}" if refused else "most members refuse it"
-            logger.info("%s: left %s out of the group (%s)", key, peer, why)
-        await asyncio.gather(*(self._finish_invitation(accepted.pop(peer).channel, {"t": "cancel"})
-                               for peer in sorted(dropped)))
-        members = [me, *sorted(accepted)]
-        plan = None
-        if len(members) >= min_group_size:
-            shares = [share] + [accepted[peer].share for peer in members[1:]]
-            if not any(shares):  # all behind NATs: the leader owns every part, the others dial it
-                shares[0] = 1.0
-            round_id = f"{key}#{me[-8:]}.{secrets.token_hex(4)}"
-            plan = GroupPlan(round_id, tuple(members), tuple(shares), self.codec, self.schema_digest, self.aggregator)
-        message = {"t": "begin", "plan": plan.to_wire()} if plan else {"t": "cancel"}
-        await asyncio.gather(*(self._finish_invitation(invitee.channel, message) for invitee in accepted.values()))
-        return plan
-
-    async def _invite(self, peer: str, key: str, group: list[str]) -> Invitee | None:
-        """Invite one peer to ``group``; its open channel, share and refusals if it accepted, None otherwise."""
-        channel = None
-        try:
-            async with timeout(self.reply_deadline):
-                channel = await self.transport.open(peer, self.protocol)
-                await channel.send({"t": "invite", "key": key, "group": group})
-                reply = await channel.recv(max_payload=0)
-            if reply.kind == "accept":
-                share = field(reply.header, "share", float)
-                refuses = peer_ids(reply.header, "refuses", len(group))
-                if math.isfinite(share) and 0 <= share <= 1e12 and refuses <= set(group) - {peer}:
-                    return Invitee(channel, share, refuses)
-            logger.debug("%s declined the invitation for %s: %s", peer, key, reply.header.get("reason"))
-        except Exception as error:  # unreachable, slow or misbehaving: simply not in the group
-            logger.debug("invitation to %s for %s failed: %s: %s", peer, key, type(error).__name__, error)
-        if channel is not None:
-            await channel.close()
-        return None
-
-    async def _finish_invitation(self, channel: Channel, message: dict) -> None:
-        try:
-            async with timeout(self.reply_deadline):
-                await channel.send(message)
-        except Exception as error:
-            logger.debug("could not send %s to %s: %s", message["t"], channel.peer_id, error)
-        finally:
-            await channel.close()
-
     async def serve(self, channel: Channel) -> None:
-        """Control-protocol handler: answer one invitation, then wait for the leader's decision."""
+        """Control-protocol handler: answer a probe, or one leader's invitation (invitations.py)."""
         async with timeout(self.reply_deadline):
-            invite = await channel.recv(max_payload=0)
-        if invite.kind == "probe":  # another member checks this peer is alive (attendance.py)
+            request = await channel.recv(max_payload=0)
+        if request.kind == "probe":  # another member checks this peer is alive (attendance.py)
             await channel.send({"t": "alive"})
             return
-        expect_kind(invite, "invite")
-        key = field(invite.header, "key", str)
-        group = peer_ids(invite.header, "group", MAX_GROUP)
-        looking = self._looking.get(key)
-        self.attendance.seen_alive(channel.peer_id)  # it leads a group of this averager
-        if looking is None or looking.committed:
-            reason = "not looking for a group under this key" if looking is None else "already in a group"
-            await channel.send({"t": "decline", "reason": reason})
-            return
-        looking.committed = True
-        admission = self.transport.admission
-        refuses = sorted(peer for peer in group if admission is not None and not admission.admits(peer))
-        await channel.send({"t": "accept", "share": looking.share, "refuses": refuses})
-        try:
-            # the leader answers once every invitee has replied (each within its reply deadline)
-            async with timeout(2 * self.reply_deadline):
-                decision = await channel.recv(max_payload=0)
-            plan = None
-            if decision.kind == "begin":
-                plan = GroupPlan.from_wire(decision.header.get("plan"))
-                if self.node.peer_id not in plan.members or plan.members[0] != channel.peer_id:
-                    raise FrameError("plan does not list this peer, or is not led by the peer that invited it")
-                if (plan.schema_digest, plan.codec, plan.aggregator) != (self.schema_digest, self.codec, self.aggregator):
-                    raise FrameError("plan's schema, codec or aggregator differs from this peer's")
-            elif decision.kind != "cancel":
-                raise FrameError(f"expected begin or cancel, got {decision.kind!r}")
-        except BaseException:
-            if looking.plan is not None and not looking.plan.done():
-                looking.plan.set_result(None)
-            raise
-        if looking.plan is not None and not looking.plan.done():
-            looking.plan.set_result(plan)
+        await self.invitations.answer(channel, request)

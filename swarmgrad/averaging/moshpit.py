@@ -311,6 +311,7 @@ class Averager:
         report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
         report.allreduce_seconds, report.transports = result.seconds, result.transports
         report.suspicions, report.observed = result.suspicions, result.observed
+        report.rejected_share = result.rejected_share
         self.result_frames = ordered_frames(allreduce.result_frames, self.schema) if result.ok else None
         if not result.ok:
             if self.feedback is not None:

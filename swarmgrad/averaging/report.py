@@ -40,6 +40,8 @@ class RoundReport:
     contributors: list[str] = field(default_factory=list, metadata=MOSHPIT)  # members whose part arrived
     allreduce_seconds: float = field(default=0.0, metadata=MOSHPIT)  # of ``seconds``: the all-reduce, not matchmaking
     transports: dict[str, str] = field(default_factory=dict, metadata=MOSHPIT)  # groupmate -> direct or libp2p
+    # of this peer's contribution, the share the owners' rules left out (the average holds the rest)
+    rejected_share: float = field(default=0.0, metadata=MOSHPIT)
 
     pushed_to: list[str] = field(default_factory=list, metadata=GOSSIP)  # peers that accepted our push
     failed: list[str] = field(default_factory=list, metadata=GOSSIP)  # peers we could not push to

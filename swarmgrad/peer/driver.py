@@ -250,7 +250,9 @@ class RoundDriver:
                                                  lambda: bool(self.tracker.ahead_of(epoch)))
             self.record(outcome)
             if outcome.ok and outcome.average is not None:
-                self.samples_averaged += int(weight)
+                # what owners' rules left out of the average did not reach it (robust rules reject rows)
+                left_out = outcome.report.rejected_share if outcome.report is not None else 0.0
+                self.samples_averaged += int(weight * (1.0 - left_out))
                 return outcome, []
             if not settle and attempt == attempts - 1:
                 return None, self.tracker.ahead_of(epoch)

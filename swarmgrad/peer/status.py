@@ -24,7 +24,9 @@ class PeerStatus:
     rounds_ok: int = 0
     rounds_failed: int = 0
     solo_steps: int = 0  # epochs finished alone (nobody to average with)
-    samples_averaged: int = 0  # of ``samples``, those sent in rounds that succeeded (carried ones included)
+    # of ``samples``, those sent in rounds that succeeded (carried ones included), less the share of
+    # each contribution the owners' robust rule left out (``RoundReport.rejected_share``)
+    samples_averaged: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     state_downloads: int = 0

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from matchmaking_fakes import DeclaredNode
 
-from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, REPLY_STRETCH, Matchmaker, MatchRecord, split_groups
+from swarmgrad.averaging.invitations import REPLY_STRETCH
+from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, Matchmaker, MatchRecord, split_groups
 
 WINDOW = 0.1
 
@@ -41,7 +42,7 @@ def find_group(latency: float, visible_after: float) -> list[str] | None:
         async def lead(key, group, min_group_size, share):  # the group this peer would invite, if any
             return group if len(group) >= min_group_size else None
 
-        matchmaker._lead = lead
+        matchmaker.invitations.lead = lead
         # "other" cannot be dialled: this peer leads whichever group holds both
         return await matchmaker.find_group("round", group_size=2, min_group_size=2, window=WINDOW, share=1.0,
                                            unreachable=frozenset({"other"}))
@@ -92,7 +93,7 @@ def invite(dht_latency: float, answer_after: float) -> bool:
         node = SimpleNamespace(peer_id="me", dht_latency=dht_latency)
         matchmaker = Matchmaker(node, SlowInvitee(answer_after), "test", schema_digest="schema", codec="none",
                                 reply_timeout=0.1)
-        return await matchmaker._invite("other", "round", ["me", "other"]) is not None
+        return await matchmaker.invitations.invite("other", "round", ["me", "other"]) is not None
 
     return asyncio.run(scenario())
 
@@ -131,7 +132,7 @@ def test_an_expected_leader_that_is_not_looking_hands_the_lead_to_the_next_membe
         async def lead(key, group, min_group_size, share):
             return group
 
-        matchmaker._lead = lead
+        matchmaker.invitations.lead = lead
         began = time.monotonic()
         group = await matchmaker.find_group(key, group_size=4, min_group_size=2, window=WINDOW, share=1.0,
                                             expected=3, expected_members=frozenset({"me", "other", "behind"}))
@@ -162,11 +163,11 @@ def test_an_expected_leader_whose_declaration_shows_late_still_leads():
         async def declare_and_invite_late():
             await asyncio.sleep(1.5 * WINDOW)
             node.declared.append("late")
-            looking = matchmaker._looking[key]  # what serve() does with its invitation
+            looking = matchmaker.invitations.looking[key]  # what answer() does with its invitation
             looking.committed = True
             looking.plan.set_result(["late", "me", "other"])
 
-        matchmaker._lead = lead
+        matchmaker.invitations.lead = lead
         asyncio.ensure_future(declare_and_invite_late())
         plan = await matchmaker.find_group(key, group_size=4, min_group_size=2, window=WINDOW, share=1.0,
                                            expected=3, expected_members=frozenset({"me", "other", "late"}))

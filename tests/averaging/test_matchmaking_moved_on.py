@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 from matchmaking_fakes import DeclaredNode
 
-from swarmgrad.averaging.matchmaking import Matchmaker, _Looking
+from swarmgrad.averaging.invitations import Looking
+from swarmgrad.averaging.matchmaking import Matchmaker
 
 WINDOW = 20.0
 
@@ -55,11 +56,11 @@ def test_a_listed_member_that_moved_on_is_not_waited_for_past_the_moment_that_sh
 def test_stopping_declines_every_later_invitation_and_leaves_a_committed_peer_alone():
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        looking = _Looking("round", 1.0, plan=loop.create_future())
+        looking = Looking("round", 1.0, plan=loop.create_future())
         await Matchmaker._stop_when(lambda: True, looking)
         assert looking.committed and looking.plan.result() is None
 
-        taken = _Looking("round", 1.0, committed=True, plan=loop.create_future())  # a group took it first
+        taken = Looking("round", 1.0, committed=True, plan=loop.create_future())  # a group took it first
         await Matchmaker._stop_when(lambda: True, taken)
         assert not taken.plan.done()
 
@@ -73,7 +74,7 @@ def test_an_invitation_accepted_as_the_wait_for_a_plan_ends_is_waited_for():
     async def scenario() -> tuple[bool, object]:
         mm = matchmaker(["me"])  # reply deadline 0.1 s: the first wait is window + 0.2 s
         loop = asyncio.get_running_loop()
-        accepted = _Looking("round", 1.0, plan=loop.create_future())
+        accepted = Looking("round", 1.0, plan=loop.create_future())
         plan = object()
 
         def accept() -> None:  # what serve() does on an invitation, then the leader's "begin"
@@ -82,7 +83,7 @@ def test_an_invitation_accepted_as_the_wait_for_a_plan_ends_is_waited_for():
 
         loop.call_later(0.28, accept)
         got = await mm._plan(accepted, window=0.1)
-        alone = await mm._plan(_Looking("round", 1.0, plan=loop.create_future()), window=0.1)  # nobody invited it
+        alone = await mm._plan(Looking("round", 1.0, plan=loop.create_future()), window=0.1)  # nobody invited it
         return got is plan, alone
 
     got, alone = asyncio.run(scenario())

@@ -14,11 +14,13 @@ import torch
 from conftest import eventually, run_async
 
 from swarmgrad.averaging import Aggregation, Averager, Gossip, GossipAverager, Moshpit
+from swarmgrad.averaging.allreduce import _left_out
 from swarmgrad.averaging.privacy import Privacy
 from swarmgrad.averaging.rules.base import weighted_mean
 from swarmgrad.averaging.rules.trimmed_mean import trim_for, trimmed_mean
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.net.wire import FrameError
 from swarmgrad.timing import Timing
 
 RUN = "robust-test"
@@ -97,6 +99,10 @@ def test_a_contribution_scaled_by_1000_moves_the_mean_far_and_robust_aggregates_
                 assert distance < spread, (distance, spread)
             if aggregator == "centered-clip":  # the honest owners left the liar out (1000x: far past 3 τ), and only him
                 assert suspicions(reports) == {ids[0]: {"rejected"}}
+            # each contributor learns how much of its contribution the owners' rules left out: all of the
+            # liar's (every part's rule rejects it, its own included), none of an honest peer's
+            left_out = 1.0 if aggregator == "centered-clip" else 0.0
+            assert [r.rejected_share for r in reports] == [left_out, 0.0, 0.0, 0.0]
 
     run_async(scenario())
 
@@ -296,3 +302,13 @@ def test_an_owner_reduces_a_few_chunks_at_a_time_and_gets_the_same_result(monkey
     wide = run_async(averaged(100))
     assert max(most_open) >= 3  # the same round without the window: a whole part open at once
     torch.testing.assert_close(windowed, wide, rtol=1e-5, atol=1e-6)
+
+
+def test_an_averages_frame_may_name_only_members_as_left_out():
+    """``"out"`` in an average's frame: absent is none; anything but a short list of member indices is a
+    bad frame (the round fails as for any other), not a count to trust."""
+    assert _left_out({}, 4) == set()
+    assert _left_out({"out": [0, 3]}, 4) == {0, 3}
+    for bad in ([4], [-1], ["0"], [0.0], [0, 1, 2, 3, 0], "0"):
+        with pytest.raises(FrameError):
+            _left_out({"out": bad}, 4)

@@ -96,7 +96,7 @@ def find_group(pace: Pace, declares_after: float | None, measured: bool = True,
             await asyncio.sleep(declares_after)
             node.declared.extend(stragglers)
 
-        matchmaker._lead = lead
+        matchmaker.invitations.lead = lead
         if declares_after is not None:
             asyncio.ensure_future(declare_late())
         # nobody else can be dialled: "me" leads whichever group holds it

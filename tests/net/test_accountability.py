@@ -12,7 +12,7 @@ from conftest import FakeClock, run_async
 from rich.console import Console
 
 import swarmgrad as sg
-from swarmgrad.averaging.matchmaking import left_out, peer_ids
+from swarmgrad.averaging.invitations import left_out, peer_ids
 from swarmgrad.averaging.report import RoundReport
 from swarmgrad.commands.status import _view
 from swarmgrad.dht.membership import Member, TrainingStats

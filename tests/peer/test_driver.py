@@ -27,7 +27,7 @@ class Harness:
     """A DiLoCo policy that took a few local steps, its driver, and what the driver called."""
 
     def __init__(self, outcomes: list[bool], others=(peer_at(0),), other_settings=(), fail_catch_up=False,
-                 on_call=None):
+                 on_call=None, rejected_share: float = 0.0):
         self.model, optimizer = model_and_optimizer(0, lr=0.5)
         self.tracker = FakeTracker(tuple(others), tuple(other_settings))
         self.policy = attach(DiLoCo(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), self.model, optimizer,
@@ -36,7 +36,7 @@ class Harness:
             set_grads(self.policy.params, seed)
             self.policy.after_backward(batch_size=4)
         self.swarm_average = torch.full((self.policy.layout.total,), 0.25)
-        self.backend = FakeBackend(self.policy.contribution, outcomes, self.swarm_average, on_call)
+        self.backend = FakeBackend(self.policy.contribution, outcomes, self.swarm_average, on_call, rejected_share)
         self.catch_ups: list[tuple[list[str], int]] = []
         self.rejoins: list[tuple[list[str], int]] = []  # the state taken from a swarm behind this peer
         self.fail_catch_up, self.recorded = fail_catch_up, []
@@ -64,6 +64,12 @@ def test_a_round_that_succeeds_applies_the_swarms_average_once():
     assert h.tracker.local.epoch == 1 and h.tracker.averaging_set == [True]
     assert len(h.recorded) == 1 and h.recorded[0].ok and h.driver.solo_steps == 0
     assert h.driver.samples_averaged == 8  # the epoch's samples reached an average
+
+
+def test_what_the_owners_rules_left_out_of_the_average_is_not_counted_as_averaged():
+    h = Harness([True], rejected_share=0.25)  # a robust rule rejected a quarter of the contribution's elements
+    assert run_async(h.driver.swarm_step())
+    assert h.driver.samples_averaged == 6  # 8 samples, three quarters of them in the average
 
 
 def test_failed_rounds_are_retried_with_fresh_attempts_and_change_nothing_until_one_succeeds():

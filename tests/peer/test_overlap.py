@@ -16,6 +16,7 @@ import torch
 from conftest import FakeClock
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
+from swarmgrad.averaging.report import RoundReport
 from swarmgrad.peer.driver import MAX_ROUND_ATTEMPTS, RoundDriver, RoundOutcome
 from swarmgrad.peer.overlap import PhaseClock
 from swarmgrad.peer.progress import PeerProgress
@@ -78,7 +79,7 @@ class GatedBackend:
         await self.release.wait()
         ok = self.outcomes.pop(0)
         average = torch.full_like(self.contribution, AVERAGE)
-        return RoundOutcome(ok, average if ok else None, report={"attempt": attempt})
+        return RoundOutcome(ok, average if ok else None, RoundReport("moshpit", attempt, ok=ok))
 
 
 class Harness:
