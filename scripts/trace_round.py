@@ -12,7 +12,8 @@ peer's tasks inherit) from the moment ``Peer._swarm_step`` starts until ``astep`
 The raw trace holds many calls (every chunk, every DHT read); the table reduces it to *hops*: a hop
 is a call from one module into another, named by the module and function entered and the module it
 came from. Each distinct hop is listed once, at its first occurrence, so repeats that depend on
-timing (how many reads matchmaking needed, how many chunks) do not change the table.
+timing (how many reads matchmaking needed, how many chunks) do not change the hops; the functions a
+hop lists can (tests/test_architecture_hops.py compares the hops).
 """
 
 from __future__ import annotations

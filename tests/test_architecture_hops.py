@@ -19,6 +19,14 @@ def load_tracer():
     return module
 
 
+def hop_path(table: str) -> list[list[str]]:
+    """The table's rows without their functions column: which functions a hop enters can depend on
+    timing (a matchmaking read that saw every member at once calls fewer: CI's loaded run added
+    `Patience.waits_for` and `Attendance.probing`), the hops themselves do not."""
+    rows = [line.split(" | ") for line in table.splitlines()]
+    return [row[:2] + row[3:] if len(row) > 3 else row for row in rows]
+
+
 def test_the_documented_hop_table_is_the_traced_round() -> None:
     tracer = load_tracer()
     documented = tracer.document_table(tracer.DOCUMENT.read_text())
@@ -26,9 +34,9 @@ def test_the_documented_hop_table_is_the_traced_round() -> None:
     for _ in range(2):  # a second trace, so that one round's timing (a group not found) is not a failure
         table = tracer.hops(tracer.trace_round())
         traced = tracer.render(table)
-        if traced == documented:
+        if hop_path(traced) == hop_path(documented):
             break
-    assert traced == documented, "the round's path changed: run `python scripts/trace_round.py`"
+    assert hop_path(traced) == hop_path(documented), "the round's path changed: run `python scripts/trace_round.py`"
     assert not tracer.stale_notes(table), "NOTES in scripts/trace_round.py names hops the round no longer takes"
     served = [hop for hop in table if hop.module == "state.served" and "ServedState.__init__" in hop.functions]
     kept = [hop for hop in table if hop.module == "state.server" and "StateServer.publish_result" in hop.functions]
