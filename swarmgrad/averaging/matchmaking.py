@@ -98,10 +98,9 @@ class Matchmaker:
     def __init__(self, node: SwarmNode, transport: Transport, protocol: str, *, schema_digest: str, codec: str,
                  aggregator: str = "mean", reply_timeout: float = DEFAULT_TIMING.reply_timeout):
         self.node, self.transport, self.protocol = node, transport, protocol
-        self.schema_digest, self.codec, self.aggregator = schema_digest, codec, aggregator
+        self.terms = Terms(schema_digest, codec, aggregator)  # what a group's members share
         self.attendance = Attendance()
-        self.invitations = Invitations(node, transport, protocol, Terms(schema_digest, codec, aggregator),
-                                       self.attendance, reply_timeout)
+        self.invitations = Invitations(node, transport, protocol, self.terms, self.attendance, reply_timeout)
         self.rounds = RoundClock()  # this peer's round period, which caps the wait for stragglers
         self._probes: set[asyncio.Task] = set()
 
@@ -167,8 +166,9 @@ class Matchmaker:
         ready_at = time.time() + window
         grace = max(window, GRACE_LATENCIES * self.node.dht_latency)
         try:
-            record = MatchRecord(ready_at=ready_at, share=share, schema_digest=self.schema_digest, codec=self.codec,
-                                 aggregator=self.aggregator)
+            terms = self.terms
+            record = MatchRecord(ready_at=ready_at, share=share, schema_digest=terms.schema_digest, codec=terms.codec,
+                                 aggregator=terms.aggregator)
             expires = ready_at + window + grace + self.reply_deadline
             # read while our own declaration is still being stored: others are declaring at the same moment
             declaring = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
@@ -328,9 +328,9 @@ class Matchmaker:
             for owner, record in records.items()
             if (admission is None or admission.admits(owner))
             and not record.body.done
-            and record.body.schema_digest == self.schema_digest
-            and record.body.codec == self.codec
-            and record.body.aggregator == self.aggregator
+            and record.body.schema_digest == self.terms.schema_digest
+            and record.body.codec == self.terms.codec
+            and record.body.aggregator == self.terms.aggregator
         ]
         if self.node.peer_id not in peers:  # our own declaration may not be readable yet
             peers.append(self.node.peer_id)
