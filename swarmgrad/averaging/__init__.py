@@ -9,7 +9,7 @@ _EXPORTS = {
     "AllReduceFailed": "swarmgrad.averaging.allreduce",
     "AllReduceReport": "swarmgrad.averaging.allreduce",
     "GroupAllReduce": "swarmgrad.averaging.allreduce",
-    "GroupPlan": "swarmgrad.averaging.allreduce",
+    "GroupPlan": "swarmgrad.averaging.group_plan",
     "CODEC_NAMES": "swarmgrad.averaging.codecs",
     "Codec": "swarmgrad.averaging.codecs",
     "CodecError": "swarmgrad.averaging.codecs",

@@ -28,17 +28,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Sequence
+from typing import Awaitable, Sequence
 
 import torch
 
 from swarmgrad.averaging.codecs import Codec, ErrorFeedback
 from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.frames import byte_view, check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
+from swarmgrad.averaging.group_plan import GroupPlan
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
-from swarmgrad.averaging.rules import RULE_NAMES, get_rule
+from swarmgrad.averaging.rules import get_rule
 from swarmgrad.averaging.rules.base import Aggregate, bound_weights
-from swarmgrad.averaging.settings import MAX_GROUP
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
@@ -64,40 +64,6 @@ def gather_codec_for(codec: Codec) -> Codec:
 
 class AllReduceFailed(RuntimeError):
     """The round did not complete; local tensors are untouched."""
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """What a group agreed on before exchanging tensors; identical on every member."""
-
-    round_id: str
-    members: tuple[str, ...]  # peer ids, in part order
-    shares: tuple[float, ...]  # bandwidth share of each member (0: owns no part)
-    codec: str  # codec spec, e.g. "int8"
-    schema_digest: str
-    aggregator: str = "mean"  # the rule owners combine contributions by (averaging/rules/); every member uses it
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round_id, "members": list(self.members), "shares": list(self.shares),
-                "codec": self.codec, "schema": self.schema_digest, "aggregator": self.aggregator}
-
-    @classmethod
-    def from_wire(cls, data: Any) -> GroupPlan:
-        if not isinstance(data, dict):
-            raise FrameError("group plan must be a map")
-        members = frame_field(data, "members", list)
-        shares = frame_field(data, "shares", list)
-        if not 1 <= len(members) <= MAX_GROUP or len(shares) != len(members) or len(set(members)) != len(members):
-            raise FrameError("group plan has a bad member list")
-        if not all(isinstance(m, str) and len(m) < 100 for m in members):
-            raise FrameError("group plan members must be peer ids")
-        if not all(type(s) in (int, float) and math.isfinite(s) and 0 <= s <= 1e12 for s in shares) or sum(shares) <= 0:
-            raise FrameError("group plan shares must be finite, non-negative and not all zero")
-        aggregator = data.get("aggregator", "mean")  # a plan without one comes from a peer that only averages
-        if aggregator not in RULE_NAMES:
-            raise FrameError(f"group plan names an unknown aggregator {aggregator!r}")
-        return cls(frame_field(data, "round", str), tuple(members), tuple(float(s) for s in shares),
-                   frame_field(data, "codec", str), frame_field(data, "schema", str), aggregator)
 
 
 @dataclass

@@ -25,8 +25,8 @@ import math
 import secrets
 from dataclasses import dataclass
 
-from swarmgrad.averaging.allreduce import GroupPlan
 from swarmgrad.averaging.attendance import Attendance
+from swarmgrad.averaging.group_plan import GroupPlan
 from swarmgrad.averaging.settings import MAX_GROUP
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.eventloop import timeout

@@ -28,8 +28,8 @@ from typing import Annotated, Callable, Mapping
 
 import pydantic
 
-from swarmgrad.averaging.allreduce import GroupPlan
 from swarmgrad.averaging.attendance import Attendance
+from swarmgrad.averaging.group_plan import GroupPlan
 from swarmgrad.averaging.invitations import Invitations, Looking, Terms
 from swarmgrad.averaging.stragglers import CAP_LATENCIES, Pace, Patience, RoundClock, half_declared, straggler_cap
 from swarmgrad.dht.node import SwarmNode

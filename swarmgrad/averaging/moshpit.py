@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce, GroupPlan
+from swarmgrad.averaging.allreduce import AllReduceReport, GroupAllReduce
 from swarmgrad.averaging.codecs import ErrorFeedback, get_codec
 from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.grid import (
@@ -36,6 +36,7 @@ from swarmgrad.averaging.grid import (
     slice_ranks,
     slices_reach_everyone,
 )
+from swarmgrad.averaging.group_plan import GroupPlan
 from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser

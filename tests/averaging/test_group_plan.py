@@ -10,8 +10,9 @@ import torch
 from conftest import run_async
 
 from swarmgrad.averaging import Moshpit
-from swarmgrad.averaging.allreduce import GroupAllReduce, GroupPlan
+from swarmgrad.averaging.allreduce import GroupAllReduce
 from swarmgrad.averaging.codecs import get_codec
+from swarmgrad.averaging.group_plan import GroupPlan
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.settings import MAX_GROUP
 from swarmgrad.net.wire import PREFIX, FrameError, pack_prefix_and_header, parse_header
