@@ -10,6 +10,7 @@ transport, reads the blob and prints how it came (the channel's transport) and i
 
 import asyncio
 import json
+import logging
 import sys
 import time
 
@@ -45,4 +46,6 @@ async def main(host: str, initial_peer: str, mode: str, argument: str) -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("swarmgrad.net.direct").setLevel(logging.INFO)  # why a channel fell back to libp2p
     run(main(*sys.argv[1:5]))

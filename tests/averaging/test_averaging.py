@@ -306,7 +306,7 @@ def test_error_feedback_codecs_track_the_true_mean_over_rounds():
             tensors = [[torch.randn(20_000, generator=generator)] for _ in runtimes]
             target = weighted_mean(tensors, [1.0, 1.0])[0]
             averagers = [await stack.enter_async_context(
-                Averager(runtime, ts, settings=moshpit(2, window=0.2), grid_dims=1, codec="topk:0.05"))
+                Averager(runtime, ts, settings=moshpit(2), grid_dims=1, codec="topk:0.05"))
                 for runtime, ts in zip(runtimes, tensors)]
 
             def error() -> float:

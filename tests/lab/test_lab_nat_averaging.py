@@ -137,10 +137,12 @@ def test_a_public_peer_gets_a_natted_peers_data_over_a_connection_the_natted_pee
         assert ready["dialable"] is False
         relay_before = sum(net.traffic(0))
         fetcher = net.popen(2, [sys.executable, script, net.address(2), maddr, "fetch", ready["ready"]],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         fetched = json.loads(_line(fetcher, 90))
         relayed = sum(net.traffic(0)) - relay_before
         server.stdin.write("done\n")
         server.stdin.flush()
-    assert fetched == {"transport": "direct", "bytes": blob, "dialable": True}, fetched
+        fetcher.wait(30)
+        why = fetcher.stderr.read()  # the direct transport's log: why it fell back to libp2p, if it did
+    assert fetched == {"transport": "direct", "bytes": blob, "dialable": True}, (fetched, why)
     assert relayed < blob / 4, f"{relayed} bytes crossed the relay"
