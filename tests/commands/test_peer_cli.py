@@ -143,7 +143,9 @@ def test_mid_run_joiner_downloads_the_swarms_state(swarm):
     common = ["--strategy", "diloco", "--inner-steps", "20", "--num-shards", "3", "--eval-every", "1"]
     # the originals evaluate (a cheap digits evaluation) as often as they can: an epoch takes ~0.1 s,
     # and the joiner's evaluation is compared with theirs of a nearby epoch
-    originals = [run.peer(*common, "--eval-every", "0.1", "--shard", str(shard), "--max-seconds", "22",
+    # the originals train until the test stops them (the cap is a backstop): a joiner that took long to
+    # start on a loaded machine found a fixed 22 s run over, nobody left to download from
+    originals = [run.peer(*common, "--eval-every", "0.1", "--shard", str(shard), "--max-seconds", "150",
                           "--wait-peers", "2", *PATIENT, name=f"original{shard}") for shard in range(2)]
     for peer in originals:
         peer.ready(90)
@@ -171,7 +173,9 @@ def test_mid_run_joiner_downloads_the_swarms_state(swarm):
 
     finished(joiner, 30)
     for peer in originals:
-        finished(peer, 40)
+        peer.signal(signal.SIGTERM)
+    for peer in originals:
+        assert finished(peer, 40)["reason"] == "signal SIGTERM"
 
 
 @pytest.mark.extended  # CI's quick churn lab run (test_lab_driver) SIGKILLs a peer of three and checks the others go on
