@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -55,6 +56,9 @@ from swarmgrad.lab.scenario import Scenario, validate_scenario
 
 PEERS = 4
 NETWORKS = {"loopback": None, "10mbit": {"up_mbit": 10, "down_mbit": 10, "delay_ms": 10}}
+# swarmgrad's strategy per network, as a user would pick it: on loopback a 19M-parameter round costs less
+# than a step (average every step: the single process's optimisation); at 10 Mbit/s it costs ~15 s (DiLoCo)
+DEFAULT_STRATEGY = {"loopback": "sync", "10mbit": "diloco"}
 SYSTEMS = ("swarmgrad", "hivemind", "single")
 HIVEMIND_BAR = 0.5  # swarmgrad's time to the target over hivemind's: at most this (loopback)
 SINGLE_BAR = 1.3  # swarmgrad's time over the single process's: at most this (loopback)
@@ -66,12 +70,21 @@ QUICK = {"size": "tiny", "context": 64, "duration": 60.0, "networks": "loopback"
          "eval_every": 10.0, "eval_batches": 4, "target_loss": 3.5, "single_steps_per_second": 2.0}
 
 
+def strategy_for(args: argparse.Namespace, network: str) -> str:
+    """``--strategy``, else the network's: sync where a round is cheap, DiLoCo where it is not."""
+    return args.strategy or DEFAULT_STRATEGY[network]
+
+
 def scenario(args: argparse.Namespace, network: str) -> Scenario:
     link = NETWORKS[network] or {}
+    strategy = strategy_for(args, network)
+    # sync: a swarm step per PEERS x batch samples, the single process's batch, so both take the same steps
+    options = ({"target_batch_size": PEERS * args.batch_size} if strategy == "sync"
+               else {"inner_steps": args.inner_steps})
     return validate_scenario({
         "name": f"lm-compare-{network}", "task": "lm", "task_options": {"size": args.size, "context": args.context},
         "duration": args.duration, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
-        "strategy": "diloco", "averaging": "moshpit", "compression": "int8", "inner_steps": args.inner_steps,
+        "strategy": strategy, "averaging": "moshpit", "compression": "int8", **options,
         "batch_size": args.batch_size, "hparams": CONSTANT_RATE, "peers": [{**link, "count": PEERS}],
     }, source="lm_compare")
 
@@ -105,17 +118,24 @@ def run_swarm(system: str, network: str, args: argparse.Namespace, console: Cons
     samples = [peer["samples"] for peer in summary["peers"].values() if peer["reported"]]
     sent = [sent for sent, _ in traffic]
     return result(system, network, curve, args, error=error, training_seconds=training,
+                  strategy=strategy_for(args, network) if system == "swarmgrad" else "local updates",
                   tokens_per_second_per_peer=(sum(samples) / len(samples) * args.context / training) if samples else None,
                   mb_sent_per_peer=round(sum(sent) / len(sent) / MB, 1) if sent else None,
                   rounds_ok={p["index"]: p["rounds_ok_total"] for p in summary["lab_peers"]}, logs=str(run_dir))
 
 
+def single_threads() -> int:
+    """The single process's torch threads: the 4 peers' one each, but no more than the machine's cores.
+    4 threads on 2 cores spin-wait on each other: 26 tokens/s where 2 threads train at 2,095."""
+    return min(PEERS, os.cpu_count() or 1)
+
+
 def run_single(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    """One process with the 4 peers' batch and threads, no network: trained here."""
+    """One process with the 4 peers' batch and their threads (``single_threads``), no network: trained here."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(PEERS)
+    torch.set_num_threads(single_threads())
     try:
         return _train_single(args, console)
     finally:
@@ -130,12 +150,13 @@ def _train_single(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     batch = PEERS * args.batch_size
     curve: list[tuple[float, float]] = []
     steps_per_eval = max(1, int(args.eval_every * args.single_steps_per_second))
-    console.log(f"single: batch {batch}, {PEERS} threads, an evaluation every {steps_per_eval} steps")
+    console.log(f"single: batch {batch}, {single_threads()} threads, an evaluation every {steps_per_eval} steps")
     run = train_locally(task, max_seconds=args.duration, eval_every=steps_per_eval, eval_batches=args.eval_batches,
                         hparams={"batch_size": batch, **CONSTANT_RATE},
                         on_eval=lambda metrics: curve.append((metrics["train_seconds"], metrics["loss"])))
     return result("single", "none", curve, args, training_seconds=run.train_seconds,
                   tokens_per_second_per_peer=run.steps * batch * args.context / run.train_seconds / PEERS,
+                  threads=single_threads(),
                   mb_sent_per_peer=0.0, rounds_ok={}, logs=None)
 
 
@@ -201,9 +222,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", default="medium", help="the lm task's size (medium: 19M parameters)")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8, help="per peer")
-    parser.add_argument("--inner-steps", type=int, default=20)
-    parser.add_argument("--duration", type=float, default=900.0, help="each run's training budget, seconds")
-    parser.add_argument("--target-loss", type=float, default=2.5, help="held-out loss, nats per byte")
+    parser.add_argument("--strategy", choices=("sync", "diloco"), default=None,
+                        help="swarmgrad's strategy (default: sync on loopback, diloco at 10mbit)")
+    parser.add_argument("--inner-steps", type=int, default=20, help="diloco's local steps per round")
+    parser.add_argument("--duration", type=float, default=600.0, help="each run's training budget, seconds")
+    parser.add_argument("--target-loss", type=float, default=3.0,
+                        help="held-out loss, nats per byte (3.0: all three reach it in 600 s on 2 cores)")
     parser.add_argument("--eval-every", type=float, default=20.0)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--single-steps-per-second", type=float, default=0.5,
