@@ -250,6 +250,24 @@ class SwarmNode:
         except Exception as error:  # noqa: BLE001 - the stream's own error is the one to report
             logger.debug("could not connect to %s through its relays: %s", peer_id, error)
 
+    async def reconnect(self, peer_id: str) -> bool:
+        """After p2pd failed to open a stream to ``peer_id``: connect to the addresses its presence
+        record published. p2pd finds a peer's addresses by itself through its own DHT, which under
+        load can fail (CI: a round failed with ControlFailure and its groupmates waited out the
+        deadline); the members' records already hold them. True when the connection was made."""
+        addresses = self._known.get(peer_id) or self._relayed_addresses.get(peer_id)
+        if not addresses or self.p2p is None or peer_id == self.peer_id:
+            return False
+        from hivemind.p2p import PeerID
+
+        try:
+            async with timeout(self.config.request_timeout):
+                await self.p2p._client.connect(PeerID.from_base58(peer_id), [_DaemonAddress(a, peer_id) for a in addresses])
+            return True
+        except Exception as error:  # noqa: BLE001 - the stream's own error is the one to report
+            logger.debug("could not connect to %s at its published addresses: %s", peer_id, error)
+            return False
+
     @property
     def routing_peers(self) -> int:
         """Peers in this node's DHT routing table now (0: it can reach nobody through the DHT)."""

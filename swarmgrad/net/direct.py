@@ -361,7 +361,7 @@ def default_transport(node: SwarmNode, direct: bool = True, trusted_network: boo
     """What a peer's runtime uses unless told otherwise: direct TCP where reachable, libp2p otherwise.
     ``limits``: the peer's upload and download caps, one bucket each for every channel of both.
     ``admission``: who may open streams here (None: anyone)."""
-    libp2p = Libp2pTransport(node.p2p, limits, introduce=node.introduce, admission=admission)
+    libp2p = Libp2pTransport(node.p2p, limits, introduce=node.introduce, admission=admission, reconnect=node.reconnect)
     if not direct:
         return libp2p
     return DirectTransport(libp2p, host=node.config.host, port=node.config.data_port,

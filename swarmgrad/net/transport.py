@@ -12,7 +12,7 @@ import logging
 from abc import ABC, abstractmethod
 from typing import Awaitable, Callable
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
 from swarmgrad.net.admission import Admission
 from swarmgrad.net.channel import Channel, ChannelHandler
@@ -110,15 +110,24 @@ class Libp2pTransport(Transport):
     name = "libp2p"
 
     def __init__(self, p2p: P2P, limits: RateLimits = UNLIMITED,
-                 introduce: Callable[[str], Awaitable[None]] | None = None, admission: Admission | None = None):
+                 introduce: Callable[[str], Awaitable[None]] | None = None, admission: Admission | None = None,
+                 reconnect: Callable[[str], Awaitable[bool]] | None = None):
         self.p2p, self.admission = p2p, admission
         self.limits = limits  # the peer's caps; they pace the stream to p2pd, and so what p2pd sends
         self.introduce = introduce  # SwarmNode.introduce: connects to a relayed peer through its relays
+        self.reconnect = reconnect  # SwarmNode.reconnect: connects to the addresses a peer published
 
     async def open(self, peer_id: str, protocol: str) -> Channel:
         if self.introduce is not None:
             await self.introduce(peer_id)
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+        except P2PDaemonError as error:  # p2pd could not reach it: once more, connected where it said it is
+            if self.reconnect is None or not await self.reconnect(peer_id):
+                raise
+            logger.info("p2pd could not open a stream to %s (%s); connected to its published addresses, again",
+                        peer_id, error)
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
         return _fast_channel(peer_id, reader, writer, self.name, self.limits)
 
     async def serve(self, protocol: str, handler: ChannelHandler) -> None:

@@ -312,3 +312,31 @@ def test_state_server_answers_over_the_direct_data_plane():
             await tap.stop()
 
     run_async(scenario())
+
+
+@pytest.mark.parametrize("reconnect", [True, False])
+def test_a_stream_p2pd_cannot_route_is_opened_at_the_published_addresses(reconnect):
+    """A node with no DHT peers of its own cannot find a member through p2pd; the member's presence
+    record gave its addresses, and the libp2p transport connects to them and opens the stream. Off,
+    the open fails as it did in CI (a ControlFailure, and the round's groupmates waited out the deadline)."""
+    from hivemind.p2p import P2PDaemonError
+
+    async def scenario():
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(SwarmNode())
+            member = await stack.enter_async_context(SwarmNode(NodeConfig(initial_peers=first.maddrs)))
+            await Libp2pTransport(member.p2p).serve(PROTOCOL, echo)
+            loner = await stack.enter_async_context(SwarmNode())  # nobody to ask where the member is
+            loner.remember_addresses(member.peer_id, member.maddrs)  # what its presence record says
+            transport = Libp2pTransport(loner.p2p, reconnect=loner.reconnect if reconnect else None)
+            if not reconnect:
+                with pytest.raises(P2PDaemonError):
+                    await transport.open(member.peer_id, PROTOCOL)
+                return
+            channel = await transport.open(member.peer_id, PROTOCOL)
+            await channel.send({"t": "ping"}, b"hello")
+            frame = await channel.recv(max_payload=16)
+            assert frame.header["t"] == "ping" and bytes(frame.payload) == b"hello"
+            await channel.close()
+
+    run_async(scenario())
