@@ -239,16 +239,7 @@ class SwarmNode:
     async def introduce(self, peer_id: str) -> None:
         """Before a stream to a relayed peer: connect to it through its relays (a no-op when connected).
         Failures are left to the stream that follows, which then says why."""
-        addresses = self._relayed_addresses.get(peer_id)
-        if not addresses or self.p2p is None or peer_id == self.peer_id:
-            return
-        from hivemind.p2p import PeerID
-
-        try:
-            async with timeout(self.config.request_timeout):
-                await self.p2p._client.connect(PeerID.from_base58(peer_id), [_DaemonAddress(a, peer_id) for a in addresses])
-        except Exception as error:  # noqa: BLE001 - the stream's own error is the one to report
-            logger.debug("could not connect to %s through its relays: %s", peer_id, error)
+        await self._connect_to(peer_id, self._relayed_addresses.get(peer_id), "through its relays")
 
     async def reconnect(self, peer_id: str) -> bool:
         """After p2pd failed to open a stream to ``peer_id``: connect to the addresses its presence
@@ -256,6 +247,10 @@ class SwarmNode:
         load can fail (CI: a round failed with ControlFailure and its groupmates waited out the
         deadline); the members' records already hold them. True when the connection was made."""
         addresses = self._known.get(peer_id) or self._relayed_addresses.get(peer_id)
+        return await self._connect_to(peer_id, addresses, "at its published addresses")
+
+    async def _connect_to(self, peer_id: str, addresses: list[str] | None, how: str) -> bool:
+        """Have p2pd connect to ``peer_id`` at ``addresses``; False (logged) when it could not."""
         if not addresses or self.p2p is None or peer_id == self.peer_id:
             return False
         from hivemind.p2p import PeerID
@@ -265,7 +260,7 @@ class SwarmNode:
                 await self.p2p._client.connect(PeerID.from_base58(peer_id), [_DaemonAddress(a, peer_id) for a in addresses])
             return True
         except Exception as error:  # noqa: BLE001 - the stream's own error is the one to report
-            logger.debug("could not connect to %s at its published addresses: %s", peer_id, error)
+            logger.debug("could not connect to %s %s: %s", peer_id, how, error)
             return False
 
     @property
@@ -293,10 +288,10 @@ class SwarmNode:
         from hivemind.p2p import PeerID
 
         async def ping(peer_id: str, addresses: list[str]) -> bool:
+            if not await self._connect_to(peer_id, addresses, "to re-bootstrap"):
+                return False
             try:
                 async with timeout(self.config.request_timeout):
-                    await self.p2p._client.connect(PeerID.from_base58(peer_id),
-                                                   [_DaemonAddress(a, peer_id) for a in addresses])
                     return await self.dht.protocol.call_ping(PeerID.from_base58(peer_id)) is not None
             except Exception as error:  # noqa: BLE001 - gone too: the next one may answer
                 logger.debug("re-bootstrap through %s failed: %s", peer_id, error)
