@@ -90,7 +90,7 @@ async def download_result(transport: Transport, protocol: str, donors: list[str]
                 return await _fetch_result(transport, protocol, donor, epoch, numel, digest, decoder)
         except (FrameError, RemoteError, StateTransferError, EOFError, OSError, ConnectionError,
                 asyncio.TimeoutError, TimeoutError) as error:
-            failures.append(f"{donor}: {error or type(error).__name__}")
+            failures.append(f"{donor}: {str(error) or type(error).__name__}")  # a timeout says nothing itself
     raise StateTransferError(f"no donor handed over the result of round {epoch} "
                              f"({len(failures)} of {len(donors)} asked: {'; '.join(failures[:2])})")
 
