@@ -21,12 +21,11 @@ def test_the_scenario_is_four_lm_peers_on_each_network():
     assert len(loop.expanded_peers()) == len(slow.expanded_peers()) == 4
     assert all(p.link().up_mbit == math.inf and p.link().delay_ms == 0 for p in loop.expanded_peers())
     assert all(p.up_mbit == p.down_mbit == 10 for p in slow.expanded_peers())
-    # loopback: a swarm step per 4 x 8 samples, the single process's batch; 10 Mbit/s: DiLoCo
-    assert loop.run_config.strategy.name == "sync" and loop.run_config.strategy.target_batch_size == 32
-    assert slow.run_config.strategy.name == "diloco" and slow.run_config.strategy.inner_steps == 20
-    assert loop.batch_size == 8
-    forced = lm_compare.scenario(lm_compare.parse_args(["--strategy", "diloco"]), "loopback")
-    assert forced.run_config.strategy.name == "diloco"
+    assert loop.run_config.strategy.name == slow.run_config.strategy.name == "diloco"
+    assert loop.run_config.strategy.inner_steps == 20 and loop.batch_size == 8
+    # sync: a swarm step per 4 x 8 samples, the single process's batch
+    synced = lm_compare.scenario(lm_compare.parse_args(["--strategy", "sync"]), "loopback")
+    assert synced.run_config.strategy.name == "sync" and synced.run_config.strategy.target_batch_size == 32
     assert loop.run_config.hparams == {"batch_size": 8, "warmup_steps": 0, "decay_steps": 0}  # hivemind: no schedule
 
 
