@@ -132,6 +132,8 @@ def train_locally(task: Task, *, max_steps: int | None = None, max_seconds: floa
             if schedule is not None:
                 schedule.step()
             run.steps += 1
+            if max_seconds is not None and run.train_seconds + time.perf_counter() - tick >= max_seconds:
+                break  # the budget holds between evaluations too (eval_every may be far off)
         run.train_seconds += time.perf_counter() - tick
         evaluate()
     return run

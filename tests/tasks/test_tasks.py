@@ -189,6 +189,14 @@ def test_digits_trains_past_90_percent():
     assert run.final["accuracy"] > 0.90, run.history
 
 
+def test_a_time_budget_holds_between_evaluations():
+    """max_seconds stops training mid-way to an evaluation (it was checked only at evaluations: a 60 s
+    budget with evaluations 10^6 steps apart trained for minutes), and the run ends with one."""
+    run = train_locally(get_task("digits"), max_seconds=0.5, eval_every=10**6)
+    assert 0.5 <= run.train_seconds < 2.0 and 0 < run.steps < 10**6, (run.train_seconds, run.steps)
+    assert len(run.history) == 1 and run.history[0]["step"] == run.steps
+
+
 @needs_fashion
 def test_fashion_mnist_trains_past_70_percent_in_300_steps():
     run = train_locally(get_task("fashion-mnist"), max_steps=300, eval_every=300)
