@@ -242,10 +242,8 @@ class SwarmNode:
         await self._connect_to(peer_id, self._relayed_addresses.get(peer_id), "through its relays")
 
     async def reconnect(self, peer_id: str) -> bool:
-        """After p2pd failed to open a stream to ``peer_id``: connect to the addresses its presence
-        record published. p2pd finds a peer's addresses by itself through its own DHT, which under
-        load can fail (CI: a round failed with ControlFailure and its groupmates waited out the
-        deadline); the members' records already hold them. True when the connection was made."""
+        """After p2pd failed to open a stream to ``peer_id`` (its own DHT lookup can fail under load):
+        connect to the addresses its presence record published. True when the connection was made."""
         addresses = self._known.get(peer_id) or self._relayed_addresses.get(peer_id)
         return await self._connect_to(peer_id, addresses, "at its published addresses")
 

@@ -31,9 +31,8 @@ less than it would on a 1500-byte internet path; pass ``mtu=1500`` for internet-
 
 The hub asks for real-time round-robin scheduling (it blocks in epoll and uses a few percent of a
 core), so a busy machine delays the peers' processes, as it would on their own hardware, rather
-than the wire between them. Where it may not (no CAP_SYS_NICE), a descheduled hub leaves packets in
-the tuns' queues, which hold ``TUN_QUEUE`` packets: the kernel's 500 overflow in a 0.15 s stall of a
-UDP burst (72% lost), so the loss test saw 35% lost where its link asked for 20%. A stall now delays.
+than the wire between them. Where it may not, a descheduled hub leaves packets in the tuns' queues
+(``TUN_QUEUE``: the kernel's 500 lost 72% of a UDP burst in a 0.15 s stall), so a stall only delays.
 
 Lifetime: ``with EmulatedNetwork(links) as net:`` builds everything and tears it down on exit,
 also on exceptions and KeyboardInterrupt. While the block runs, SIGTERM and SIGHUP raise
