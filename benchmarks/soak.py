@@ -121,6 +121,7 @@ class Proc:
         self.events: list[tuple[float, dict]] = []  # (monotonic time, progress event)
         self.ready: dict | None = None
         self.daemons: set[int] = set()
+        self.killed = False  # by the soak: any other exit is a crash the report names
         for pipe, sink in ((self.process.stdout, self._stdout), (self.process.stderr, self._stderr)):
             threading.Thread(target=self._drain, args=(pipe, sink), daemon=True).start()
 
@@ -160,6 +161,7 @@ class Proc:
     def kill(self, grace: float = 0.0) -> None:
         """SIGKILL (after ``grace`` seconds, for a SIGTERM sent before), then the daemons under it."""
         self.processes()
+        self.killed = True
         if grace <= 0 and self.alive():
             self.process.kill()
         try:
@@ -196,6 +198,16 @@ def peer_argv(directory: Path, index: int, initial: str, inner_steps: int, creat
     return [*SWARMGRAD, "-v", "peer", "digits", "--run-id", RUN, "--initial-peers", initial, "--threads", "1",
             "--identity", str(directory / f"peer{index}.key"), "--inner-steps", str(inner_steps), "--json",
             "--shard", str(index), "--num-shards", "8", *(["--create"] if create else [])]
+
+
+def exited_by_itself(proc: Proc) -> bool:
+    """A process that ended though the soak did not end it (a peer must not exit because another crashed)."""
+    return not proc.killed and not proc.alive()
+
+
+def exit_report(proc: Proc, at: float) -> dict:
+    """When it ended, its exit status and its last stderr lines (read at the end: the pipe drains after the exit)."""
+    return {"process": proc.name, "t": at, "returncode": proc.process.returncode, "stderr_tail": proc.stderr[-30:]}
 
 
 def entry_points(slots: list[PeerSlot]) -> list[str]:
@@ -375,7 +387,12 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None, c
             next_sample, next_kill = 0.0, kill_every
             bootstrap_dead, late_started = False, None
             starts: dict[str, float] = {}
+            exits: dict[str, tuple[Proc, float]] = {}
             while (now := time.monotonic() - began) < minutes * 60:
+                for proc in [bootstrap, *(s.current for s in slots), *([late.current] if late else [])]:
+                    if proc.name not in exits and exited_by_itself(proc):
+                        exits[proc.name] = (proc, now)
+                        log(f"{proc.name} exited by itself, status {proc.process.returncode}")
                 if now >= next_sample:
                     live = [bootstrap, *(s.current for s in slots), *([late.current] if late else [])]
                     rows += sample(now, live)
@@ -444,7 +461,7 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None, c
         "rounds_over_deadline": sum(e["rounds_over_deadline"] for e in per_incarnation.values()),
         "round_errors": dict(sum((Counter(e["round_errors"]) for e in per_incarnation.values()), Counter())),
         "slopes": slopes(rows, starts, warm_up), "incarnations": per_incarnation, "samples": rows,
-        "timeline": timeline,
+        "timeline": timeline, "unexpected_exits": [exit_report(proc, at) for proc, at in exits.values()],
     }
     if plot_path is not None:
         plot(rows, plot_path, timeline)
@@ -482,6 +499,9 @@ def main() -> None:
           f"{result['longest_round']:.1f} s ({result['rounds_over_deadline']} over their deadline); longest "
           f"training-loop stall {result['longest_stall']:.1f} s ({result['longest_stall_after_warm_up']:.1f} s "
           "after the warm-up)")
+    for ended in result["unexpected_exits"]:
+        print(f"{ended['process']} exited by itself at {ended['t']:.0f} s, status {ended['returncode']}:")
+        print("\n".join(f"    {line}" for line in ended["stderr_tail"]))
     for error, count in sorted(result["round_errors"].items(), key=lambda item: -item[1]):
         print(f"{count:>6} failed rounds: {error}")
     for name, entry in result["incarnations"].items():

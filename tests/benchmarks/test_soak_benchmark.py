@@ -35,6 +35,7 @@ def test_three_minute_soak_goes_on_without_its_bootstrap_and_lets_a_newcomer_in(
     # kills every 45 s (the floor), always the last peer: the others live the whole run
     restarts = [what for _, what in report["timeline"] if what.startswith("restart")]
     assert len(restarts) >= 3 and set(restarts) == {"restart peer3"}, report["timeline"]
+    assert report["unexpected_exits"] == []  # only the churner and the bootstrap are ended, by the soak
     assert report["rounds_after_bootstrap_died"] > 0, report["incarnations"]
     late = [entry for name, entry in report["incarnations"].items() if name.startswith("late")]
     assert late and late[0]["rounds_ok"] + late[0]["rounds_failed"] > 0, report["incarnations"]  # it got in
