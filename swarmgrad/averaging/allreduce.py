@@ -405,8 +405,10 @@ class GroupAllReduce:
         finally:
             if not reading.done():
                 reading.cancel()
-        if reading.done() and not reading.cancelled():
-            error = reading.exception()  # retrieved either way
+            elif not reading.cancelled():
+                # retrieved even when this wait is cancelled (the round failed meanwhile): asyncio would
+                # log "Task exception was never retrieved" with a traceback for every closed channel
+                error = reading.exception()
         if handed.done():
             return
         why = f"{type(error).__name__}: {error}" if error is not None else f"sent {reading.result()[0].get('t')!r}"
