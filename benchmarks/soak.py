@@ -16,7 +16,9 @@ of kept results and served state copies, rounds ok/failed, the longest round see
 deadline. The longest training-loop stall of each peer is the longest gap between progress events
 in which its step did not move (events come every second: that is its resolution), with what moved
 across it (rounds failed, downloads, replays); failed rounds are counted by kind from each peer's
-log (``--logs DIR`` keeps the logs whole).
+log (``--logs DIR`` keeps the logs whole). A process that exits though the soak did not end it is
+reported (``unexpected_exits``: when, its status, its last stderr lines): a peer must not exit
+because another crashed.
 
 Then: a table of slopes after the warm-up (10 min, scaled; a restarted process's from as long
 after its own start: any process's allocator grows over its first minutes, and peers left alone
