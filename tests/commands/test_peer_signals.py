@@ -81,16 +81,25 @@ def test_sigterm_leaves_a_round_that_waits_for_a_member_that_vanished(swarm):
     on SIGTERM at once, not when the round's matchmaking gives up: a supervisor's grace period
     (the demo's 10 s) would otherwise kill it before it reports (the demo's flaky test)."""
     # a long matchmaking window: a member that vanished is waited for one window only (attendance.py),
-    # so that window must outlast the check below even when a loaded machine delays what it sees
-    common = ["--inner-steps", "20", "--eval-every", "0", "--no-final-eval", "--max-seconds", "150",
+    # so that window must outlast the check below even when a loaded machine delays what it sees.
+    # Long inner phases (seconds of digits steps): killed mid-phase, the creator is at the volunteer's
+    # epoch, and the volunteer's next round waits for it. With 20 steps, epochs came every ~0.3 s and
+    # 1 kill in 4 found the creator an epoch ahead: the volunteer then only tried to download its state
+    # (failing, training on), and never waited in a round
+    common = ["--inner-steps", "1500", "--eval-every", "0", "--no-final-eval", "--max-seconds", "150",
               "--num-shards", "2", "--wait", "90", "--wait-peers", "2", "--matchmaking-seconds", "15"]
     creator = swarm.peer("--create", "--shard", "0", *common, name="creator")
     volunteer = swarm.peer("--shard", "1", *common, task=None, name="volunteer")
     creator.ready(90)
     volunteer.ready(90)
     for peer in (creator, volunteer):
-        peer.wait_event("progress", 90, lambda event: event["rounds_ok"] >= 1)
+        peer.wait_event("progress", 120, lambda event: event["rounds_ok"] >= 1)
 
+    def same_epoch() -> bool:
+        """Both last said they train in the same epoch (a round takes a fraction of a second of a phase)."""
+        return volunteer.last("progress")["epoch"] == creator.last("progress")["epoch"]
+
+    volunteer.wait_until(same_epoch, 60, "both peers in the same inner phase")
     creator.signal(signal.SIGKILL)  # gone without leaving: the volunteer still lists it for a while
 
     def blocked() -> bool:  # no progress line for a while: the training loop waits on a round
