@@ -391,13 +391,13 @@ def soak(minutes: float, peers: int, inner_steps: int, plot_path: Path | None, c
             starts: dict[str, float] = {}
             exits: dict[str, tuple[Proc, float]] = {}
             while (now := time.monotonic() - began) < minutes * 60:
-                for proc in [bootstrap, *(s.current for s in slots), *([late.current] if late else [])]:
+                current = [bootstrap, *(s.current for s in slots), *([late.current] if late else [])]
+                for proc in current:
                     if proc.name not in exits and exited_by_itself(proc):
                         exits[proc.name] = (proc, now)
                         log(f"{proc.name} exited by itself, status {proc.process.returncode}")
                 if now >= next_sample:
-                    live = [bootstrap, *(s.current for s in slots), *([late.current] if late else [])]
-                    rows += sample(now, live)
+                    rows += sample(now, current)
                     next_sample += sample_every
                 if now >= next_kill:
                     # always the last peer (the churner): the others live the whole run, so their memory is
