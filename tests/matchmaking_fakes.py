@@ -1,4 +1,5 @@
-"""Fakes for matchmaking unit tests (tests/averaging/): a DHT that shows chosen declarations."""
+"""Fakes for matchmaking unit tests (tests/averaging/): a DHT that shows chosen declarations, a transport
+on which chosen peers answer probes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 from swarmgrad.averaging.matchmaking import MatchRecord
+from swarmgrad.net.wire import Frame
 
 
 class DeclaredNode:
@@ -20,3 +22,30 @@ class DeclaredNode:
     async def get_records(self, key, kind):
         body = MatchRecord(ready_at=time.time(), share=1.0, schema_digest="schema", codec="none")
         return {peer: SimpleNamespace(body=body) for peer in self.declared}
+
+
+class ProbedTransport:
+    """A transport on which the peers in ``alive`` answer probes (matchmaking's control protocol), and
+    no other stream opens: ``opened`` lists whom it was asked to reach, and when."""
+
+    admission = None
+
+    def __init__(self, alive: set[str] = frozenset()):
+        self.alive, self.opened, self.began = set(alive), [], time.monotonic()
+
+    async def open(self, peer: str, protocol: str):
+        self.opened.append((peer, time.monotonic() - self.began))
+        if peer not in self.alive:
+            raise ConnectionError(f"{peer} is gone")
+        return _AliveChannel()
+
+
+class _AliveChannel:
+    async def send(self, header: dict) -> None:
+        assert header == {"t": "probe"}, header
+
+    async def recv(self, max_payload: int = 0) -> Frame:
+        return Frame({"t": "alive"})
+
+    async def close(self) -> None:
+        pass

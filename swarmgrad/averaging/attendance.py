@@ -4,7 +4,8 @@ A presence record says a member exists; anyone can publish one that never averag
 crashed leaves one behind until it expires. Matchmaking waits, for the members the moshpit grid puts
 in this peer's slice, only for those it has *seen alive*: they declared under a round's key this
 peer read, invited or accepted it in a round, or answered a direct probe (``Matchmaker.probe``: a
-stream to its matchmaking protocol, which a record alone cannot open). A member seen alive that
+stream to its matchmaking protocol, which a record alone cannot open; a peer taking the swarm's
+state answers ``busy``, which counts as a failed probe). A member seen alive that
 was waited for and did not declare (a no-show) is not waited for again until it shows life again;
 probes of members not seen alive back off (``PROBE_BACKOFF``, 0.5 s, doubling per no-show or failed probe),
 so a listed member that never averages costs at most one matchmaking window, and a fake record

@@ -12,7 +12,9 @@
 
 Of the members the caller expects (the moshpit grid's slice), matchmaking waits only for those seen
 alive (attendance.py): a listed member that never declares costs at most one window, and one whose
-record stands behind no live peer (it never answers a probe) costs none. A member whose record
+record stands behind no live peer (it never answers a probe) costs none; an expected leader that
+did not declare is probed as the window ends, and the next member leads once the probe fails (a
+crashed leader costs one window, not the window and a plan's wait). A member whose record
 carries a pace is waited for at most a cap from this peer's own round period, and not at all when
 its pace says it cannot come within it (stragglers.py).
 """
@@ -24,7 +26,7 @@ import hashlib
 import logging
 import math
 import time
-from typing import Annotated, Callable, Mapping
+from typing import Annotated, Any, Callable, Coroutine, Mapping
 
 import pydantic
 
@@ -103,6 +105,9 @@ class Matchmaker:
         self.invitations = Invitations(node, transport, protocol, self.terms, self.attendance, reply_timeout)
         self.rounds = RoundClock()  # this peer's round period, which caps the wait for stragglers
         self._probes: set[asyncio.Task] = set()
+        # whether this peer comes to rounds now: not while it takes the swarm's state (the peer sets it;
+        # probes answered "alive" then had every member wait for one that could not come: issue 38)
+        self.available: Callable[[], bool] = lambda: True
 
     @property
     def reply_deadline(self) -> float:
@@ -204,14 +209,18 @@ class Matchmaker:
                 looking.committed = True
                 return await self.invitations.lead(key, group, min_group_size, share)
             # a follower: the leader we accepted (or will accept) sends the plan
-            plan = await self._plan(looking, window)
+            leader = leader_of(group, unreachable, clients) if group else None
+            silent = leader is not None and leader not in declared
+            plan = await self._plan(looking, window, unless=self._gone(leader) if silent else None)
             if plan is not None or looking.committed or not group:
                 return plan
-            # No invitation came. An expected leader that never declared (a peer the swarm left behind,
-            # replaying a round) invites nobody, and every member would fail the round: the next member
-            # in order that declared leads those still looking. Only now, not once a read misses the
-            # leader: a leader whose declaration was slow to show still invites in time.
-            leader = leader_of(group, unreachable, clients)
+            # No invitation came. An expected leader that never declared (a peer that crashed since the
+            # last round, one the swarm left behind replaying a round, one taking the state) invites
+            # nobody, and every member would fail the round: the next member in order that declared
+            # leads those still looking. Not once a read misses the leader (a leader whose
+            # declaration was slow to show still invites in time), but once its plan's wait is over
+            # or a probe says it is not there to send one (``_gone``): waiting out the plan's wait for
+            # a crashed leader cost the soak's swarm 6 s a kill (issue 38).
             if leader in declared:
                 return None  # it was looking: its group went on without this peer
             rest = [peer for peer in group if peer != leader and peer in declared]
@@ -306,19 +315,39 @@ class Matchmaker:
         if self._probes:
             await asyncio.wait(list(self._probes))
 
-    async def _plan(self, looking: Looking, window: float) -> GroupPlan | None:
-        """The plan a leader sends (None: a cancel, or none within the window and two replies). An
-        invitation accepted as that wait ends is waited for too (``serve`` bounds its decision):
-        leaving then, the leader would start a round with a member that never comes, and its group
-        would wait out the all-reduce's deadline (soak: a next-in-order leader invited followers just
-        as they gave up waiting for the expected one's plan; 5 s lost each time)."""
-        for wait in (window + 2 * self.reply_deadline, 2 * self.reply_deadline):
-            try:
-                return await asyncio.wait_for(asyncio.shield(looking.plan), timeout=wait)
-            except asyncio.TimeoutError:
+    async def _plan(self, looking: Looking, window: float,
+                    unless: Coroutine[Any, Any, bool] | None = None) -> GroupPlan | None:
+        """The plan a leader sends (None: a cancel, or none within the window and two replies, or
+        ``unless`` came back True before an invitation committed this peer). An invitation accepted
+        as that wait ends is waited for too (``serve`` bounds its decision): leaving then, the leader
+        would start a round with a member that never comes, and its group would wait out the
+        all-reduce's deadline (soak: a next-in-order leader invited followers just as they gave up
+        waiting for the expected one's plan; 5 s lost each time)."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.ensure_future(unless) if unless is not None else None
+        try:
+            for wait in (window + 2 * self.reply_deadline, 2 * self.reply_deadline):
+                ends = loop.time() + wait
+                while not looking.plan.done() and loop.time() < ends:
+                    waits = {looking.plan} if stop is None else {looking.plan, stop}
+                    await asyncio.wait(waits, timeout=ends - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+                    if stop is not None and stop.done():
+                        gone, stop = not stop.cancelled() and stop.exception() is None and stop.result(), None
+                        if gone and not looking.committed:
+                            return None
+                if looking.plan.done():
+                    return None if looking.plan.cancelled() else looking.plan.result()
                 if not looking.committed:
                     return None
-        return None
+            return None
+        finally:
+            if stop is not None:
+                stop.cancel()
+
+    async def _gone(self, leader: str) -> bool:
+        """Whether an expected leader that never declared is not there to send a plan: a probe of it
+        fails, or it answers that it is taking the swarm's state (``available``)."""
+        return not await self.probe(leader)
 
     async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)
@@ -347,6 +376,6 @@ class Matchmaker:
         async with timeout(self.reply_deadline):
             request = await channel.recv(max_payload=0)
         if request.kind == "probe":  # another member checks this peer is alive (attendance.py)
-            await channel.send({"t": "alive"})
+            await channel.send({"t": "alive" if self.available() else "busy"})  # "busy": a failed probe there
             return
         await self.invitations.answer(channel, request)

@@ -171,6 +171,8 @@ class PeerAssembly:
         catch_up = CatchUp(self.runtime, server, policy, state, self.tracker, timing, publish_state,
                            decoder=averager.result_decoder if isinstance(averager, Averager) else None)
         self.counters.observers.insert(0, catch_up.observe)
+        if isinstance(averager, Averager) and averager.matchmaker is not None:
+            averager.matchmaker.available = lambda: not catch_up.running  # not waited for while taking the state
         driver = RoundDriver(policy, backend, self.tracker, timing, catch_up, self.counters.record, run_id=self.run_id,
                              keep_result=server.publish_result, overlap=getattr(config.strategy, "overlap", "off"))
         checkpoints = self.local.checkpoints

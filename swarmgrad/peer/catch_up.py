@@ -80,6 +80,7 @@ class CatchUp:
         self.downloads = 0  # whole states taken
         self.replayed = 0  # rounds replayed from their results
         self.in_step = False
+        self.running = False  # taking the swarm's state now
         self.receive_rate: float | None = None  # bytes/s this peer's group rounds received at, smoothed
 
     def observe(self, outcome: RoundOutcome) -> None:
@@ -117,7 +118,15 @@ class CatchUp:
         return self.tracker.local.epoch
 
     async def __call__(self, donors: list[str], min_version: int, rejoin: bool = False) -> None:
-        """``rejoin``: this peer is ahead of the swarm on its own; it takes the donors' state as it is."""
+        """``rejoin``: this peer is ahead of the swarm on its own; it takes the donors' state as it is.
+        ``running`` says so meanwhile (matchmaking then answers probes that this peer cannot come)."""
+        self.running = True
+        try:
+            await self._catch_up(donors, min_version, rejoin)
+        finally:
+            self.running = False
+
+    async def _catch_up(self, donors: list[str], min_version: int, rejoin: bool) -> None:
         if rejoin:
             await self.download(donors, min_version)
             return

@@ -8,7 +8,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from matchmaking_fakes import DeclaredNode
+from matchmaking_fakes import DeclaredNode, ProbedTransport
 
 from swarmgrad.averaging.invitations import REPLY_STRETCH
 from swarmgrad.averaging.matchmaking import GRACE_LATENCIES, Matchmaker, MatchRecord, split_groups
@@ -150,7 +150,8 @@ def test_an_expected_leader_whose_declaration_shows_late_still_leads():
 
     async def scenario():
         node = DeclaredNode(["me", "other"])
-        matchmaker = Matchmaker(node, SimpleNamespace(admission=None), "test", schema_digest="schema",
+        # it answers the probe the others send once their window ends without its declaration
+        matchmaker = Matchmaker(node, ProbedTransport(alive={"late"}), "test", schema_digest="schema",
                                 codec="none", reply_timeout=0.1)
         for member in ("late", "other"):  # members that averaged before: waited for (attendance.py)
             matchmaker.attendance.seen_alive(member)
