@@ -15,6 +15,11 @@ members it refuses. The leader leaves out a member refused by a strict majority 
 then every member that still refuses one who stays (``left_out``). A liar that refuses an honest
 peer thus loses only its own seat, and an honest peer that banned a liar before the others sits
 rounds out until half of them have.
+
+Under a rule that out-votes a liar only among three rows or more, a pair averages the liar at half
+weight: while that many members of its slice are known to be here, a peer leads no group smaller and
+declines to join one (``quorum``), and rejects a plan cut below it after an invitation to a larger
+group (an honest leader cancels instead).
 """
 
 from __future__ import annotations
@@ -61,6 +66,20 @@ class Looking:
     share: float
     committed: bool = False  # accepted an invitation, or leading: no more invitations accepted
     plan: asyncio.Future | None = None
+    quorum: int = 1  # the fewest members it averages with (``quorum``)
+
+
+def quorum(aggregator: str, present: int, group_size: int) -> int:
+    """The fewest members a group may average with under ``aggregator`` when ``present`` members of
+    the slice are known to be here (this peer included): a rule that out-votes a liar only among
+    ``outvotes_from`` rows (rules/base.py) is not used in a smaller group while that many are here
+    and a group may hold them; else 1. A pair with a liar averages its update at half weight, whatever
+    the rule: in the quick attack benchmark one such round (two honest peers catching up, the other
+    paired with the x100 attacker) left the honest peers at 16-60% accuracy against 95% clean."""
+    from swarmgrad.averaging.rules import get_rule
+
+    least = get_rule(aggregator).outvotes_from
+    return least if least is not None and present >= least and group_size >= least else 1
 
 
 @dataclass
@@ -180,8 +199,9 @@ class Invitations:
         group = peer_ids(invite.header, "group", MAX_GROUP)
         looking = self.looking.get(key)
         self.attendance.seen_alive(channel.peer_id)  # it leads a group of this averager
-        if looking is None or looking.committed:
-            reason = "not looking for a group under this key" if looking is None else "already in a group"
+        if looking is None or looking.committed or len(group) < looking.quorum:
+            reason = "not looking for a group under this key" if looking is None else "already in a group" \
+                if looking.committed else f"a group of {len(group)} cannot out-vote a liar here"
             await channel.send({"t": "decline", "reason": reason})
             return
         looking.committed = True
@@ -200,6 +220,9 @@ class Invitations:
                 if (plan.schema_digest, plan.codec, plan.aggregator) != (
                         self.terms.schema_digest, self.terms.codec, self.terms.aggregator):
                     raise FrameError("plan's schema, codec or aggregator differs from this peer's")
+                least = max(looking.quorum, quorum(self.terms.aggregator, len(group), len(group)))
+                if len(plan.members) < least:  # a leader that keeps to the quorum cancels instead
+                    raise FrameError(f"plan of {len(plan.members)} members; its rule needs {least} here")
             elif decision.kind != "cancel":
                 raise FrameError(f"expected begin or cancel, got {decision.kind!r}")
         except BaseException:

@@ -32,7 +32,7 @@ import pydantic
 
 from swarmgrad.averaging.attendance import Attendance
 from swarmgrad.averaging.group_plan import GroupPlan
-from swarmgrad.averaging.invitations import Invitations, Looking, Terms
+from swarmgrad.averaging.invitations import Invitations, Looking, Terms, quorum
 from swarmgrad.averaging.stragglers import CAP_LATENCIES, Pace, Patience, RoundClock, half_declared, straggler_cap
 from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.records import RecordBody, record_kind
@@ -164,7 +164,10 @@ class Matchmaker:
             def waited(declared: set[str]) -> frozenset[str] | None:
                 """Who to wait for, or None while a probe of a listed member is still in flight."""
                 return None if attendance.probing(listed) else waiting(declared)
-        looking = Looking(key, share, plan=asyncio.get_running_loop().create_future())
+        aggregator = self.terms.aggregator
+        present = len(alive()) if expected_members is not None else 0  # members known to be here
+        looking = Looking(key, share, plan=asyncio.get_running_loop().create_future(),
+                          quorum=quorum(aggregator, present, group_size))
         self.invitations.looking[key] = looking
         watch = asyncio.ensure_future(self._stop_when(moved_on, looking)) if moved_on is not None else None
         began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
@@ -204,10 +207,12 @@ class Matchmaker:
                 # same group and leader even when a read missed a declaration (a holder that did not
                 # answer in time); an expected peer that is not looking declines and is left out
                 peers = sorted(declared | waiting_for)
+            looking.quorum = max(looking.quorum, quorum(aggregator, len(peers), group_size))
+            least = max(min_group_size, looking.quorum)
             group = self._my_group(key, peers, group_size) if not looking.committed else []
             if group and leader_of(group, unreachable, clients) == me:
                 looking.committed = True
-                return await self.invitations.lead(key, group, min_group_size, share)
+                return await self.invitations.lead(key, group, least, share)
             # a follower: the leader we accepted (or will accept) sends the plan
             leader = leader_of(group, unreachable, clients) if group else None
             silent = leader is not None and leader not in declared
@@ -227,7 +232,7 @@ class Matchmaker:
             logger.debug("%s: expected leader %s never declared; the next member leads", key, leader)
             if rest and leader_of(rest, unreachable, clients) == me:
                 looking.committed = True
-                return await self.invitations.lead(key, rest, min_group_size, share)
+                return await self.invitations.lead(key, rest, least, share)
             return await self._plan(looking, window)
         finally:
             # where a round's matchmaking time goes (a DHT store, the reads, the invitations), for -vv

@@ -7,7 +7,9 @@ no I/O, no state; a rule's gossip form may keep state (one per averager).
 
 - **small groups**: one row is its own result, and a group of two cannot out-vote a liar (there is no
   majority to keep): every rule returns their weighted mean, so only the run's cap bounds what a liar
-  claims there (the median cut of ``bound_weights`` cuts nothing among two).
+  claims there (the median cut of ``bound_weights`` cuts nothing among two). So a rule that out-votes
+  from ``outvotes_from`` rows is not used in a smaller group while that many members of the slice are
+  known to be here (invitations.py ``quorum``): such peers then wait for a larger group instead.
 - **weights**: a rule that needs all rows sees each claim cut to min(cap, ``WEIGHT_FACTOR`` x the
   median claim); a streaming one, only to the cap (it folds a contribution before the others have
   claimed). With factor 2 one peer never holds more than half the weight of a group of three or
@@ -56,6 +58,7 @@ class Rule(ABC):
 
     name: ClassVar[str]
     streams: ClassVar[bool] = False
+    outvotes_from: ClassVar[int | None] = 3  # the fewest rows among which it out-votes one liar (None: never)
 
     def aggregate(self, rows: torch.Tensor, weights: torch.Tensor) -> Aggregate:
         """One chunk's result from ``rows`` (members x chunk, float32) and their bounded ``weights``

@@ -19,6 +19,7 @@ class PlainGossip(GossipForm):
 class Mean(Rule):
     name = "mean"
     streams = True
+    outvotes_from = None
 
     def combine(self, rows: torch.Tensor, weights: torch.Tensor) -> Aggregate:
         return Aggregate(weighted_mean(rows, weights))
