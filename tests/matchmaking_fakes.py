@@ -25,27 +25,32 @@ class DeclaredNode:
 
 
 class ProbedTransport:
-    """A transport on which the peers in ``alive`` answer probes (matchmaking's control protocol), and
-    no other stream opens: ``opened`` lists whom it was asked to reach, and when."""
+    """A transport on which the peers in ``alive`` answer probes (matchmaking's control protocol), as
+    looking under the key asked about unless listed in ``not_looking``; no other stream opens.
+    ``opened`` lists whom it was asked to reach, and when."""
 
     admission = None
 
-    def __init__(self, alive: set[str] = frozenset()):
-        self.alive, self.opened, self.began = set(alive), [], time.monotonic()
+    def __init__(self, alive: set[str] = frozenset(), not_looking: set[str] = frozenset()):
+        self.alive, self.not_looking, self.opened, self.began = set(alive), set(not_looking), [], time.monotonic()
 
     async def open(self, peer: str, protocol: str):
         self.opened.append((peer, time.monotonic() - self.began))
         if peer not in self.alive:
             raise ConnectionError(f"{peer} is gone")
-        return _AliveChannel()
+        return _ProbedChannel(peer not in self.not_looking)
 
 
-class _AliveChannel:
+class _ProbedChannel:
+    def __init__(self, looking: bool):
+        self.looking, self.asked = looking, {}
+
     async def send(self, header: dict) -> None:
-        assert header == {"t": "probe"}, header
+        assert header["t"] == "probe", header
+        self.asked = header
 
     async def recv(self, max_payload: int = 0) -> Frame:
-        return Frame({"t": "alive"})
+        return Frame({"t": "alive", **({"looking": self.looking} if "key" in self.asked else {})})
 
     async def close(self) -> None:
         pass

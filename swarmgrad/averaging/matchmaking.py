@@ -26,7 +26,7 @@ import hashlib
 import logging
 import math
 import time
-from typing import Annotated, Any, Callable, Coroutine, Mapping
+from typing import Annotated, Callable, Mapping
 
 import pydantic
 
@@ -171,6 +171,7 @@ class Matchmaker:
         self.invitations.looking[key] = looking
         watch = asyncio.ensure_future(self._stop_when(moved_on, looking)) if moved_on is not None else None
         began, seen = time.monotonic(), {}  # seen: when the read that settled the group came, how many it saw
+        gone: asyncio.Future[bool] | None = None  # whether the expected leader is not there to lead (``_gone``)
         ready_at = time.time() + window
         grace = max(window, GRACE_LATENCIES * self.node.dht_latency)
         try:
@@ -215,21 +216,26 @@ class Matchmaker:
                 return await self.invitations.lead(key, group, least, share)
             # a follower: the leader we accepted (or will accept) sends the plan
             leader = leader_of(group, unreachable, clients) if group else None
-            silent = leader is not None and leader not in declared
-            plan = await self._plan(looking, window, unless=self._gone(leader) if silent else None)
+            if leader is not None:
+                # a leader that never declared is asked at once whether it is there; one that did, only
+                # if its plan is late: it may have left the key (failed, or gone on to a retry)
+                gone = asyncio.ensure_future(self._gone(leader, key, after=0.0 if leader not in declared
+                                                        else self.reply_deadline))
+            plan = await self._plan(looking, window, unless=gone)
             if plan is not None or looking.committed or not group:
                 return plan
             # No invitation came. An expected leader that never declared (a peer that crashed since the
-            # last round, one the swarm left behind replaying a round, one taking the state) invites
-            # nobody, and every member would fail the round: the next member in order that declared
-            # leads those still looking. Not once a read misses the leader (a leader whose
-            # declaration was slow to show still invites in time), but once its plan's wait is over
-            # or a probe says it is not there to send one (``_gone``): waiting out the plan's wait for
-            # a crashed leader cost the soak's swarm 6 s a kill (issue 38).
-            if leader in declared:
+            # last round, one the swarm left behind replaying a round, one taking the state), or one
+            # that left the key, invites nobody here, and every member would fail the round: the next
+            # member in order that declared leads those still looking. Not once a read misses the
+            # leader (a leader whose declaration was slow to show still invites in time), but once its
+            # plan's wait is over or a probe says it is not there to send one (``_gone``): waiting out
+            # the plan's wait for a crashed leader cost the soak's swarm 6 s a kill (issue 38).
+            left = gone is not None and gone.done() and not gone.cancelled() and gone.result()
+            if leader in declared and not left:
                 return None  # it was looking: its group went on without this peer
             rest = [peer for peer in group if peer != leader and peer in declared]
-            logger.debug("%s: expected leader %s never declared; the next member leads", key, leader)
+            logger.debug("%s: expected leader %s never declared or left; the next member leads", key, leader)
             if rest and leader_of(rest, unreachable, clients) == me:
                 looking.committed = True
                 return await self.invitations.lead(key, rest, least, share)
@@ -240,8 +246,9 @@ class Matchmaker:
                          key, seen.get("peers", "no"), seen.get("at", math.nan), seen.get("stored", math.nan),
                          time.monotonic() - began)
             self.invitations.looking.pop(key, None)
-            if watch is not None:
-                watch.cancel()
+            for task in (watch, gone):
+                if task is not None:
+                    task.cancel()
             if not looking.plan.done():
                 looking.plan.cancel()
 
@@ -291,17 +298,17 @@ class Matchmaker:
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    async def probe(self, peer: str) -> bool:
+    async def probe(self, peer: str, key: str | None = None) -> bool:
         """Whether ``peer`` answers on this matchmaking protocol now (a record alone cannot); told to
-        the attendance either way."""
+        the attendance either way. With ``key``: and whether it is looking under that key."""
         channel = None
         try:
             async with timeout(self.reply_deadline):
                 channel = await self.transport.open(peer, self.protocol)
-                await channel.send({"t": "probe"})
-                expect_kind(await channel.recv(max_payload=0), "alive")
+                await channel.send({"t": "probe"} if key is None else {"t": "probe", "key": key})
+                answer = expect_kind(await channel.recv(max_payload=0), "alive")
             self.attendance.answered(peer)
-            return True
+            return answer.header.get("looking", True) is not False
         except asyncio.CancelledError:
             self.attendance.probe_failed(peer)  # no longer in flight
             raise
@@ -321,7 +328,7 @@ class Matchmaker:
             await asyncio.wait(list(self._probes))
 
     async def _plan(self, looking: Looking, window: float,
-                    unless: Coroutine[Any, Any, bool] | None = None) -> GroupPlan | None:
+                    unless: asyncio.Future[bool] | None = None) -> GroupPlan | None:
         """The plan a leader sends (None: a cancel, or none within the window and two replies, or
         ``unless`` came back True before an invitation committed this peer). An invitation accepted
         as that wait ends is waited for too (``serve`` bounds its decision): leaving then, the leader
@@ -329,30 +336,27 @@ class Matchmaker:
         all-reduce's deadline (soak: a next-in-order leader invited followers just as they gave up
         waiting for the expected one's plan; 5 s lost each time)."""
         loop = asyncio.get_running_loop()
-        stop = asyncio.ensure_future(unless) if unless is not None else None
-        try:
-            for wait in (window + 2 * self.reply_deadline, 2 * self.reply_deadline):
-                ends = loop.time() + wait
-                while not looking.plan.done() and loop.time() < ends:
-                    waits = {looking.plan} if stop is None else {looking.plan, stop}
-                    await asyncio.wait(waits, timeout=ends - loop.time(), return_when=asyncio.FIRST_COMPLETED)
-                    if stop is not None and stop.done():
-                        gone, stop = not stop.cancelled() and stop.exception() is None and stop.result(), None
-                        if gone and not looking.committed:
-                            return None
-                if looking.plan.done():
-                    return None if looking.plan.cancelled() else looking.plan.result()
-                if not looking.committed:
+        for wait in (window + 2 * self.reply_deadline, 2 * self.reply_deadline):
+            ends = loop.time() + wait
+            while not looking.plan.done() and loop.time() < ends:
+                stop = unless if unless is not None and not unless.done() else None
+                await asyncio.wait({looking.plan} if stop is None else {looking.plan, stop},
+                                   timeout=ends - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+                if stop is not None and stop.done() and not stop.cancelled() and stop.result() \
+                        and not looking.committed:
                     return None
-            return None
-        finally:
-            if stop is not None:
-                stop.cancel()
+            if looking.plan.done():
+                return None if looking.plan.cancelled() else looking.plan.result()
+            if not looking.committed:
+                return None
+        return None
 
-    async def _gone(self, leader: str) -> bool:
-        """Whether an expected leader that never declared is not there to send a plan: a probe of it
-        fails, or it answers that it is taking the swarm's state (``available``)."""
-        return not await self.probe(leader)
+    async def _gone(self, leader: str, key: str, after: float) -> bool:
+        """After ``after`` seconds, whether ``leader`` is not there to lead the group under ``key``: a
+        probe of it fails, it answers that it is taking the swarm's state (``available``), or that it
+        is not looking under ``key`` (it failed the round, or went on to a retry)."""
+        await asyncio.sleep(after)
+        return not await self.probe(leader, key)
 
     async def _declared(self, key: str) -> list[str]:
         records = await self.node.get_records(key, MatchRecord)
@@ -381,6 +385,11 @@ class Matchmaker:
         async with timeout(self.reply_deadline):
             request = await channel.recv(max_payload=0)
         if request.kind == "probe":  # another member checks this peer is alive (attendance.py)
-            await channel.send({"t": "alive" if self.available() else "busy"})  # "busy": a failed probe there
+            if not self.available():
+                await channel.send({"t": "busy"})  # a failed probe there
+                return
+            key = request.header.get("key")  # a follower asks whether its expected leader is still here
+            looking = {"looking": key in self.invitations.looking} if isinstance(key, str) else {}
+            await channel.send({"t": "alive", **looking})
             return
         await self.invitations.answer(channel, request)

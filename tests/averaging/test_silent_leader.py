@@ -1,8 +1,10 @@
 """An expected leader that is not there to invite (issue 38's soak: a peer killed just before a round,
 when the grid made it its slice's leader, cost its slice 6 s: the window, then the wait for its plan,
 then the next member led). Its members probe it once their window ends without its declaration, and
-the next member leads at once when the probe fails; a peer taking the swarm's state answers probes
-that it cannot come (``Matchmaker.available``), so it is not waited for meanwhile.
+the next member leads at once when the probe fails; a leader that declared and left the key (its
+attempt failed, it went on to a retry) is asked once its plan is late, and the next member leads
+when it says it is not looking there; a peer taking the swarm's state answers probes that it cannot
+come (``Matchmaker.available``), so it is not waited for meanwhile.
 
 The first test runs in-process with a fake DHT and transport; the second on real nodes (real p2pd,
 loopback)."""
@@ -57,6 +59,34 @@ def test_the_next_member_leads_once_a_probe_finds_the_expected_leader_gone():
     assert WINDOW <= tried["dead"] < WINDOW + 0.5 and tried["other"] < WINDOW + 0.5, transport.opened
     # waiting for the dead leader's plan instead, the invitation went out a window and 2 replies later
     assert plan is None and took < WINDOW + 1.0
+
+
+def test_the_next_member_leads_once_a_declared_leader_says_it_left_the_key():
+    # "left" declared, then its attempt failed and it went on to the retry: it answers probes, but is
+    # not looking under this key any more (the attack benchmark: 3 peers waited 6 s for its plan)
+    members = ["me", "other", "left"]
+    key = key_led_by("left", "me", members)
+
+    async def scenario() -> tuple[object, float, ProbedTransport]:
+        transport = ProbedTransport(alive={"left"}, not_looking={"left"})
+        matchmaker = Matchmaker(DeclaredNode(members), transport, "test", schema_digest="schema",
+                                codec="none", reply_timeout=0.1)
+        for member in ("left", "other"):
+            matchmaker.attendance.seen_alive(member)
+
+        async def lead(key, group, min_group_size, share):
+            return group
+
+        matchmaker.invitations.lead = lead
+        began = time.monotonic()
+        plan = await matchmaker.find_group(key, group_size=4, min_group_size=2, window=WINDOW, share=1.0,
+                                           expected_members=frozenset(members))
+        return plan, time.monotonic() - began, transport
+
+    plan, took, transport = asyncio.run(scenario())
+    assert [peer for peer, _ in transport.opened] == ["left"], transport.opened
+    # everyone declared: no window waited out; the leader asked a reply deadline (0.1 s) later
+    assert sorted(plan) == ["me", "other"] and took < 1.0, (plan, took)
 
 
 def test_a_peer_taking_the_state_answers_probes_that_it_cannot_come():
