@@ -23,6 +23,7 @@ class FakeTracker:
         self.local = LocalProgress()
         self.others, self.other_settings = others, other_settings
         self.averaging_set: list[bool] = []
+        self.met_in_rounds: list[tuple[int, list[str]]] = []
 
     def add(self, samples: int) -> None:
         self.local.add(samples)
@@ -40,6 +41,9 @@ class FakeTracker:
 
     def others_at(self, epoch: int) -> list[str]:
         return [peer.peer_id for peer in self.others if peer.epoch == epoch]
+
+    def met(self, epoch: int, members) -> None:
+        self.met_in_rounds.append((epoch, list(members)))
 
     def set_averaging(self, averaging: bool) -> None:
         self.local.averaging = averaging

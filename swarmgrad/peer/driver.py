@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 import torch
 
@@ -121,6 +121,8 @@ class Tracker(Protocol):
     def others_at(self, epoch: int) -> list[str]: ...
 
     def set_averaging(self, averaging: bool) -> None: ...
+
+    def met(self, epoch: int, members: Iterable[str]) -> None: ...
 
     def next_epoch(self, epoch: int, steps: int = 0, samples: int = 0) -> None: ...
 
@@ -250,6 +252,8 @@ class RoundDriver:
                                                  lambda: bool(self.tracker.ahead_of(epoch)))
             self.record(outcome)
             if outcome.ok and outcome.average is not None:
+                if outcome.report is not None:  # its groupmates are at the next epoch now, whatever records say
+                    self.tracker.met(epoch + 1, getattr(outcome.report, "group", ()))
                 # what owners' rules left out of the average did not reach it (robust rules reject rows)
                 left_out = outcome.report.rejected_share if outcome.report is not None else 0.0
                 self.samples_averaged += int(weight * (1.0 - left_out))

@@ -50,6 +50,7 @@ DONOR_LEAD = 1
 # a peer's claimed samples or steps count at most this many times the median claim at its epoch:
 # honest peers differ by their speed, a liar's 10^9 counts as two peers
 CLAIM_CAP = 2.0
+MAX_MET = 4096  # members whose last shared round is remembered (ProgressTracker.met)
 # a peer's step is due once it trained this many times the steps a round wants, whatever the others
 # claim: a swarm of slow peers (or liars claiming zero) cannot hold it past the run's weight cap
 OWN_STEPS_DUE = 2.0
@@ -194,6 +195,9 @@ class ProgressTracker:
         self.local = LocalProgress()
         self.swarm = SwarmProgress()
         self._lock = threading.Lock()  # the training thread changes epochs while the loop reads counters
+        # peer id -> (the epoch a round this peer averaged in with it took it to, wall time): believed
+        # over its presence record until the record is newer (``met``)
+        self._met: dict[str, tuple[int, float]] = {}
         presence.before_publish = self._fill
 
     @property
@@ -210,6 +214,20 @@ class ProgressTracker:
             self.local.averaging = False
         self._snapshot()
         self.presence.publish_soon()
+
+    def met(self, epoch: int, members: Iterable[str]) -> None:
+        """``members`` averaged a round with this peer that took them to ``epoch``: until their
+        presence records are newer than this, they count at ``epoch`` (records are a heartbeat old,
+        and rounds of a second or less left them 2-3 epochs behind: a peer just out of a round with
+        two others saw itself alone and ahead of the swarm, took its state, and fell out of step)."""
+        now = time.time()
+        with self._lock:
+            for peer in members:
+                if peer != self.peer_id:
+                    self._met[peer] = (epoch, now)
+            if len(self._met) > MAX_MET:  # bounded: members come and go for days
+                for peer in sorted(self._met, key=lambda peer: self._met[peer][1])[:len(self._met) - MAX_MET]:
+                    del self._met[peer]
 
     def set_averaging(self, averaging: bool) -> None:
         with self._lock:
@@ -251,6 +269,7 @@ class ProgressTracker:
             local = self.local
             peers = [PeerProgress(self.peer_id, local.epoch, float(local.samples), float(local.steps),
                                   local.samples_per_second, local.averaging)]
+            met = dict(self._met)
         other_settings: list[str] = []
         for member in self.presence.members:
             record = member.progress
@@ -263,8 +282,13 @@ class ProgressTracker:
             elapsed = min(max(0.0, wall - member.last_seen), 2 * self.presence.beat_interval) if not record.averaging else 0.0
             samples = record.samples + member.samples_per_second * elapsed
             steps = record.steps + record.steps_per_second * elapsed
-            peers.append(PeerProgress(member.peer_id, record.epoch, samples, steps, member.samples_per_second,
-                                      record.averaging))
+            epoch, averaging = record.epoch, record.averaging
+            round_epoch, at = met.get(member.peer_id, (-1, 0.0))
+            if round_epoch > epoch and at > member.last_seen:  # a round with it since its record: it is there
+                epoch, averaging = round_epoch, False
+                since = min(wall - at, 2 * self.presence.beat_interval)
+                samples, steps = member.samples_per_second * since, record.steps_per_second * since
+            peers.append(PeerProgress(member.peer_id, epoch, samples, steps, member.samples_per_second, averaging))
         self.swarm = SwarmProgress(tuple(peers), taken_at=now, other_settings=tuple(other_settings))
         self._suspect(self.swarm)
 
