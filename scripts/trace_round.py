@@ -57,7 +57,8 @@ TRAINING_LOOP = "(training loop)"
 NOTES = {
     ("peer.peer", "peer.driver"): "the swarm step is due: the driver runs the round on the peer's loop",
     ("peer.driver", "peer.progress"): "is the swarm ahead (catch up instead), who else is at this epoch, how "
-                                      "many to expect; marks this peer as averaging; after the round, the next epoch",
+                                      "many to expect; marks this peer as averaging; after the round, its groupmates at the "
+                                      "next epoch (`met`), and its own",
     ("peer.progress", "dht.membership"): "the presence record is stored again at once (by the heartbeat's task)",
     ("peer.driver", "peer.strategies"): "`prepare` writes start − params into the flat contribution (one pass), "
                                         "where the average lands too (`average_in_place`); `apply` takes the outer "
@@ -82,6 +83,8 @@ NOTES = {
                                                          "follower's answer arrives through the same exchange",
     ("averaging.invitations", "net.direct"): "a pooled direct connection to each invitee (AES-256-GCM over TCP)",
     ("averaging.invitations", "averaging.attendance"): "the members that accepted are seen alive",
+    ("averaging.invitations", "averaging.rules"): "the quorum: from how many rows the run's rule out-votes a liar "
+                                                  "(no pairs while that many are here)",
     ("averaging.moshpit", "peer.driver"): "as the all-reduce begins: may the average land in the contribution "
                                           "(a round in turn, not one that became a flight meanwhile)",
     ("averaging.moshpit", "averaging.allreduce"): "the all-reduce: each part's chunks encoded and streamed to its "
