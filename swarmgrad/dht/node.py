@@ -38,13 +38,9 @@ OPENED_RECORDS = 1024  # parsed records a node keeps for its reads (a kilobyte o
 # background re-read of a key after each of our stores under it and before its cached copy expires,
 # a push of every fresh result to one more node, and more copies for each search to merge. Measured
 # with 16 presence-only peers on 2 cores: 40 -> 28 DHT finds and 5.9% -> 3.7% of a core per peer.
-DHT_CACHING = {"cache_locally": False, "cache_nearest": 0}
-# hivemind merges concurrent reads of one key (``reuse_get_requests``) through a map from every key
-# ever read to a sorted set of its pending reads, and never drops a key: swarmgrad reads a new key
-# every round, so each peer kept one more entry (a DHTID, an empty SortedSet, ~9 bound methods, ~3.5
-# KB) a round, ~30 MB an hour in the soak (issue 38). Our reads of one key within a node are
-# sequential (matchmaking polls it), so merging them saved nothing.
-DHT_READS = {"reuse_get_requests": False}
+# And its merging of concurrent reads of one key kept an entry for every key ever read; a round reads
+# a new key, so each peer grew ~30 MB an hour (issue 38's soak). Our reads of a key are sequential.
+DHT_OPTIONS = {"cache_locally": False, "cache_nearest": 0, "reuse_get_requests": False}
 LATENCY_SAMPLES = 8  # DHT requests ``SwarmNode.dht_latency`` looks back over
 # Addresses of peers this node saw publish them (presence), kept so that a node whose routing table
 # emptied (its initial peers died, the others it knew left) can join again through any of them.
@@ -177,7 +173,7 @@ class SwarmNode:
                 record_validator=self._validator,
                 wait_timeout=self.config.request_timeout,
                 ensure_bootstrap_success=bool(self.config.initial_peers),
-                **DHT_CACHING, **DHT_READS,
+                **DHT_OPTIONS,
             )
             self._latencies.append(time.monotonic() - started)
         except BaseException as error:

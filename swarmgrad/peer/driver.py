@@ -253,7 +253,7 @@ class RoundDriver:
             self.record(outcome)
             if outcome.ok and outcome.average is not None:
                 if outcome.report is not None:  # its groupmates are at the next epoch now, whatever records say
-                    self.tracker.met(epoch + 1, getattr(outcome.report, "group", ()))
+                    self.tracker.met(epoch + 1, outcome.report.group)
                 # what owners' rules left out of the average did not reach it (robust rules reject rows)
                 left_out = outcome.report.rejected_share if outcome.report is not None else 0.0
                 self.samples_averaged += int(weight * (1.0 - left_out))
