@@ -106,6 +106,7 @@ class GroupAllReduce:
         contribution_checked: bool = False,
         result: torch.Tensor | None = None,
         weight_cap: float | None = None,
+        frames_only: bool = False,
     ):
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ValueError(f"weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight}")
@@ -123,8 +124,13 @@ class GroupAllReduce:
         self.parts = assign_parts(schema.chunks, plan.shares)
         self.my_chunks = [schema.chunks[c] for c in self.parts[self.index]]
         self.others = [peer for peer in plan.members if peer != me]
-        # a caller that averages repeatedly passes the same buffer: fresh 100 MB means page faults
-        self.result = result if result is not None else torch.empty(schema.total, dtype=torch.float32)
+        # frames_only (a lossy return codec): the result is ``result_frames`` alone, never a float32
+        # buffer of the model's size (result_frames.py ``FramedAverage`` reads it); else a caller that
+        # averages repeatedly passes the same buffer: fresh 100 MB means page faults
+        if frames_only and not self.gather_codec.lossy:
+            raise ValueError(f"a result in frames only needs a lossy return codec, not {self.gather_codec.name}")
+        self.result: torch.Tensor | None = None if frames_only else (
+            result if result is not None else torch.empty(schema.total, dtype=torch.float32))
         self.max_payload = max(
             (max(codec.encoded_nbytes(c.view), self.gather_codec.encoded_nbytes(c.view)) for c in schema.chunks),
             default=0,
@@ -288,8 +294,9 @@ class GroupAllReduce:
                 chunk = self._chunk_of(_expect(header, "avg"), owner_chunks, done)
                 if self.index in _left_out(header, len(self.plan.members)):
                     self.rejected_elements += chunk.length
-                target = self.result[chunk.start : chunk.start + chunk.length]
                 if self.gather_codec.name == "none":  # straight from the socket into the result
+                    assert self.result is not None
+                    target = self.result[chunk.start : chunk.start + chunk.length]
                     check_raw_header(header, length, chunk.view)
                     await channel.recv_payload_into(byte_view(target))
                     if not all_finite(target):
@@ -297,7 +304,9 @@ class GroupAllReduce:
                 else:
                     payload = memoryview(bytearray(length))
                     await channel.recv_payload_into(payload)
-                    target.copy_(self._decode_chunk(header, payload, chunk, self.gather_codec))
+                    values = self._decode_chunk(header, payload, chunk, self.gather_codec)  # checked either way
+                    if self.result is not None:
+                        self.result[chunk.start : chunk.start + chunk.length] = values
                     self.result_frames[chunk.index] = (header, payload.tobytes())
                 done.add(chunk.index)
 
@@ -428,7 +437,8 @@ class GroupAllReduce:
         # every member, the owner included, keeps exactly what was sent: identical results everywhere
         if self.gather_codec.lossy:
             average = decode_chunk(self.gather_codec, header, payload, chunk.view)
-        self.result[chunk.start : chunk.start + chunk.length] = average
+        if self.result is not None:
+            self.result[chunk.start : chunk.start + chunk.length] = average
         if self.index in rejected:
             self.rejected_elements += chunk.length
         frame = ({"t": "avg", "c": chunk.index, **header, **({"out": sorted(rejected)} if rejected else {})}, payload)

@@ -41,7 +41,7 @@ from swarmgrad.averaging.layout import Schema, check_averager_name
 from swarmgrad.averaging.matchmaking import Matchmaker
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.report import RoundReport
-from swarmgrad.averaging.result_frames import Frame, ResultDecoder, ordered_frames
+from swarmgrad.averaging.result_frames import Frame, FramedAverage, ResultDecoder, ordered_frames
 from swarmgrad.averaging.settings import DEFAULT_COMPRESSION, Aggregation, Moshpit
 from swarmgrad.averaging.stragglers import Pace
 from swarmgrad.dht.membership import reachability
@@ -140,7 +140,9 @@ class Averager:
             raise ConfigError("swap_storage needs one contiguous float32 CPU tensor and no privacy (the result "
                               "buffer becomes the tensor's storage)")
         self.swap_storage, self.write_back = swap_storage, write_back
-        self.average: torch.Tensor | None = None  # write_back=False: the last round's average (flat)
+        # write_back=False: the last round's average (flat), as its frames where the return codec is lossy
+        # and it did not land in the contribution (result_frames.py), else float32
+        self.average: torch.Tensor | FramedAverage | None = None
         # the last round's result as it travelled (result_frames.py), None when it failed or the
         # return codec is lossless (then the float values are the smallest form)
         self.result_frames: list[Frame] | None = None
@@ -241,15 +243,19 @@ class Averager:
     def held_bytes(self) -> dict[str, int]:
         """Host bytes this averager holds of its own, by what they are for (the contribution it reads
         in place is its caller's): error feedback, a result not yet taken, a released or gathered copy."""
+        average = self.average
         held = {"error_feedback": self.feedback.held_bytes() if self.feedback is not None else 0,
-                "result": sum(t.numel() * 4 for t in (self._result, self.average) if t is not None)
-                + sum(r.result.numel() * 4 for r in self._rounds.values()
-                      if r.result is not self._result and r.result is not self._buffer)}
+                "result": (self._result.numel() * 4 if self._result is not None else 0)
+                + (average.nbytes() if isinstance(average, FramedAverage) else
+                   average.numel() * 4 if average is not None else 0)
+                + sum(r.result.numel() * 4 if r.result is not None else
+                      sum(len(payload) for _, payload in r.result_frames.values())
+                      for r in self._rounds.values() if r.result is not self._result and r.result is not self._buffer)}
         if not self.tensors or self._buffer.data_ptr() != self.tensors[0].data_ptr():
             held["release"] = self._buffer.numel() * 4
         return held
 
-    def take_average(self) -> tuple[torch.Tensor | None, list[Frame] | None]:
+    def take_average(self) -> tuple[torch.Tensor | FramedAverage | None, list[Frame] | None]:
         """write_back=False: the last round's average and the frames it travelled in, handed over once:
         the averager keeps no reference, so they are freed when the caller is done with them."""
         average, frames, self.average, self.result_frames = self.average, self.result_frames, None, None
@@ -280,17 +286,19 @@ class Averager:
     async def _allreduce(self, plan: GroupPlan, weight: float,
                          in_place: bool) -> tuple[AllReduceReport, GroupAllReduce]:
         assert self.runtime.transport is not None
+        # a caller that reads the average where it landed gets a lossy round's frames alone: no
+        # float32 result of the model's size beside the contribution (result_frames.py)
+        frames_only = not (in_place or self.write_back or self.swap_storage) and self.codec.average_codec().lossy
         if in_place:
             result = self._buffer
-        elif self._result is not None:
+        elif self._result is not None or frames_only:
             result = self._result
         else:
             result = torch.empty(self.schema.total, dtype=torch.float32)
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
             self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True,
-            result=result,
-            weight_cap=self.aggregation.weight_cap,
+            result=result, weight_cap=self.aggregation.weight_cap, frames_only=frames_only,
         )
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce
@@ -323,6 +331,9 @@ class Averager:
             self._swap_in(allreduce.result)
         elif self.write_back:
             self.schema.unflatten_into(allreduce.result, self.tensors)
+        elif allreduce.result is None:  # frames only: the caller reads them a slice at a time
+            assert self.result_frames is not None  # a lossy return codec keeps every chunk's frame
+            self.average = FramedAverage(self.result_frames, self.schema, self.codec)
         else:  # the caller reads it where it landed (``take_average``)
             self.average = allreduce.result
         if self.feedback is not None:

@@ -8,11 +8,16 @@ that missed the round decodes them to exactly the float32 values the donor appli
 
     frames = ordered_frames(allreduce.result_frames, schema)   # None unless every chunk has one
     result = ResultDecoder(schema, codec).decode(frames)       # FrameError on anything malformed
+
+A round that does not land in its contribution (one that travelled behind the next inner phase, a
+sync round) hands over a ``FramedAverage``: the frames alone, read a slice at a time, where a float32
+result buffer would hold 4 bytes per element for the whole round (DESIGN's memory budget).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from bisect import bisect_right
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -57,3 +62,51 @@ class ResultDecoder:
             self.check_header(index, header)
             result[chunk.start : chunk.start + chunk.length] = decode_chunk(self.codec, header, payload, chunk.view)
         return result
+
+
+class FramedAverage:
+    """A round's average held as the frames it travelled in (checked when they arrived): ``average[a:b]``
+    decodes the frames that slice covers to float32, so a reader that walks it in pieces never holds
+    more than a piece. Read-only: it stands in for the flat float32 result a strategy applies."""
+
+    def __init__(self, frames: Sequence[Frame], schema: Schema, codec: Codec):
+        if len(frames) != len(schema.chunks):
+            raise ValueError(f"a result of {len(frames)} frames, expected {len(schema.chunks)}")
+        self.frames, self.schema, self.codec = list(frames), schema, gather_codec_for(codec)
+        self._starts = [chunk.start for chunk in schema.chunks]
+
+    def numel(self) -> int:
+        return self.schema.total
+
+    def __len__(self) -> int:
+        return self.schema.total
+
+    def nbytes(self) -> int:
+        """The payload bytes it holds."""
+        return sum(len(payload) for _, payload in self.frames)
+
+    def _decoded(self, index: int) -> torch.Tensor:
+        header, payload = self.frames[index]
+        return decode_chunk(self.codec, header, payload, self.schema.chunks[index].view)
+
+    def pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(offset, float32 values) of each frame in order."""
+        for index, chunk in enumerate(self.schema.chunks):
+            yield chunk.start, self._decoded(index)
+
+    def __getitem__(self, span: slice) -> torch.Tensor:
+        start, stop, step = span.indices(self.schema.total)
+        if step != 1:
+            raise ValueError("a framed average is read in contiguous slices")
+        out = torch.empty(max(0, stop - start), dtype=torch.float32)
+        at, index = start, max(0, bisect_right(self._starts, start) - 1)
+        while at < stop:  # each frame the slice covers, decoded once
+            chunk = self.schema.chunks[index]
+            lo, hi = at - chunk.start, min(stop, chunk.start + chunk.length) - chunk.start
+            out[at - start : at - start + hi - lo] = self._decoded(index)[lo:hi]
+            at, index = chunk.start + hi, index + 1
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """The whole average as one float32 tensor (4 bytes an element: only where a caller needs it whole)."""
+        return self[:]

@@ -29,12 +29,21 @@ RESULT_DTYPE = torch.bfloat16
 RESULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
+class ResultSlices(Protocol):
+    """A result read a slice at a time (averaging/result_frames.py ``FramedAverage``)."""
+
+    def numel(self) -> int: ...
+
+    def __getitem__(self, span: slice) -> torch.Tensor: ...
+
+
 DIGEST_ELEMENTS = 1 << 22  # converted to bfloat16 this many at a time: no copy of the whole result
 
 
-def result_digest(result: torch.Tensor) -> str:
+def result_digest(result: torch.Tensor | ResultSlices) -> str:
     """The sha256 of a result's bytes as bfloat16 (flat), in hex: what a donor says it holds."""
-    flat, digest = result.detach().reshape(-1), hashlib.sha256()
+    flat = result.detach().reshape(-1) if isinstance(result, torch.Tensor) else result
+    digest = hashlib.sha256()
     for start in range(0, flat.numel(), DIGEST_ELEMENTS):
         piece = flat[start : start + DIGEST_ELEMENTS].to("cpu").to(RESULT_DTYPE)
         digest.update(memoryview(piece.view(torch.uint8).numpy()))

@@ -44,7 +44,7 @@ from swarmgrad.net.transport import Transport
 from swarmgrad.net.wire import FrameError, field, int_field
 from swarmgrad.state import results as state_results
 from swarmgrad.state import sketch as state_sketch
-from swarmgrad.state.results import RESULT_DTYPE, result_digest
+from swarmgrad.state.results import RESULT_DTYPE, ResultSlices, result_digest
 from swarmgrad.state.served import ServedState
 from swarmgrad.state.sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
 from swarmgrad.state.snapshot import StateSnapshot, part_count
@@ -212,7 +212,8 @@ class StateServer:
             self._drop_old()
         return version
 
-    def publish_result(self, epoch: int, result: torch.Tensor, frames: list[tuple[dict, bytes]] | None = None) -> None:
+    def publish_result(self, epoch: int, result: torch.Tensor | ResultSlices,
+                       frames: list[tuple[dict, bytes]] | None = None) -> None:
         """Keep what round ``epoch`` applied here (a flat float tensor: the swarm's average, or this
         peer's own values when it stepped alone), for a peer that missed the round to replay: as the
         ``frames`` it travelled in where given (averaging/result_frames.py; they decode to exactly it,
@@ -221,9 +222,13 @@ class StateServer:
             return
         for later in [later for later in self._results if later > epoch]:
             self._drop_result(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
-        flat = result.detach().reshape(-1)
-        self._results[epoch] = None if frames is not None else flat.to("cpu").to(RESULT_DTYPE, copy=True)
-        self._result_numel[epoch], self._result_digests[epoch] = flat.numel(), result_digest(flat)
+        if frames is None:
+            if not isinstance(result, torch.Tensor):
+                raise ValueError("a result read in slices is kept as its frames: pass them")
+            self._results[epoch] = result.detach().reshape(-1).to("cpu").to(RESULT_DTYPE, copy=True)
+        else:
+            self._results[epoch] = None
+        self._result_numel[epoch], self._result_digests[epoch] = result.numel(), result_digest(result)
         self._result_frames.pop(epoch, None)
         if frames is not None:
             self._result_frames[epoch] = frames

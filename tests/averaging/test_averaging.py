@@ -18,6 +18,7 @@ import torch
 from conftest import eventually, run_async
 
 from swarmgrad.averaging import Aggregation, Averager, Moshpit
+from swarmgrad.averaging.result_frames import FramedAverage
 from swarmgrad.dht import NodeConfig, SwarmNode
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.network_runtime import NetworkRuntime
@@ -263,11 +264,14 @@ def test_in_place_may_be_decided_when_the_group_formed():
             reports = await asyncio.gather(*steps)
             assert all(r.ok for r in reports), [r.error for r in reports]
             assert sorted(asked) == [0, 1]
-            first, _ = averagers[0].take_average()
+            assert averagers[0].held_bytes()["result"] < 2 * 1000  # its frames: not 4 bytes an element
+            first, first_frames = averagers[0].take_average()
             second, _ = averagers[1].take_average()
-            assert first.data_ptr() != flats[0].data_ptr() and torch.equal(flats[0], values[0])  # kept as sent
+            # not in place: the (int8) frames alone, no float32 buffer; the contribution is kept as sent
+            assert isinstance(first, FramedAverage) and first.frames == first_frames
+            assert torch.equal(flats[0], values[0])
             assert second.data_ptr() == flats[1].data_ptr()
-            torch.testing.assert_close(first, torch.full((1000,), 2.0))
+            torch.testing.assert_close(first.dense(), torch.full((1000,), 2.0))
             torch.testing.assert_close(second, torch.full((1000,), 2.0))
 
     run_async(scenario())

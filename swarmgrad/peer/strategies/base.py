@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from swarmgrad.settings import SettingsModel
@@ -66,6 +66,22 @@ class ProgressCounter(Protocol):
     def add(self, samples: int) -> None: ...
 
     def fresh(self) -> SwarmProgress: ...
+
+
+# a round's average as a policy reads it: flat float32, or the frames it travelled in, read a slice at
+# a time (``average[a:b]``; averaging/result_frames.py ``FramedAverage``)
+Average = Any
+PIECE_ELEMENTS = 1 << 22  # a float32 average is walked this many elements at a time
+
+
+def pieces(average: Average) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset, float32 values) of an average in order: a framed one frame by frame, a tensor in slices."""
+    framed = getattr(average, "pieces", None)
+    if framed is not None:
+        yield from framed()
+        return
+    for start in range(0, average.numel(), PIECE_ELEMENTS):
+        yield start, average[start : start + PIECE_ELEMENTS]
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -173,7 +189,7 @@ class Policy(ABC):
         """Fill ``contribution`` for this epoch's round (idempotent: a retried round calls it again)."""
 
     @abstractmethod
-    def apply(self, average: torch.Tensor) -> None:
+    def apply(self, average: Average) -> None:
         """Use the swarm's average (flat, laid out like ``contribution``)."""
 
     @property
@@ -217,7 +233,7 @@ class Policy(ABC):
         them. None: the parameters themselves are the swarm's, and a served state copies them."""
         return None
 
-    def apply_keeping_progress(self, average: torch.Tensor) -> bool:
+    def apply_keeping_progress(self, average: Average) -> bool:
         """``apply`` a round this peer missed (catch_up.py replays it) and put the local progress made
         since the swarm's last step back on top, as overlap's ``land`` does: a late peer's work is
         sent in its next round instead of being overwritten. True when there was such progress to
@@ -232,7 +248,7 @@ class Policy(ABC):
     def launch(self, refill: bool = True) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} rounds do not overlap training")
 
-    def land(self, average: torch.Tensor) -> None:
+    def land(self, average: Average) -> None:
         raise NotImplementedError(f"{self.name} rounds do not overlap training")
 
     def withdraw(self) -> None:

@@ -7,7 +7,16 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import pydantic
 
-from swarmgrad.peer.strategies.base import WEIGHT_SLACK, Policy, ProgressCounter, StrategySettings, nbytes, no_grad
+from swarmgrad.peer.strategies.base import (
+    WEIGHT_SLACK,
+    Average,
+    Policy,
+    ProgressCounter,
+    StrategySettings,
+    nbytes,
+    no_grad,
+    pieces,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -77,19 +86,23 @@ class DiLoCoPolicy(Policy):
         self.boundary.read(self.params, pseudo_gradient)  # formed on the host, from each piece as it arrives
 
     @no_grad
-    def apply(self, average: torch.Tensor) -> None:
-        """start <- start - lr * (delta + mu * m), m <- mu * m + delta (torch SGD's Nesterov form)."""
+    def apply(self, average: Average) -> None:
+        """start <- start - lr * (delta + mu * m), m <- mu * m + delta (torch SGD's Nesterov form), a
+        piece of the average at a time (a round's frames are decoded one by one: base.py ``pieces``)."""
         import torch
 
         self.outer_step_begins()
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
-        torch.add(average, self.momentum, alpha=mu, out=self.momentum)
-        self.start.add_(average, alpha=-lr).add_(self.momentum, alpha=-lr * mu)
+        for offset, mean in pieces(average):
+            end = offset + len(mean)
+            start, momentum = self.start[offset:end], self.momentum[offset:end]
+            torch.add(mean, momentum, alpha=mu, out=momentum)
+            start.add_(mean, alpha=-lr).add_(momentum, alpha=-lr * mu)
         self.copy_into_params(self.start)
         self.release_contribution()  # between rounds a DiLoCo peer holds start and momentum only
 
     @no_grad
-    def apply_keeping_progress(self, average: torch.Tensor) -> bool:
+    def apply_keeping_progress(self, average: Average) -> bool:
         """The outer step on ``average``, the local progress since the last one kept on top: each piece
         of the parameters gets the start's step added (4 bytes per parameter up, never read back, no
         model-sized buffer)."""
@@ -152,7 +165,7 @@ class DiLoCoPolicy(Policy):
         return self.contribution
 
     @no_grad
-    def land(self, average: torch.Tensor) -> None:
+    def land(self, average: Average) -> None:
         """The outer step on the swarm's ``average`` in place of the provisional one, keeping the
         progress made since the launch on top: each piece of the parameters gets the new start less
         the provisional one added, so they are never read back and no model-sized buffer is made."""
