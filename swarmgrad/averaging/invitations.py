@@ -135,6 +135,8 @@ class Invitations:
         me = self.me
         admission = self.transport.admission  # the expected members of a grid may hold a peer banned here
         group = [peer for peer in group if peer == me or admission is None or admission.admits(peer)]
+        if len(group) < min_group_size:
+            return None  # inviting peers to a group that cannot form only has them decline (or wait)
         invitations = {peer: asyncio.ensure_future(self.invite(peer, key, group)) for peer in group if peer != me}
         if invitations:
             await asyncio.wait(invitations.values())

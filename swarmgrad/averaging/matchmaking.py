@@ -182,9 +182,14 @@ class Matchmaker:
             # read while our own declaration is still being stored: others are declaring at the same moment
             declaring = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
-                enough = group_size if expected is None else max(min_group_size, min(group_size, expected))
+                # under a quorum, fewer declared than it asks for end no wait early: a count of the
+                # peers at this epoch lags the records by a beat, and where it said 2 of 3 the pair
+                # that formed was declined by the third's groupmate (big_model.py: a failed attempt
+                # in every other round of three peers, each a replay or a step alone)
+                least = max(min_group_size, looking.quorum)
+                enough = max(least, group_size if expected is None else min(group_size, expected))
                 peers = await self._wait_for_peers(
-                    key, looking, ready_at, enough, expected_members, min_group_size, grace=grace,
+                    key, looking, ready_at, enough, expected_members, least, grace=grace,
                     poll=min(FIRST_POLL, window / 4), waited=waited,
                 )
                 seen.update(at=time.monotonic() - began, peers=len(peers))
