@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import torch
 
@@ -107,6 +107,7 @@ class GroupAllReduce:
         result: torch.Tensor | None = None,
         weight_cap: float | None = None,
         frames_only: bool = False,
+        read: Callable[[int, int], torch.Tensor] | None = None,
     ):
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ValueError(f"weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight}")
@@ -117,6 +118,11 @@ class GroupAllReduce:
         self.rule, self.weight_cap = get_rule(plan.aggregator), weight_cap
         self.streams = self.rule.streams
         self.contribution, self.weight, self.codec = contribution, weight, codec
+        # read(start, length): the contribution's chunks computed where they live (each read once per
+        # round), instead of sliced from ``contribution``; the result is then its frames alone
+        self.read = read
+        if read is not None and not frames_only:
+            raise ValueError("a contribution read a chunk at a time needs its result in frames only")
         self.gather_codec = gather_codec_for(codec)
         self.transport, self.protocol, self.feedback = transport, protocol, feedback
         self.contribution_checked = contribution_checked  # the caller verified it holds no NaN/Inf
@@ -256,8 +262,14 @@ class GroupAllReduce:
 
     # ---- encoding helpers ---------------------------------------------------------------------
 
+    def _own(self, chunk: Chunk) -> torch.Tensor:
+        """This member's contribution to ``chunk``, flat."""
+        if self.read is not None:
+            return self.read(chunk.start, chunk.length)
+        return self.contribution[chunk.start : chunk.start + chunk.length]
+
     def _encode_contribution(self, chunk: Chunk) -> tuple[dict, bytes | memoryview]:
-        values = self.contribution[chunk.start : chunk.start + chunk.length].view(chunk.view)
+        values = self._own(chunk).view(chunk.view)
         if self.feedback is not None:
             return encoded_to_frame(self.feedback.encode(f"c{chunk.index}", values))
         return encode_chunk(self.codec, values, known_finite=self.contribution_checked)
@@ -329,10 +341,11 @@ class GroupAllReduce:
 
     def _open_chunk(self, chunk: Chunk) -> None:
         """Start reducing one chunk of my part: my own share in its sum or its row."""
-        own = self.contribution[chunk.start : chunk.start + chunk.length]
         if self.feedback is not None:  # my share goes through the codec like everyone's
             header, payload = self._encode_contribution(chunk)
             own = self._decode_chunk(header, payload, chunk, self.codec)
+        else:
+            own = self._own(chunk)
         if self.streams:
             self._sums[chunk.index] = own * self._capped(self.me, self.weight)
         else:

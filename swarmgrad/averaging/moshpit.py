@@ -110,6 +110,7 @@ class Averager:
         swap_storage: bool = False,
         write_back: bool = True,
         aggregation: Aggregation = Aggregation(),
+        reader: Callable[[], Callable[[int, int], torch.Tensor] | None] | None = None,
     ):
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
         if not named:
@@ -140,6 +141,13 @@ class Averager:
             raise ConfigError("swap_storage needs one contiguous float32 CPU tensor and no privacy (the result "
                               "buffer becomes the tensor's storage)")
         self.swap_storage, self.write_back = swap_storage, write_back
+        # reader() -> read(offset, length): where a round run in place reads its contribution a chunk at a
+        # time instead of from the tensors (which the caller then leaves unfilled, and checked finite
+        # itself), its average handed over as frames; None: from the tensors. Only with a lossy return
+        # codec (the frames hold the result) and no privacy (a release needs all of it at once)
+        self.reads_lazily = reader is not None and write_back is False and self.releaser is None \
+            and self.codec.average_codec().lossy
+        self._reader = reader if self.reads_lazily else None
         # write_back=False: the last round's average (flat), as its frames where the return codec is lossy
         # and it did not land in the contribution (result_frames.py), else float32
         self.average: torch.Tensor | FramedAverage | None = None
@@ -219,7 +227,8 @@ class Averager:
             report.group, report.error = [self.node.peer_id], UNREACHABLE_GROUP
             logger.info("round %d: %s", index, UNREACHABLE_GROUP)
             return report
-        if not self._prepare_contribution(report):
+        lazy = self._reader is not None and self._reader() is not None
+        if not lazy and not self._prepare_contribution(report):
             return report
         # a member others cannot dial owns no part (they would have to dial it), and leads no group
         share = self.share if self.node.dialable else 0.0
@@ -235,7 +244,10 @@ class Averager:
             report.group, report.error = [self.node.peer_id], SWARM_MOVED_ON if moved else NO_GROUP
         else:
             in_place = in_place() if callable(in_place) else in_place
-            result = await self._allreduce(plan, weight, in_place and not self.write_back)
+            read = self._reader() if self._reader is not None and in_place else None
+            if lazy and read is None and not self._prepare_contribution(report):
+                return report  # the caller filled the contribution meanwhile (its round became a flight)
+            result = await self._allreduce(plan, weight, in_place and not self.write_back, read)
             self._apply(report, result, plan)
         report.seconds = time.monotonic() - started
         return report
@@ -283,22 +295,25 @@ class Averager:
             return False
         return True
 
-    async def _allreduce(self, plan: GroupPlan, weight: float,
-                         in_place: bool) -> tuple[AllReduceReport, GroupAllReduce]:
+    async def _allreduce(self, plan: GroupPlan, weight: float, in_place: bool,
+                         read: Callable[[int, int], torch.Tensor] | None = None) -> tuple[AllReduceReport, GroupAllReduce]:
         assert self.runtime.transport is not None
         # a caller that reads the average where it landed gets a lossy round's frames alone: no
         # float32 result of the model's size beside the contribution (result_frames.py)
-        frames_only = not (in_place or self.write_back or self.swap_storage) and self.codec.average_codec().lossy
-        if in_place:
+        frames_only = read is not None or (
+            not (in_place or self.write_back or self.swap_storage) and self.codec.average_codec().lossy)
+        if frames_only:
+            result = None
+        elif in_place:
             result = self._buffer
-        elif self._result is not None or frames_only:
+        elif self._result is not None:
             result = self._result
         else:
             result = torch.empty(self.schema.total, dtype=torch.float32)
         allreduce = GroupAllReduce(
             plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
             self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True,
-            result=result, weight_cap=self.aggregation.weight_cap, frames_only=frames_only,
+            result=result, weight_cap=self.aggregation.weight_cap, frames_only=frames_only, read=read,
         )
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce

@@ -96,6 +96,13 @@ class DeviceBoundary:
         if pending is not None:
             self._finish(pending, consume)
 
+    def read_span(self, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of ``tensor`` (flat), float32 on the host: one chunk a
+        round reads where it lives instead of from a model-sized copy (a plain copy, also on CUDA)."""
+        piece = tensor.detach().view(-1)[start : start + length]
+        self._count(piece.numel(), to_host=True)
+        return piece.to("cpu", torch.float32)
+
     @staticmethod
     def _finish(pending: tuple[int, torch.Tensor, torch.cuda.Event], consume: Callable[[int, torch.Tensor], None]) -> None:
         offset, buffer, arrived = pending

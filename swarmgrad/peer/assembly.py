@@ -200,7 +200,9 @@ class PeerAssembly:
         cap = policy.weight_cap(batch if type(batch) is int and batch > 0 else None)
         averager = Averager(self.runtime, policy.contribution_views(), name=policy.averages, settings=config.averaging,
                             codec=config.compression, privacy=privacy, write_back=False,
-                            aggregation=Aggregation(rule=config.aggregator, weight_cap=cap))
+                            aggregation=Aggregation(rule=config.aggregator, weight_cap=cap),
+                            reader=policy.contribution_reader)
+        policy.read_contributions = averager.reads_lazily
         return averager, MoshpitBackend(averager, in_place=policy.average_in_place)
 
     async def _join(self, training: Training) -> None:

@@ -199,7 +199,7 @@ class RoundDriver:
         if retries_travel:
             # the first attempt, waited for within the backend's bound; where the retries travel, the
             # training loop does not wait on the records either: the flight does
-            first = asyncio.ensure_future(self._attempts(epoch, 1, self.policy.weight(), self.policy.prepare,
+            first = asyncio.ensure_future(self._attempts(epoch, 1, self.policy.weight(), self.policy.prepare_round,
                                                          settle=False))
             try:
                 await asyncio.wait({first}, timeout=self.backend.in_turn_wait)
@@ -215,7 +215,7 @@ class RoundDriver:
             outcome, ahead = await first
         else:
             outcome, ahead = await self._attempts(epoch, 0 if alone else MAX_ROUND_ATTEMPTS, self.policy.weight(),
-                                                  self.policy.prepare)
+                                                  self.policy.prepare_round)
         if outcome is not None:
             self.clock.round_took(self.clock.clock() - began)
             self.keep_result(epoch, outcome.average, outcome.frames)

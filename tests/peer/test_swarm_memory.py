@@ -17,7 +17,7 @@ INNER = 4
 
 
 def wide_classifier(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """8 inputs, 2 classes, 6146 parameters (enough that frames are bytes per element, not headers)."""
+    """8 inputs, 2 classes, 5634 parameters (enough that frames are bytes per element, not headers)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.ReLU(), torch.nn.Linear(512, 2))
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -64,3 +64,22 @@ def test_between_rounds_a_diloco_peer_holds_its_outer_state_error_feedback_and_f
         # status says what crossed the device boundary (here a CPU "device": the same code): whole
         # parameter sets, 8 bytes per parameter per round
         assert status.device_bytes >= 8 * params * status.rounds_ok and status.device_bytes % (4 * params) == 0
+
+
+def test_a_round_run_in_turn_reads_its_pseudo_gradient_where_it_lives(monkeypatch):
+    """During a round run in turn no buffer holds the contribution or the result: the averager reads
+    start - parameters a chunk at a time (the parameters do not move meanwhile) and hands the average
+    over as the frames it travelled in (4 + 4 bytes per parameter less at the round's peak)."""
+    from swarmgrad.averaging import allreduce
+
+    seen = []
+    run = allreduce.GroupAllReduce.run
+
+    async def watched(self, seconds):
+        seen.append((self.read is not None, self.contribution.untyped_storage().nbytes(), self.result is None))
+        return await run(self, seconds)
+
+    monkeypatch.setattr(allreduce.GroupAllReduce, "run", watched)
+    statuses = run_async(two_peers(steps=4 * INNER))
+    assert all(status.rounds_ok >= 2 for status in statuses), statuses
+    assert len(seen) >= 4 and set(seen) == {(True, 0, True)}, seen

@@ -130,6 +130,9 @@ class Policy(ABC):
         # state server drops a state served from them, or keeps them for its readers and says so
         # (True: the strategy goes on with copies; state/served.py)
         self.before_outer_step: Callable[[], bool] = lambda: False
+        # the averager reads a round's contribution through ``contribution_reader`` (a lossy codec, no
+        # privacy; assembly.py sets it): a round run in turn then holds no copy of it (DESIGN's memory budget)
+        self.read_contributions = False
         # fp16's loss scaler (``Peer(grad_scaler=...)``): gradients arrive scaled, and a step whose
         # gradients overflowed is skipped: not stepped, not counted, never sent
         self.grad_scaler: torch.amp.GradScaler | None = None
@@ -191,6 +194,16 @@ class Policy(ABC):
     @abstractmethod
     def apply(self, average: Average) -> None:
         """Use the swarm's average (flat, laid out like ``contribution``)."""
+
+    def prepare_round(self) -> None:
+        """Before each attempt at a round: ``prepare``, unless the averager reads the contribution where
+        it lives, a chunk at a time (``contribution_reader``)."""
+        self.prepare()
+
+    def contribution_reader(self) -> Callable[[int, int], torch.Tensor] | None:
+        """``(offset, length) -> float32 values`` of this round's contribution, computed where it lives,
+        while the contribution buffer is not filled (``read_contributions``); None: read ``contribution``."""
+        return None
 
     @property
     def overlap_steps(self) -> int | None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import pydantic
@@ -65,6 +67,8 @@ class DiLoCoPolicy(Policy):
         self.copy_params_into(self.start)
         self.momentum = self.layout.zeros()
         self._launched = False  # a round in flight (overlap.py): the contribution is what it sent
+        self._filled = False  # the contribution buffer holds this epoch's pseudo-gradient
+        self._offsets = [0, *itertools.accumulate(self.layout.numels)]  # where each parameter starts, flat
 
     def weight_cap(self, batch_size: int | None) -> float | None:
         return None if batch_size is None else WEIGHT_SLACK * self.settings.inner_steps * batch_size
@@ -84,6 +88,53 @@ class DiLoCoPolicy(Policy):
             torch.sub(start[offset:end], params, out=delta[offset:end])
 
         self.boundary.read(self.params, pseudo_gradient)  # formed on the host, from each piece as it arrives
+        self._filled = True
+
+    @no_grad
+    def prepare_round(self) -> None:
+        """A round run in turn reads its pseudo-gradient a chunk at a time (``contribution_reader``:
+        the parameters do not move meanwhile), so no buffer holds it: 4 bytes per parameter less at
+        the round's peak. One pass checks it is finite first; where it is not, it is formed in full
+        and the averager refuses to send it, as it would have."""
+        if not self.read_contributions:
+            self.prepare()
+            return
+        import torch
+
+        self.release_contribution()  # the first round's too (the buffer is made with the policy)
+
+        start, finite = self.start, True
+
+        def check(offset: int, params: torch.Tensor) -> None:
+            nonlocal finite
+            finite = finite and bool(torch.isfinite(start[offset:offset + len(params)] - params).all())
+
+        self.boundary.read(self.params, check)
+        if not finite:
+            self.prepare()
+
+    def contribution_reader(self):
+        return self._read_contribution if self.read_contributions and not self._filled else None
+
+    @no_grad
+    def _read_contribution(self, offset: int, length: int) -> torch.Tensor:
+        """start - parameters over ``[offset, offset + length)`` (a chunk: part of one parameter, or
+        several small ones)."""
+        import torch
+
+        values = self.start[offset:offset + length].clone()
+        at, index = offset, bisect.bisect_right(self._offsets, offset) - 1
+        while at < offset + length:
+            within = at - self._offsets[index]
+            span = min(offset + length - at, self.layout.numels[index] - within)
+            piece = values[at - offset : at - offset + span]
+            torch.sub(piece, self.boundary.read_span(self.params[index], within, span), out=piece)
+            at, index = at + span, index + 1
+        return values
+
+    def release_contribution(self) -> None:
+        super().release_contribution()
+        self._filled = False
 
     @no_grad
     def apply(self, average: Average) -> None:
@@ -158,7 +209,7 @@ class DiLoCoPolicy(Policy):
         round lands: no copy of any of the three. Returns the contribution as sent. ``refill=False``:
         the contribution already holds this epoch's pseudo-gradient (a round in turn, already being
         sent, becomes a flight; the parameters have not moved since)."""
-        if refill:
+        if refill or not self._filled:  # a round in turn that read its contribution lazily: formed now
             self.prepare()
         self.boundary.write(self.params, lambda offset, numel: self._provisional(*self._slices(offset, numel)))
         self._launched = True
