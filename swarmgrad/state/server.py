@@ -138,7 +138,8 @@ class StateServer:
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
         self._results: dict[int, torch.Tensor | None] = {}  # bfloat16, None where kept as frames
         self._result_numel: dict[int, int] = {}
-        self._result_digests: dict[int, str] = {}
+        # a result read in slices (frames) is named in a thread, off the round's path: a future until then
+        self._result_digests: dict[int, str | asyncio.Future[str]] = {}
         self._result_frames: dict[int, list[tuple[dict, bytes]]] = {}
         self._sketches: dict[tuple[int, int, tuple[int, ...]], bytes] = {}  # (version, seed, parts): oldest first
         self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
@@ -228,11 +229,25 @@ class StateServer:
             self._results[epoch] = result.detach().reshape(-1).to("cpu").to(RESULT_DTYPE, copy=True)
         else:
             self._results[epoch] = None
-        self._result_numel[epoch], self._result_digests[epoch] = result.numel(), result_digest(result)
+        self._result_numel[epoch], self._result_digests[epoch] = result.numel(), self._digest(result)
         self._result_frames.pop(epoch, None)
         if frames is not None:
             self._result_frames[epoch] = frames
         self._drop_old_results()
+
+    @staticmethod
+    def _digest(result: torch.Tensor | ResultSlices) -> str | asyncio.Future[str]:
+        """A float32 result's digest now (its bfloat16 copy is made anyway); a framed one's decoded in a
+        thread (a pass over the model's size, which the outer step waited for) when an event loop runs."""
+        if isinstance(result, torch.Tensor):
+            return result_digest(result)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # called from plain code: now
+            return result_digest(result)
+        named = asyncio.ensure_future(asyncio.to_thread(result_digest, result))
+        named.add_done_callback(lambda done: done.cancelled() or done.exception())  # dropped unasked: retrieved
+        return named
 
     def _drop_old_results(self) -> None:
         """Keep the last ``keep_results`` results, and the older ones a joiner still needs
@@ -321,7 +336,10 @@ class StateServer:
                         await channel.send_error(f"the result of round {epoch} is not kept here")
                         return
                     if request.kind == "digest":
-                        await channel.send({"t": "digest", "epoch": epoch, "sha256": self._result_digests[epoch]})
+                        digest = self._result_digests[epoch]
+                        if not isinstance(digest, str):
+                            digest = await asyncio.shield(digest)
+                        await channel.send({"t": "digest", "epoch": epoch, "sha256": digest})
                     else:
                         await self._send_result(channel, epoch, request.header.get("frames") is True,
                                                 request.header.get("chunks") is True)

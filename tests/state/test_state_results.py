@@ -298,3 +298,22 @@ def test_a_donor_keeps_results_for_a_bounded_number_of_joiners():
     holds.reading("late", 500)
     assert len(holds._holds) == state_server.MAX_RESULT_HOLDERS and "peer1" not in holds._holds
     assert holds.floor() == 100  # peer0, still reading, is kept
+
+
+def test_a_result_kept_as_read_in_slices_is_named_in_a_thread_and_served_by_its_digest(swarm):
+    """A round's average handed over as its frames (``FramedAverage``) is named off the round's path:
+    the digest a peer asks for is that of its decoded bfloat16 bytes, as for a float32 result."""
+    from swarmgrad.averaging.result_frames import FramedAverage
+
+    schema, result, frames = travelled_in_q2(torch.randn(20_000, generator=torch.Generator().manual_seed(8)))
+    framed = FramedAverage(frames, schema, get_codec("q2"))
+
+    async def scenario():
+        protocol = new_protocol()
+        async with AsyncExitStack() as stack:
+            server = await stack.enter_async_context(StateServer(swarm.transports[1], protocol))
+            server.publish_result(4, framed, frames)
+            assert server.held_bytes()["kept_results"] == framed.nbytes()
+            return await download_result_digest(swarm.transports[0], protocol, donor_ids(swarm)[0], 4)
+
+    assert run(swarm, scenario()) == result_digest(result)
