@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
@@ -29,21 +29,25 @@ RESULT_DTYPE = torch.bfloat16
 RESULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
-class ResultSlices(Protocol):
-    """A result read a slice at a time (averaging/result_frames.py ``FramedAverage``)."""
+class ResultPieces(Protocol):
+    """A result read a piece at a time, in order (averaging/result_frames.py ``FramedAverage``)."""
 
     def numel(self) -> int: ...
 
-    def __getitem__(self, span: slice) -> torch.Tensor: ...
+    def pieces(self) -> Iterator[tuple[int, torch.Tensor]]: ...
 
 
 DIGEST_ELEMENTS = 1 << 22  # converted to bfloat16 this many at a time: no copy of the whole result
 
 
-def result_digest(result: torch.Tensor | ResultSlices) -> str:
+def result_digest(result: torch.Tensor | ResultPieces) -> str:
     """The sha256 of a result's bytes as bfloat16 (flat), in hex: what a donor says it holds."""
-    flat = result.detach().reshape(-1) if isinstance(result, torch.Tensor) else result
     digest = hashlib.sha256()
+    if not isinstance(result, torch.Tensor):  # frames: each decoded once, no copy of it
+        for _, piece in result.pieces():
+            digest.update(memoryview(piece.to(RESULT_DTYPE).view(torch.uint8).numpy()))
+        return digest.hexdigest()
+    flat = result.detach().reshape(-1)
     for start in range(0, flat.numel(), DIGEST_ELEMENTS):
         piece = flat[start : start + DIGEST_ELEMENTS].to("cpu").to(RESULT_DTYPE)
         digest.update(memoryview(piece.view(torch.uint8).numpy()))

@@ -44,7 +44,7 @@ from swarmgrad.net.transport import Transport
 from swarmgrad.net.wire import FrameError, field, int_field
 from swarmgrad.state import results as state_results
 from swarmgrad.state import sketch as state_sketch
-from swarmgrad.state.results import RESULT_DTYPE, ResultSlices, result_digest
+from swarmgrad.state.results import RESULT_DTYPE, ResultPieces, result_digest
 from swarmgrad.state.served import ServedState
 from swarmgrad.state.sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
 from swarmgrad.state.snapshot import StateSnapshot, part_count
@@ -138,7 +138,7 @@ class StateServer:
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
         self._results: dict[int, torch.Tensor | None] = {}  # bfloat16, None where kept as frames
         self._result_numel: dict[int, int] = {}
-        # a result read in slices (frames) is named in a thread, off the round's path: a future until then
+        # a result held as its frames is named in a thread, off the round's path: a future until then
         self._result_digests: dict[int, str | asyncio.Future[str]] = {}
         self._result_frames: dict[int, list[tuple[dict, bytes]]] = {}
         self._sketches: dict[tuple[int, int, tuple[int, ...]], bytes] = {}  # (version, seed, parts): oldest first
@@ -213,7 +213,7 @@ class StateServer:
             self._drop_old()
         return version
 
-    def publish_result(self, epoch: int, result: torch.Tensor | ResultSlices,
+    def publish_result(self, epoch: int, result: torch.Tensor | ResultPieces,
                        frames: list[tuple[dict, bytes]] | None = None) -> None:
         """Keep what round ``epoch`` applied here (a flat float tensor: the swarm's average, or this
         peer's own values when it stepped alone), for a peer that missed the round to replay: as the
@@ -225,7 +225,7 @@ class StateServer:
             self._drop_result(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
         if frames is None:
             if not isinstance(result, torch.Tensor):
-                raise ValueError("a result read in slices is kept as its frames: pass them")
+                raise ValueError("a result held as frames is kept as its frames: pass them")
             self._results[epoch] = result.detach().reshape(-1).to("cpu").to(RESULT_DTYPE, copy=True)
         else:
             self._results[epoch] = None
@@ -236,7 +236,7 @@ class StateServer:
         self._drop_old_results()
 
     @staticmethod
-    def _digest(result: torch.Tensor | ResultSlices) -> str | asyncio.Future[str]:
+    def _digest(result: torch.Tensor | ResultPieces) -> str | asyncio.Future[str]:
         """A float32 result's digest now (its bfloat16 copy is made anyway); a framed one's decoded in a
         thread (a pass over the model's size, which the outer step waited for) when an event loop runs."""
         if isinstance(result, torch.Tensor):

@@ -300,7 +300,7 @@ def test_a_donor_keeps_results_for_a_bounded_number_of_joiners():
     assert holds.floor() == 100  # peer0, still reading, is kept
 
 
-def test_a_result_kept_as_read_in_slices_is_named_in_a_thread_and_served_by_its_digest(swarm):
+def test_a_result_kept_as_its_frames_is_named_in_a_thread_and_served_by_its_digest(swarm):
     """A round's average handed over as its frames (``FramedAverage``) is named off the round's path:
     the digest a peer asks for is that of its decoded bfloat16 bytes, as for a float32 result."""
     from swarmgrad.averaging.result_frames import FramedAverage

@@ -94,20 +94,20 @@ class DiLoCoPolicy(Policy):
     def prepare_round(self) -> None:
         """A round run in turn reads its pseudo-gradient a chunk at a time (``contribution_reader``:
         the parameters do not move meanwhile), so no buffer holds it: 4 bytes per parameter less at
-        the round's peak. One pass checks it is finite first; where it is not, it is formed in full
-        and the averager refuses to send it, as it would have."""
+        the round's peak. One pass checks the parameters are finite first (the start is: it is the
+        swarm's); where they are not, it is formed in full and the averager refuses to send it, as it
+        would have. Each chunk read is checked again (``_read_contribution``: a difference can overflow)."""
         if not self.read_contributions:
             self.prepare()
             return
-        import torch
+        from swarmgrad.averaging.codecs.base import all_finite
 
         self.release_contribution()  # the first round's too (the buffer is made with the policy)
-
-        start, finite = self.start, True
+        finite = True
 
         def check(offset: int, params: torch.Tensor) -> None:
             nonlocal finite
-            finite = finite and bool(torch.isfinite(start[offset:offset + len(params)] - params).all())
+            finite = finite and all_finite(params)  # one reduction, no temporary
 
         self.boundary.read(self.params, check)
         if not finite:
@@ -122,6 +122,8 @@ class DiLoCoPolicy(Policy):
         several small ones)."""
         import torch
 
+        from swarmgrad.averaging.codecs.base import all_finite
+
         values = self.start[offset:offset + length].clone()
         at, index = offset, bisect.bisect_right(self._offsets, offset) - 1
         while at < offset + length:
@@ -130,6 +132,8 @@ class DiLoCoPolicy(Policy):
             piece = values[at - offset : at - offset + span]
             torch.sub(piece, self.boundary.read_span(self.params[index], within, span), out=piece)
             at, index = at + span, index + 1
+        if not all_finite(values):  # finite parameters, but a difference past float32's range
+            raise ValueError(f"the pseudo-gradient holds NaN or Inf in [{offset}, {offset + length}); not sending it")
         return values
 
     def release_contribution(self) -> None:
