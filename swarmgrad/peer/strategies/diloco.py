@@ -21,6 +21,8 @@ from swarmgrad.peer.strategies.base import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 Overlap = Literal["auto", "on", "off"]
@@ -113,7 +115,7 @@ class DiLoCoPolicy(Policy):
         if not finite:
             self.prepare()
 
-    def contribution_reader(self):
+    def contribution_reader(self) -> Callable[[int, int], torch.Tensor] | None:
         return self._read_contribution if self.read_contributions and not self._filled else None
 
     @no_grad
