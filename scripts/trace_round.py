@@ -60,13 +60,21 @@ NOTES = {
                                       "many to expect; marks this peer as averaging; after the round, its groupmates at the "
                                       "next epoch (`met`), and its own",
     ("peer.progress", "dht.membership"): "the presence record is stored again at once (by the heartbeat's task)",
-    ("peer.driver", "peer.strategies"): "`prepare` writes start − params into the flat contribution (one pass), "
-                                        "where the average lands too (`average_in_place`); `apply` takes the outer "
-                                        "Nesterov step from it and gives the contribution's memory back",
-    ("peer.strategies", "device.boundary"): "**the device boundary**: the parameters read once, a piece at a "
-                                            "time (pinned, non-blocking on a GPU), and the new start written once",
-    ("device.boundary", "peer.strategies"): "each piece as it arrives: start − piece into the contribution; the "
-                                            "new start's piece to write",
+    ("peer.driver", "peer.strategies"): "`prepare_round` checks the parameters are finite (one pass) and leaves "
+                                        "the contribution unfilled: the averager reads start − params a chunk at a "
+                                        "time (`contribution_reader`); `apply` takes the outer Nesterov step from the "
+                                        "average's frames, decoded one at a time",
+    ("peer.strategies", "device.boundary"): "**the device boundary**: the parameters read a piece at a time "
+                                            "(pinned, non-blocking on a GPU) for the check, a chunk at a time as the "
+                                            "averager encodes them (`read_span`), and the new start written once",
+    ("device.boundary", "peer.strategies"): "each piece as it arrives: checked finite; the new start's piece to write",
+    ("averaging.moshpit", "peer.strategies"): "whether this round reads its contribution where it lives (nothing "
+                                              "filled it)",
+    ("averaging.allreduce", "peer.strategies"): "each chunk of the contribution as it is encoded: start − params, "
+                                                "no model-sized copy",
+    ("averaging.moshpit", "averaging.result_frames"): "the average handed over as the frames it travelled in "
+                                                      "(`FramedAverage`): no float32 result of the model's size",
+    ("peer.strategies", "averaging.result_frames"): "the outer step walks the average a frame at a time",
     ("peer.driver", "averaging.moshpit"): "the round key from this peer's cell of the grid (no network)",
     ("averaging.matchmaking", "averaging.attendance"): "whom to wait for: slice members seen alive (declared, "
                                                        "invited, accepted or answered a probe); the others are "
@@ -85,8 +93,8 @@ NOTES = {
     ("averaging.invitations", "averaging.attendance"): "the members that accepted are seen alive",
     ("averaging.invitations", "averaging.rules"): "the quorum: from how many rows the run's rule out-votes a liar "
                                                   "(no pairs while that many are here)",
-    ("averaging.moshpit", "peer.driver"): "as the all-reduce begins: may the average land in the contribution "
-                                          "(a round in turn, not one that became a flight meanwhile)",
+    ("averaging.moshpit", "peer.driver"): "as the all-reduce begins: is this a round in turn (not one that became a "
+                                          "flight meanwhile, whose contribution the launch filled)",
     ("averaging.moshpit", "averaging.allreduce"): "the all-reduce: each part's chunks encoded and streamed to its "
                                                   "owner, this peer's part reduced, the averages received",
     ("averaging.allreduce", "averaging.codecs"): "encode with error feedback (staged), decode what arrives",

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Literal, Sequence
 
 import torch
 
@@ -97,17 +97,15 @@ class GroupAllReduce:
         plan: GroupPlan,
         me: str,
         schema: Schema,
-        contribution: torch.Tensor,
+        contribution: torch.Tensor | Callable[[int, int], torch.Tensor],
         weight: float,
         codec: Codec,
         transport: Transport,
         protocol: str,
         feedback: ErrorFeedback | None = None,
         contribution_checked: bool = False,
-        result: torch.Tensor | None = None,
+        result: torch.Tensor | Literal["frames"] | None = None,
         weight_cap: float | None = None,
-        frames_only: bool = False,
-        read: Callable[[int, int], torch.Tensor] | None = None,
     ):
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ValueError(f"weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight}")
@@ -117,11 +115,13 @@ class GroupAllReduce:
         # the rule the plan names: matchmaking admits only plans that name this peer's own
         self.rule, self.weight_cap = get_rule(plan.aggregator), weight_cap
         self.streams = self.rule.streams
-        self.contribution, self.weight, self.codec = contribution, weight, codec
-        # read(start, length): the contribution's chunks computed where they live (each read once per
-        # round), instead of sliced from ``contribution``; the result is then its frames alone
-        self.read = read
-        if read is not None and not frames_only:
+        # the contribution: a flat tensor, or read(start, length), its chunks computed where they live
+        # (each read once per round; the result is then its frames alone)
+        self.read = contribution if callable(contribution) else None
+        self.contribution = None if callable(contribution) else contribution
+        self.weight, self.codec = weight, codec
+        frames_only = isinstance(result, str) and result == "frames"
+        if self.read is not None and not frames_only:
             raise ValueError("a contribution read a chunk at a time needs its result in frames only")
         self.gather_codec = gather_codec_for(codec)
         self.transport, self.protocol, self.feedback = transport, protocol, feedback
@@ -130,13 +130,13 @@ class GroupAllReduce:
         self.parts = assign_parts(schema.chunks, plan.shares)
         self.my_chunks = [schema.chunks[c] for c in self.parts[self.index]]
         self.others = [peer for peer in plan.members if peer != me]
-        # frames_only (a lossy return codec): the result is ``result_frames`` alone, never a float32
+        # result="frames" (a lossy return codec): the result is ``result_frames`` alone, never a float32
         # buffer of the model's size (result_frames.py ``FramedAverage`` reads it); else a caller that
         # averages repeatedly passes the same buffer: fresh 100 MB means page faults
         if frames_only and not self.gather_codec.lossy:
             raise ValueError(f"a result in frames only needs a lossy return codec, not {self.gather_codec.name}")
         self.result: torch.Tensor | None = None if frames_only else (
-            result if result is not None else torch.empty(schema.total, dtype=torch.float32))
+            result if isinstance(result, torch.Tensor) else torch.empty(schema.total, dtype=torch.float32))
         self.max_payload = max(
             (max(codec.encoded_nbytes(c.view), self.gather_codec.encoded_nbytes(c.view)) for c in schema.chunks),
             default=0,
@@ -266,6 +266,7 @@ class GroupAllReduce:
         """This member's contribution to ``chunk``, flat."""
         if self.read is not None:
             return self.read(chunk.start, chunk.length)
+        assert self.contribution is not None
         return self.contribution[chunk.start : chunk.start + chunk.length]
 
     def _encode_contribution(self, chunk: Chunk) -> tuple[dict, bytes | memoryview]:

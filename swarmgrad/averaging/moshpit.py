@@ -110,7 +110,6 @@ class Averager:
         swap_storage: bool = False,
         write_back: bool = True,
         aggregation: Aggregation = Aggregation(),
-        reader: Callable[[], Callable[[int, int], torch.Tensor] | None] | None = None,
     ):
         named = list(tensors.items()) if isinstance(tensors, Mapping) else [(str(i), t) for i, t in enumerate(tensors)]
         if not named:
@@ -141,13 +140,7 @@ class Averager:
             raise ConfigError("swap_storage needs one contiguous float32 CPU tensor and no privacy (the result "
                               "buffer becomes the tensor's storage)")
         self.swap_storage, self.write_back = swap_storage, write_back
-        # reader() -> read(offset, length): where a round run in place reads its contribution a chunk at a
-        # time instead of from the tensors (which the caller then leaves unfilled, and checked finite
-        # itself), its average handed over as frames; None: from the tensors. Only with a lossy return
-        # codec (the frames hold the result) and no privacy (a release needs all of it at once)
-        self.reads_lazily = reader is not None and write_back is False and self.releaser is None \
-            and self.codec.average_codec().lossy
-        self._reader = reader if self.reads_lazily else None
+        self._reader: Callable[[], Callable[[int, int], torch.Tensor] | None] | None = None  # read_in_place
         # write_back=False: the last round's average (flat), as its frames where the return codec is lossy
         # and it did not land in the contribution (result_frames.py), else float32
         self.average: torch.Tensor | FramedAverage | None = None
@@ -252,6 +245,17 @@ class Averager:
         report.seconds = time.monotonic() - started
         return report
 
+    def read_in_place(self, reader: Callable[[], Callable[[int, int], torch.Tensor] | None]) -> bool:
+        """From now on ``reader()`` may return ``read(offset, length)``: where a round run in place reads
+        its contribution a chunk at a time instead of from the tensors (which the caller then leaves
+        unfilled, having checked it finite itself), its average handed over as frames; None: from the
+        tensors. Taken (True) only with write_back=False, a lossy return codec (the frames hold the
+        result) and no privacy (a release needs all of it at once)."""
+        if self.write_back or self.releaser is not None or not self.codec.average_codec().lossy:
+            return False
+        self._reader = reader
+        return True
+
     def held_bytes(self) -> dict[str, int]:
         """Host bytes this averager holds of its own, by what they are for (the contribution it reads
         in place is its caller's): error feedback, a result not yet taken, a released or gathered copy."""
@@ -311,9 +315,9 @@ class Averager:
         else:
             result = torch.empty(self.schema.total, dtype=torch.float32)
         allreduce = GroupAllReduce(
-            plan, self.node.peer_id, self.schema, self._buffer, weight, self.codec,
+            plan, self.node.peer_id, self.schema, read if read is not None else self._buffer, weight, self.codec,
             self.runtime.transport, self._allreduce_protocol, self.feedback, contribution_checked=True,
-            result=result, weight_cap=self.aggregation.weight_cap, frames_only=frames_only, read=read,
+            result="frames" if frames_only else result, weight_cap=self.aggregation.weight_cap,
         )
         async with self._rounds_changed:
             self._rounds[plan.round_id] = allreduce

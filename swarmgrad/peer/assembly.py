@@ -200,9 +200,8 @@ class PeerAssembly:
         cap = policy.weight_cap(batch if type(batch) is int and batch > 0 else None)
         averager = Averager(self.runtime, policy.contribution_views(), name=policy.averages, settings=config.averaging,
                             codec=config.compression, privacy=privacy, write_back=False,
-                            aggregation=Aggregation(rule=config.aggregator, weight_cap=cap),
-                            reader=policy.contribution_reader)
-        policy.read_contributions = averager.reads_lazily
+                            aggregation=Aggregation(rule=config.aggregator, weight_cap=cap))
+        policy.read_contributions = averager.read_in_place(policy.contribution_reader)
         return averager, MoshpitBackend(averager, in_place=policy.average_in_place)
 
     async def _join(self, training: Training) -> None:

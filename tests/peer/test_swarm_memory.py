@@ -70,16 +70,18 @@ def test_a_round_run_in_turn_reads_its_pseudo_gradient_where_it_lives(monkeypatc
     """During a round run in turn no buffer holds the contribution or the result: the averager reads
     start - parameters a chunk at a time (the parameters do not move meanwhile) and hands the average
     over as the frames it travelled in (4 + 4 bytes per parameter less at the round's peak)."""
-    from swarmgrad.averaging import allreduce
+    from swarmgrad.averaging import moshpit
 
     seen = []
-    run = allreduce.GroupAllReduce.run
+    allreduce = moshpit.Averager._allreduce
 
-    async def watched(self, seconds):
-        seen.append((self.read is not None, self.contribution.untyped_storage().nbytes(), self.result is None))
-        return await run(self, seconds)
+    async def watched(self, plan, weight, in_place, read=None):
+        held = self._buffer.untyped_storage().nbytes()  # the contribution's storage, which it shares
+        report, group = await allreduce(self, plan, weight, in_place, read)
+        seen.append((read is not None, held, group.result is None))
+        return report, group
 
-    monkeypatch.setattr(allreduce.GroupAllReduce, "run", watched)
+    monkeypatch.setattr(moshpit.Averager, "_allreduce", watched)
     statuses = run_async(two_peers(steps=4 * INNER))
     assert all(status.rounds_ok >= 2 for status in statuses), statuses
     assert len(seen) >= 4 and set(seen) == {(True, 0, True)}, seen
