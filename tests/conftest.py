@@ -77,6 +77,13 @@ class FakeClock:
         return self.now
 
 
+def packed(state) -> torch.Tensor:
+    """A state's bytes (a StateSnapshot or a ServedState) as served, part after part."""
+    from swarmgrad.state.snapshot import part_count
+
+    return torch.cat([state.read_part(index) for index in range(part_count(state.nbytes))])
+
+
 def run_async(coroutine):
     return run(coroutine)
 

@@ -268,10 +268,18 @@ class CatchUp:
         assert self.runtime.transport is not None
         keep_optimizer = self.keeps_optimizer()
         donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
-        snapshot = await download_state(self.runtime.transport, self.server.protocol, donors,
-                                        seconds=self.timing.join_timeout, min_version=min_version,
-                                        keep=not_optimizer if keep_optimizer else None)
-        self.state.restore(snapshot, keep_optimizer=keep_optimizer)
+        # a peer that never held the swarm's state has nothing to lose in its outer state: the
+        # download writes it in place (no buffer of the state's size beside it), and a failure resets it
+        into = {} if self.in_step else self.state.download_targets()
+        try:
+            snapshot = await download_state(self.runtime.transport, self.server.protocol, donors,
+                                            seconds=self.timing.join_timeout, min_version=min_version,
+                                            keep=not_optimizer if keep_optimizer else None, into=into)
+            self.state.restore(snapshot, keep_optimizer=keep_optimizer, adopt=True)
+        except BaseException:
+            if into:
+                self.policy.reset_outer_state()
+            raise
         self.downloads += 1
         self.in_step = True
         self.tracker.next_epoch(snapshot.version)

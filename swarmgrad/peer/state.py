@@ -27,6 +27,10 @@ class StatefulStrategy(Protocol):
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
+    def outer_step_begins(self) -> None: ...
+
+    def reset_outer_state(self) -> None: ...
+
 
 OPTIMIZER_PREFIX = "optimizer/"
 
@@ -80,14 +84,13 @@ class TrainingState:
         tensors are read live (no copy: DESIGN's memory budget; a GPU's moments stay on it); the rest
         (the model's own parameters where no strategy keeps them, its buffers) is copied."""
         meta = {**meta, "optimizer_scalars": self.optimizer_scalars()}
-        outer = self.strategy.outer_params()
-        kept = {} if outer is None else {id(param): view for param, view in zip(self.strategy.params, outer)}
+        outer = self._outer_views()
         tensors: dict[str, torch.Tensor] = {}
         live: set[str] = set()
         for key, value in self.model.state_dict(keep_vars=True).items():
-            name, view = f"model/{key}", kept.get(id(value))
-            if view is not None and view.dtype == value.dtype:
-                tensors[name] = view
+            name = f"model/{key}"
+            if name in outer:
+                tensors[name] = outer[name]
                 live.add(name)
             else:
                 tensors[name] = _copy(value)
@@ -105,9 +108,34 @@ class TrainingState:
                 tensors[name] = _copy(value)
         return ServedState(version, tensors, meta, live=frozenset(live), keep_live=is_optimizer)
 
-    def restore(self, snapshot: StateSnapshot | ServedState, keep_optimizer: bool = False) -> None:
+    def _outer_views(self) -> dict[str, torch.Tensor]:
+        """``model/<key>`` -> the strategy's view of that parameter as the swarm's last step left it
+        (``outer_params``; none where the strategy keeps no such copy)."""
+        outer = self.strategy.outer_params()
+        if outer is None:
+            return {}
+        kept = {id(param): view for param, view in zip(self.strategy.params, outer)}
+        return {f"model/{key}": kept[id(value)] for key, value in self.model.state_dict(keep_vars=True).items()
+                if id(value) in kept and kept[id(value)].dtype == value.dtype}
+
+    def download_targets(self) -> dict[str, torch.Tensor]:
+        """The tensors a download may write in place (state/landing.py): the swarm's parameters where
+        the strategy keeps them apart from the model, and its own tensors (DiLoCo's start and
+        momentum), never the model the training loop reads. A reader of this peer's state keeps what
+        it reads (the strategy goes on with copies first). Only for a peer with nothing to lose in
+        them: a failed download leaves them half written (``reset_outer_state`` then)."""
+        self.strategy.outer_step_begins()
+        targets = self._outer_views()
+        if targets:
+            targets.update({f"strategy/{name}": value for name, value in self.strategy.state_tensors().items()})
+        return targets
+
+    def restore(self, snapshot: StateSnapshot | ServedState, keep_optimizer: bool = False,
+                adopt: bool = False) -> None:
         """Load a snapshot; raises StateMismatch (changing nothing) when it does not fit.
-        ``keep_optimizer``: leave the optimizer's state as it is (the snapshot may then hold none)."""
+        ``keep_optimizer``: leave the optimizer's state as it is (the snapshot may then hold none).
+        ``adopt``: the snapshot's optimizer tensors are this peer's to keep (a download made them for
+        it): the optimizer takes them as they are instead of copies."""
         tensors = snapshot.tensors()
         model_state = self.model.state_dict()
         model_part = {key.removeprefix("model/"): value for key, value in tensors.items() if key.startswith("model/")}
@@ -119,7 +147,7 @@ class TrainingState:
                 raise StateMismatch(f"state tensor model/{key} is {value.dtype}{tuple(value.shape)}, "
                                     f"the model has {model_state[key].dtype}{tuple(model_state[key].shape)}")
         optimizer_state = None if keep_optimizer else \
-            self._optimizer_state(tensors, snapshot.meta.get("optimizer_scalars", {}))
+            self._optimizer_state(tensors, snapshot.meta.get("optimizer_scalars", {}), adopt)
         strategy_part = {key.removeprefix("strategy/"): value for key, value in tensors.items()
                          if key.startswith("strategy/")}
         expected = self.strategy.expected_state()
@@ -136,7 +164,8 @@ class TrainingState:
             self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": current["param_groups"]})
         self.strategy.load_state_tensors(strategy_part)
 
-    def _optimizer_state(self, tensors: dict[str, torch.Tensor], scalars: Any) -> dict[int, dict[str, Any]]:
+    def _optimizer_state(self, tensors: dict[str, torch.Tensor], scalars: Any,
+                         adopt: bool = False) -> dict[int, dict[str, Any]]:
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
@@ -149,7 +178,7 @@ class TrainingState:
             if value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape):
                 raise StateMismatch(f"optimizer state {key} has shape {tuple(value.shape)}, "
                                     f"parameter {index} has {tuple(params[index].shape)}")
-            state.setdefault(index, {})[name] = value.clone()
+            state.setdefault(index, {})[name] = value if adopt else value.clone()
         if isinstance(scalars, dict):
             for index_text, plain in scalars.items():
                 index = int(index_text)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from swarmgrad.state import snapshot as state_snapshot
-from swarmgrad.state.snapshot import describe_state, layout, layout_digest, specs_of
+from swarmgrad.state.snapshot import byte_view, describe_state, layout, layout_digest, overlaps, specs_of
 
 
 class ServedState:
@@ -68,11 +68,8 @@ class ServedState:
         if not 0 <= start <= start + length <= self.nbytes or length > state_snapshot.PART_BYTES:
             raise ValueError(f"bytes [{start}, {start + length}) are outside the state or longer than a part")
         target = torch.zeros(length, dtype=torch.uint8)  # zeros: the alignment padding between tensors
-        for (name, _, _), (offset, size) in zip(self.specs, self._offsets):
-            lo, hi = max(start, offset), min(start + length, offset + size)
-            if lo < hi:
-                source = self._tensors[name].reshape(-1).view(torch.uint8)
-                target[lo - start : hi - start].copy_(source[lo - offset : hi - offset])
+        for name, offset, lo, hi in overlaps(self.specs, self._offsets, start, length):
+            target[lo - start : hi - start].copy_(byte_view(self._tensors[name])[lo - offset : hi - offset])
         return target
 
     def read_part(self, index: int) -> torch.Tensor:

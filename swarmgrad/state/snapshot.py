@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import msgpack
 import torch
@@ -187,3 +187,18 @@ def part_of(data: torch.Tensor, index: int) -> torch.Tensor:
 def part_count(nbytes: int) -> int:
     """How many ``PART_BYTES`` parts a state of ``nbytes`` travels in."""
     return math.ceil(nbytes / PART_BYTES)
+
+
+def overlaps(specs: Specs, offsets: list[tuple[int, int]], start: int,
+             length: int) -> Iterator[tuple[str, int, int, int]]:
+    """(name, offset, lo, hi) for each tensor of the layout holding bytes in ``[start, start + length)``:
+    it starts at ``offset`` and holds the layout's bytes ``[lo, hi)`` of that range."""
+    for (name, _, _), (offset, size) in zip(specs, offsets):
+        lo, hi = max(start, offset), min(start + length, offset + size)
+        if lo < hi:
+            yield name, offset, lo, hi
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, flat (a view: writing it writes the tensor)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)

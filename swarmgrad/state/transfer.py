@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import torch
 
@@ -52,6 +53,8 @@ from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
 from swarmgrad.net.wire import FrameError, RemoteError, expect_kind, field
 from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.landing import StateLanding
+from swarmgrad.state.served import ServedState
 from swarmgrad.state.sketch import (
     CLASSES,
     SKETCH_PROJECTIONS,
@@ -65,17 +68,14 @@ from swarmgrad.state.sketch import (
     sketch,
 )
 from swarmgrad.state.snapshot import (
-    DTYPES,
     MAX_DESCRIPTION_BYTES,
     MAX_STATE_BYTES,
-    StateSnapshot,
     StateTooLarge,
     StateTransferError,
     layout,
     names_in,
     parse_description,
     part_count,
-    part_of,
     parts_holding,
 )
 from swarmgrad.timing import DEFAULT_TIMING
@@ -108,12 +108,15 @@ Blame = Callable[[str, str, str], None]
 async def download_state(transport: Transport, protocol: str, donors: list[str], *,
                          seconds: float = DEFAULT_TIMING.join_timeout,
                          min_version: int = 0, max_bytes: int = MAX_STATE_BYTES,
-                         keep: Callable[[str], bool] | None = None) -> StateSnapshot:
+                         keep: Callable[[str], bool] | None = None,
+                         into: Mapping[str, torch.Tensor] | None = None) -> ServedState:
     """The state a strict majority of ``donors`` agree on, fetched in parts spread over those donors
     and verified once it is in (the rules: the module docstring).
 
-    ``keep``: which tensors (by name) to fetch; the snapshot holds only those, and only the parts
-    that hold them travel and are compared. Raises StateTransferError, using nothing, when no donor
+    ``keep``: which tensors (by name) to fetch; the state holds only those, and only the parts
+    that hold them travel and are compared. ``into``: tensors of the caller's to write the parts of
+    the same name in place (state/landing.py), where dtype and shape fit; they hold whatever landed
+    when this raises, so only a caller with nothing to lose in them hands them over. Raises StateTransferError, using nothing, when no donor
     answers, when the version a majority of them reached is below ``min_version``, when fewer than
     a strict majority of the donors that answered agree on the state, when a part fails every
     verification pass, or when ``seconds`` pass without a part landing. Each part that lands gives
@@ -169,7 +172,7 @@ async def download_state(transport: Transport, protocol: str, donors: list[str],
                 return await _verification_sketch(transport, protocol, offer, seed, parts, part_seconds)
 
             return await _fetch(sources, part_seconds=part_seconds, keep=keep, blame=blame, sketch_of=sketch_of,
-                                moving=moving)
+                                moving=moving, into=into)
     except (asyncio.TimeoutError, TimeoutError):
         raise StateTransferError(f"state download stalled: nothing landed for {seconds:.0f} s") from None
     finally:
@@ -328,33 +331,30 @@ def _blame(transport: Transport, donor: str, kind: str, detail: str) -> None:
 async def _fetch(sources: list[_Offer], part_seconds: float, keep: Callable[[str], bool] | None,
                  blame: Blame = lambda donor, kind, detail: None,
                  sketch_of: Callable[[_Offer, int, list[int]], Awaitable[torch.Tensor]] | None = None,
-                 moving: Callable[[], None] = lambda: None) -> StateSnapshot:
+                 moving: Callable[[], None] = lambda: None,
+                 into: Mapping[str, torch.Tensor] | None = None) -> ServedState:
     """Every needed part from some donor; a donor that errs or stalls for ``part_seconds`` hands its part on.
     ``sketch_of(donor, seed, parts)``: a donor's sketch, to verify what arrived with (``_verify``).
     ``blame(donor, kind, detail)``: told of a donor that sent an invalid part, a part that failed
     verification, or parts holding NaN or Inf. ``moving()``: called as each part lands."""
     first = sources[0]
-    data = torch.empty(first.nbytes, dtype=torch.uint8)
+    landing = StateLanding(first.specs, keep, into)
     parts = parts_holding(first.specs, keep)
     random.shuffle(sources)  # joiners arriving together start on different donors
     done: dict[int, str] = {}  # part -> the donor it came from
     healthy = list(sources)
-    await _fetch_parts(healthy, parts, data, done, part_seconds, blame, moving)
+    await _fetch_parts(healthy, parts, landing, done, part_seconds, blame, moving)
     if sketch_of is not None:
-        await _verify(sources, healthy, parts, data, done, part_seconds, blame, sketch_of)
-    snapshot = StateSnapshot(first.version, first.specs, first.meta, data)
-    _check_finite(snapshot, keep, done, blame)
-    if keep is not None:  # repack the kept tensors: every byte of theirs was fetched, the rest is unset
-        kept = {name: tensor for name, tensor in snapshot.tensors().items() if keep(name)}
-        snapshot = StateSnapshot.capture(first.version, kept, first.meta)
-    return snapshot
+        await _verify(sources, healthy, parts, landing, done, part_seconds, blame, sketch_of)
+    _check_finite(landing, done, blame)
+    return landing.landed(first.version, first.meta)
 
 
-async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.Tensor, done: dict[int, str],
+async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], landing: StateLanding, done: dict[int, str],
                        part_seconds: float, blame: Blame, moving: Callable[[], None] = lambda: None) -> None:
-    """Fetch ``parts`` into ``data`` from the donors of ``healthy`` (a donor that fails leaves it),
+    """Fetch ``parts`` into ``landing`` from the donors of ``healthy`` (a donor that fails leaves it),
     noting in ``done`` where each came from. StateTransferError when they all failed."""
-    target, size = memoryview(data.numpy()), state_snapshot.PART_BYTES
+    size = state_snapshot.PART_BYTES
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in parts:
         queue.put_nowait(index)
@@ -377,7 +377,13 @@ async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.
                     expected = min(size, offer.nbytes - index * size)
                     if length != expected:
                         raise FrameError(f"part {index} is {length} bytes, expected {expected}")
-                    await offer.channel.recv_payload_into(target[index * size : index * size + length])
+                    direct = landing.direct(index)
+                    if direct is not None:  # most parts: straight into the tensor that holds them
+                        await offer.channel.recv_payload_into(direct)
+                    else:
+                        payload = torch.empty(length, dtype=torch.uint8)
+                        await offer.channel.recv_payload_into(memoryview(payload.numpy()))
+                        landing.write(index, payload)
                 asked.popleft()
                 done[index] = offer.donor
                 moving()
@@ -400,7 +406,7 @@ async def _fetch_parts(healthy: list[_Offer], parts: Sequence[int], data: torch.
         raise StateTransferError(f"every donor failed: {missing} of {len(parts)} parts missing")
 
 
-async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int], data: torch.Tensor,
+async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int], landing: StateLanding,
                   done: dict[int, str], part_seconds: float, blame: Blame,
                   sketch_of: Callable[[_Offer, int, list[int]], Awaitable[torch.Tensor]]) -> None:
     """Check a sample of the fetched parts (``sample_parts``) against the median of the agreeing
@@ -428,7 +434,7 @@ async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int]
         if len(sketches) * 2 <= len(trusted):
             raise StateTransferError(f"too few donors sketched the state to verify it: {len(sketches)} of {len(trusted)}")
         reference = reference_sketch(torch.stack(sketches))
-        local = await asyncio.to_thread(sketch, lambda index: part_of(data, index), first.specs, seed, sample)
+        local = await asyncio.to_thread(sketch, landing.read_part, first.specs, seed, sample)
         fine = parts_within(local, reference, compared_values(first.specs, sample)).tolist()
         failed = [index for index, good in zip(sample, fine) if not good]
         if not failed:
@@ -445,20 +451,20 @@ async def _verify(sources: list[_Offer], healthy: list[_Offer], parts: list[int]
         suspect = [index for index in parts if done[index] in culprits]
         for index in suspect:
             done.pop(index)
-        await _fetch_parts(healthy, suspect, data, done, part_seconds, blame)
+        await _fetch_parts(healthy, suspect, landing, done, part_seconds, blame)
     raise StateTransferError(f"{len(failed)} sampled part(s) of the state failed verification; not using it")
 
 
-def _check_finite(snapshot: StateSnapshot, keep: Callable[[str], bool] | None, sources: dict[int, str],
-                  blame: Callable[[str, str, str], None]) -> None:
-    """StateTransferError when a kept floating-point tensor holds NaN or Inf; the donors of the parts
+def _check_finite(landing: StateLanding, sources: dict[int, str], blame: Callable[[str, str, str], None]) -> None:
+    """StateTransferError when a taken floating-point tensor holds NaN or Inf; the donors of the parts
     that hold it are blamed first."""
-    offsets, _ = layout(snapshot.specs)
-    for (name, dtype, shape), (start, length) in zip(snapshot.specs, offsets):
-        if keep is not None and not keep(name):
-            continue  # its bytes were not fetched
-        tensor = snapshot.data[start : start + length].view(DTYPES[dtype])
-        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+    offsets, _ = layout(landing.specs)
+    for (name, _, _), (start, length) in zip(landing.specs, offsets):
+        tensor = landing.tensors.get(name)
+        if tensor is None or not tensor.is_floating_point() or not tensor.numel():
+            continue
+        low, high = torch.aminmax(tensor.reshape(-1))  # NaN or Inf shows in one of them; no temporary
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             size = state_snapshot.PART_BYTES
             parts = range(start // size, (start + length - 1) // size + 1)
             for donor in sorted({sources[index] for index in parts if index in sources}):

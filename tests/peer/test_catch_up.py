@@ -79,7 +79,7 @@ class Harness:
         assert donors == ["donor"] and numel == self.policy.layout.total
         return self.donor_results[epoch]
 
-    async def download_state(self, transport, protocol, donors, seconds, min_version, keep):
+    async def download_state(self, transport, protocol, donors, seconds, min_version, keep, into):
         self.downloads += 1
         version = self.donor_state_version
         assert version >= min_version
@@ -199,6 +199,36 @@ def test_a_peer_whose_state_is_not_the_swarms_never_replays(monkeypatch):
     h = Harness(swarm_epoch=1, monkeypatch=monkeypatch, in_step=False)
     h.run()
     assert h.asked_results == [] and h.downloads == 1 and h.catch_up.in_step
+
+
+def test_a_fresh_peer_downloads_into_its_outer_state_and_a_failed_download_starts_it_afresh(monkeypatch):
+    """A peer that never held the swarm's state hands its outer start and momentum to the download
+    to write in place (issue 35: no buffer of the state's size beside them); when the download
+    fails half way they are reset from its parameters, so nothing half written is ever averaged. A
+    peer in step keeps its state apart: the download gets nothing of it."""
+    h = Harness(swarm_epoch=3, monkeypatch=monkeypatch, in_step=False)
+    h.policy.momentum.fill_(0.5)
+    handed: list[dict[str, torch.Tensor]] = []
+
+    async def failing_download(transport, protocol, donors, seconds, min_version, keep, into):
+        handed.append(into)
+        for tensor in into.values():
+            tensor.fill_(7.0)  # half a download landed
+        raise StateTransferError("the donor left")
+
+    monkeypatch.setattr(catch_up_module, "download_state", failing_download)
+    with pytest.raises(StateTransferError):
+        h.run()
+    start_views = {view.data_ptr() for view in h.policy.outer_params()}
+    assert {tensor.data_ptr() for name, tensor in handed[0].items() if name.startswith("model/")} == start_views
+    assert handed[0]["strategy/momentum/0"].data_ptr() == h.policy.momentum.data_ptr()
+    params = torch.cat([param.detach().reshape(-1) for param in h.policy.params])
+    assert torch.equal(h.policy.start, params) and not h.policy.momentum.any()
+
+    h.catch_up.in_step = True
+    with pytest.raises(StateTransferError):
+        run_async(h.catch_up.download(["donor"], 4))
+    assert handed[1] == {} and torch.equal(h.policy.start, params)
 
 
 # ---- real peers -------------------------------------------------------------------------------------

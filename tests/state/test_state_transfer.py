@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import joiner_and_donors
+from conftest import joiner_and_donors, packed
 
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies.diloco import DiLoCo, DiLoCoPolicy
@@ -197,10 +197,9 @@ def big_state(version: int = 1, megabytes: float = 10.0, seed: int = 0) -> State
     return StateSnapshot.capture(version, tensors, {"epoch": version, "strategy": {"name": "diloco"}})
 
 
-def assert_same(got: StateSnapshot, want: StateSnapshot | ServedState) -> None:
+def assert_same(got: ServedState, want: StateSnapshot | ServedState) -> None:
     assert got.version == want.version and got.specs == want.specs and got.meta == want.meta
-    served = torch.cat([want.read_part(index) for index in range(state_snapshot.part_count(want.nbytes))])
-    assert got.nbytes == want.nbytes and torch.equal(got.data, served)
+    assert got.nbytes == want.nbytes and torch.equal(packed(got), packed(want))
 
 
 def donor_ids(swarm) -> list[str]:
@@ -270,6 +269,36 @@ def test_download_of_some_tensors_fetches_only_their_parts(swarm):
     assert list(got.tensors()) == ["model/w", "strategy/momentum/0"]
     for name, tensor in got.tensors().items():
         assert torch.equal(tensor, tensors[name]), name
+
+
+def test_a_download_lands_in_the_callers_tensors_and_checks_parts_shared_with_tensors_it_leaves(swarm):
+    """``into``: parts land in the caller's own tensors (no buffer of the state beside them); a
+    target of another shape is left alone. A part that also holds a tensor ``keep`` leaves out is
+    kept whole, so the verification sketch of it matches the donors' (read as zeros, it would not)."""
+    generator = torch.Generator().manual_seed(5)
+    tensors = {"model/w": torch.randn(1_500_000, generator=generator),  # ends inside part 5
+               "model/other": torch.randn(500_000, generator=generator),  # compared, left out, shares part 5
+               "strategy/momentum/0": torch.randn(1_000_000, generator=generator),
+               "model/b": torch.randn(7, generator=generator)}
+    snapshot = StateSnapshot.capture(4, tensors, {"epoch": 4})
+    keep = lambda name: name != "model/other"  # noqa: E731
+    into = {"model/w": torch.zeros(1_500_000), "strategy/momentum/0": torch.zeros(1_000_000),
+            "model/b": torch.zeros(8)}  # the wrong shape: a tensor of its own is made
+
+    async def scenario():
+        protocol = new_protocol()
+        async with serving(swarm, protocol, [snapshot, snapshot]):
+            return await download_state(swarm.transports[0], protocol, donor_ids(swarm), seconds=20, keep=keep,
+                                        into=into)
+
+    got = run(swarm, scenario())
+    landed = got.tensors()
+    assert list(landed) == ["model/w", "strategy/momentum/0", "model/b"]
+    for name in ("model/w", "strategy/momentum/0"):
+        assert landed[name].data_ptr() == into[name].data_ptr() and torch.equal(into[name], tensors[name]), name
+    assert landed["model/b"].data_ptr() != into["model/b"].data_ptr() and torch.equal(landed["model/b"],
+                                                                                    tensors["model/b"])
+    assert not into["model/b"].any()
 
 
 def test_many_small_parts_are_spread_and_complete(swarm, monkeypatch):

@@ -14,13 +14,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import torch
-from conftest import joiner_and_donors
+from conftest import joiner_and_donors, packed
 
 from swarmgrad.net.wire import FrameError, RemoteError
 from swarmgrad.peer.state import OPTIMIZER_PREFIX
 from swarmgrad.state import server as state_server
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state import transfer as state_transfer
+from swarmgrad.state.served import ServedState
 from swarmgrad.state.server import StateServer, sketched_parts
 from swarmgrad.state.sketch import (
     CLASSES,
@@ -175,14 +176,13 @@ def parts_of(snapshot: StateSnapshot) -> int:
     return math.ceil(snapshot.nbytes / state_snapshot.PART_BYTES)
 
 
-def part(snapshot: StateSnapshot, index: int) -> torch.Tensor:
-    size = state_snapshot.PART_BYTES
-    return snapshot.data[index * size: (index + 1) * size]
+def part(snapshot: StateSnapshot | ServedState, index: int) -> torch.Tensor:
+    return snapshot.read_part(index)
 
 
-def assert_same(got: StateSnapshot, want: StateSnapshot) -> None:
+def assert_same(got: ServedState, want: StateSnapshot) -> None:
     assert got.version == want.version and got.specs == want.specs and got.meta == want.meta
-    assert torch.equal(got.data, want.data)
+    assert torch.equal(packed(got), want.data)
 
 
 # ---- the rules, as units ---------------------------------------------------------------------------

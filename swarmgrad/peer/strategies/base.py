@@ -240,6 +240,10 @@ class Policy(ABC):
     def leave_outer_state(self) -> None:
         """Replace the tensors ``outer_params`` and ``state_tensors`` view with copies (none here)."""
 
+    def reset_outer_state(self) -> None:
+        """Start the outer state afresh from the parameters, as a new peer does: after a download that
+        wrote ``outer_params`` and ``state_tensors`` in place failed half way (none here)."""
+
     def outer_params(self) -> list[torch.Tensor] | None:
         """Views, in ``params`` order, of the parameters as the swarm's latest step left them, which
         the strategy keeps unchanged until its next one (DiLoCo's start): the state is served from

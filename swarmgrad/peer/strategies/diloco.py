@@ -189,6 +189,11 @@ class DiLoCoPolicy(Policy):
     def leave_outer_state(self) -> None:
         self.start, self.momentum = self.start.clone(), self.momentum.clone()
 
+    @no_grad
+    def reset_outer_state(self) -> None:
+        self.copy_params_into(self.start)
+        self.momentum.zero_()
+
     def outer_params(self) -> list[torch.Tensor]:
         return self.layout.views(self.start)
 
