@@ -10,17 +10,30 @@ outer steps (buffers, parameters that are not kept elsewhere) is copied when it 
 Before the owner changes its live tensors it calls ``retire``: a state that a download (or a
 checkpoint being written) still reads keeps them, and the owner goes on with copies (the peak of a
 download, never the steady state): nothing a reader already holds ever changes. Any other state
-is marked stale and no longer served.
+is marked stale and no longer served. Where the change is an outer step the owner can undo on
+reading (``OuterStep``: DiLoCo's, on an average held as its frames), a state that downloads read
+keeps reading the live tensors past it instead, and no copy is made (issue 35: the copies were 8
+bytes a parameter on every donor, for as long as a download ran across an outer step).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state.snapshot import byte_view, describe_state, layout, layout_digest, overlaps, specs_of
+
+
+class OuterStep(Protocol):
+    """A change its owner is about to make to live tensors in place, which a state served from before
+    it reads past: ``before(piece, steps)`` is ``piece`` (a view of a live tensor the step ``covers``)
+    as it was before ``steps`` (consecutive, oldest first, this one the last)."""
+
+    def covers(self, tensor: torch.Tensor) -> bool: ...
+
+    def before(self, piece: torch.Tensor, steps: Sequence[OuterStep]) -> torch.Tensor: ...
 
 
 class ServedState:
@@ -44,7 +57,8 @@ class ServedState:
         self._keep_live = keep_live  # live tensors a freeze does not copy (the optimizer's: never compared)
         self._offsets, self.nbytes = layout(self.specs)
         self.stale = False  # the owner changed its live tensors: nothing of it may be served any more
-        self.frozen = False  # the owner left its tensors to the readers: kept only while they read
+        self.frozen = False  # the owner left its tensors to the readers, or stepped past them: kept only while read
+        self._steps: list[OuterStep] = []  # the owner's steps since: read past (``OuterStep``)
 
     @property
     def digest(self) -> str:
@@ -54,13 +68,14 @@ class ServedState:
         return describe_state(self.specs, self.meta)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors, by name (views of the live ones: copy what must outlive the next outer step)."""
+        """The tensors, by name (views of the live ones: copy what must outlive the next outer step;
+        once the owner stepped past them, ``still_current`` is False and only ``read`` is this state)."""
         return dict(self._tensors)
 
     def still_current(self) -> bool:
         """Whether the tensors ``tensors()`` handed out still hold this version (a checkpoint written
         from them in the background is whole only if so; the optimizer's change at every step)."""
-        return not self.stale
+        return not self.stale and not self._steps
 
     def read(self, start: int, length: int) -> torch.Tensor:
         """A copy of bytes ``[start, start + length)`` of the layout, at most a part (a live tensor may
@@ -69,8 +84,22 @@ class ServedState:
             raise ValueError(f"bytes [{start}, {start + length}) are outside the state or longer than a part")
         target = torch.zeros(length, dtype=torch.uint8)  # zeros: the alignment padding between tensors
         for name, offset, lo, hi in overlaps(self.specs, self._offsets, start, length):
-            target[lo - start : hi - start].copy_(byte_view(self._tensors[name])[lo - offset : hi - offset])
+            tensor = self._tensors[name]
+            if self._steps and self._moves(name):  # the owner stepped on: read what it held before
+                size = tensor.element_size()
+                piece = tensor.detach().reshape(-1)[(lo - offset) // size : (hi - offset) // size]
+                target[lo - start : hi - start].copy_(byte_view(self._steps[-1].before(piece, self._steps)))
+            else:
+                target[lo - start : hi - start].copy_(byte_view(tensor)[lo - offset : hi - offset])
         return target
+
+    def _moves(self, name: str) -> bool:
+        """A live tensor the owner changes at an outer step (the optimizer's moments are left to move)."""
+        return name in self._live and not self._keep_live(name)
+
+    def can_read_past(self, step: OuterStep) -> bool:
+        """Whether every live tensor ``step`` changes here is one it can undo on reading."""
+        return self.stale or all(step.covers(self._tensors[name]) for name in self._live if self._moves(name))
 
     def read_part(self, index: int) -> torch.Tensor:
         """The bytes of part ``index``, as served (a copy: see ``read``)."""
@@ -78,16 +107,32 @@ class ServedState:
         start = index * size
         return self.read(start, min(size, self.nbytes - start))
 
-    def retire(self, readers: int) -> bool:
+    def retire(self, readers: int, step: OuterStep | None = None) -> bool:
         """The owner is about to change its live tensors. With ``readers`` (downloads, a checkpoint)
-        this state keeps them and True says so: the owner must go on with copies of its own and leave
-        these alone (the optimizer's moments excepted: they change at every step, are this peer's own
-        and are never compared between donors). Without, the state is stale: no longer served."""
-        moving = [name for name in self._live if not self._keep_live(name)]
+        this state keeps what they read: by reading past ``step`` where given (the owner checked
+        ``can_read_past``) or, where it already read past earlier steps, by copying what they held;
+        else it keeps the tensors themselves and True says so: the owner must go on with copies of its
+        own and leave these alone (the optimizer's moments excepted: they change at every step, are
+        this peer's own and are never compared between donors). Without readers, the state is stale:
+        no longer served."""
+        moving = [name for name in self._live if self._moves(name)]
         if self.stale or not moving:
             return False
         if readers <= 0:
             self.stale = True
+            return False
+        if step is not None:
+            self._steps.append(step)
+            self.frozen = True
+            return False
+        if self._steps:  # a change it cannot read past: copies of what it held, made before the change
+            for name in moving:
+                self._tensors[name] = self._steps[-1].before(self._tensors[name].detach().reshape(-1),
+                                                             self._steps).reshape(self._tensors[name].shape)
+            self._steps.clear()
+            self._live.difference_update(moving)
+            self._owned.update(moving)
+            self.frozen = True
             return False
         self._live.difference_update(moving)
         self._owned.update(moving)

@@ -45,7 +45,7 @@ from swarmgrad.net.wire import FrameError, field, int_field
 from swarmgrad.state import results as state_results
 from swarmgrad.state import sketch as state_sketch
 from swarmgrad.state.results import RESULT_DTYPE, ResultPieces, result_digest
-from swarmgrad.state.served import ServedState
+from swarmgrad.state.served import OuterStep, ServedState
 from swarmgrad.state.sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
 from swarmgrad.state.snapshot import StateSnapshot, part_count
 from swarmgrad.timing import DEFAULT_TIMING
@@ -136,6 +136,7 @@ class StateServer:
         self._snapshots: dict[int, StateSnapshot | ServedState] = {}
         self._described: dict[int, bytes] = {}
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
+        self._saving: Counter[int] = Counter()  # version -> checkpoints written from it (``hold``)
         self._results: dict[int, torch.Tensor | None] = {}  # bfloat16, None where kept as frames
         self._result_numel: dict[int, int] = {}
         # a result held as its frames is named in a thread, off the round's path: a future until then
@@ -163,11 +164,16 @@ class StateServer:
         self._described[snapshot.version] = snapshot.describe()
         self._drop_old()
 
-    def retire(self) -> bool:
+    def retire(self, step: OuterStep | None = None) -> bool:
         """The owner is about to change the tensors its served states read (state/served.py): a state
         a download under way reads keeps them, any other is no longer served. True when one kept
-        them: the owner then goes on with copies and leaves these alone."""
-        kept = [snapshot.retire(self._readers[version]) for version, snapshot in list(self._snapshots.items())]
+        them: the owner then goes on with copies and leaves these alone. ``step``: the change is one
+        the states can read past (no copies; state/served.py), unless a checkpoint holds a state
+        (it writes the tensors themselves) or a state cannot."""
+        states = list(self._snapshots.values())
+        if step is not None and (sum(self._saving.values()) or not all(state.can_read_past(step) for state in states)):
+            step = None
+        kept = [snapshot.retire(self._readers[version], step) for version, snapshot in list(self._snapshots.items())]
         self._drop_old()
         return any(kept)
 
@@ -175,12 +181,16 @@ class StateServer:
         """Read ``version`` outside a download (a checkpoint written from it): it is kept, and its
         tensors left alone by the owner, until the returned call releases it. On the event loop."""
         self._readers[version] += 1
+        self._saving[version] += 1
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
+                self._saving[version] -= 1
+                if self._saving[version] <= 0:
+                    del self._saving[version]
                 self._reading(version, None)
 
         return release
@@ -195,7 +205,7 @@ class StateServer:
         for version in list(self._snapshots):
             snapshot = self._snapshots[version]
             unread = self._readers[version] <= 0 and version != max(self._snapshots)
-            if (version in older and version not in read) or not snapshot.still_current() or \
+            if (version in older and version not in read) or snapshot.stale or \
                     (snapshot.frozen and unread):
                 self._snapshots.pop(version)
                 self._described.pop(version)

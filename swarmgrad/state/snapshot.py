@@ -92,8 +92,12 @@ class StateSnapshot:
         return True  # a copy: nothing changes it
 
     frozen = False  # a copy made to serve: kept as the latest few are (state/served.py's frozen ones only while read)
+    stale = False
 
-    def retire(self, readers: int) -> bool:
+    def can_read_past(self, step: Any) -> bool:
+        return True  # nothing here moves
+
+    def retire(self, readers: int, step: Any = None) -> bool:
         """Nothing to do: a snapshot is a copy (state/served.py's states are not)."""
         return False
 

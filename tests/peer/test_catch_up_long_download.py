@@ -19,6 +19,10 @@ import torch
 from conftest import joiner_and_donors
 from peer_fakes import FakeTracker, attach, model_and_optimizer, train_steps
 
+from swarmgrad.averaging.codecs import get_codec
+from swarmgrad.averaging.frames import encode_chunk
+from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.result_frames import FramedAverage
 from swarmgrad.net.accountability import Misbehaviour
 from swarmgrad.net.ratelimit import UNLIMITED
 from swarmgrad.peer import catch_up as catch_up_module
@@ -27,6 +31,7 @@ from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.state.server import KEPT_RESULTS, StateServer
+from swarmgrad.state.snapshot import layout, part_count
 from swarmgrad.timing import Timing
 
 VERSION = 3  # the donor's epoch when the joiner describes its state
@@ -190,3 +195,97 @@ def test_a_fresh_diloco_joiner_may_leave_the_donors_inner_optimizer_state_and_st
         mine, theirs = s.joiner.optimizer.state_dict()["state"], s.donor.optimizer.state_dict()["state"]
         assert taken == [whole] and set(mine) == set(theirs) == set(range(4))
         assert all(torch.equal(mine[index]["exp_avg_sq"], theirs[index]["exp_avg_sq"]) for index in mine)
+
+
+# ---- a state read past the donor's outer steps (issue 35: no copies of start and momentum) -----------
+
+def framed(values: torch.Tensor, codec_name: str = "int8", chunk_elements: int = 7) -> FramedAverage:
+    """``values`` as a round's average held in the frames it travelled in (several frames)."""
+    schema = Schema.of([("flat", values)], chunk_elements=chunk_elements)
+    codec = get_codec(codec_name)
+    frames = []
+    for chunk in schema.chunks:
+        header, payload = encode_chunk(codec.average_codec(),
+                                       values[chunk.start : chunk.start + chunk.length].view(chunk.view))
+        frames.append(({"t": "avg", "c": chunk.index, **header}, bytes(payload)))
+    return FramedAverage(frames, schema, codec)
+
+
+def served_values(state) -> dict[str, torch.Tensor]:
+    """The float tensors of a served state as its parts give them."""
+    data = torch.cat([state.read_part(index) for index in range(part_count(state.nbytes))])
+    offsets, _ = layout(state.specs)
+    return {name: data[start : start + length].view(torch.float32).clone()
+            for (name, dtype, _), (start, length) in zip(state.specs, offsets) if dtype == "float32"}
+
+
+def test_a_state_read_across_outer_steps_on_framed_averages_serves_what_it_held_without_copies():
+    """A download reads version 3 while the donor takes two outer steps on averages held as frames
+    (Nesterov, mu 0.9): the state reads past them, from the live start and momentum and the frames,
+    within float rounding of what it held, and nobody copies anything (before: 8 bytes a parameter
+    on the donor, for the rest of the download). A change it cannot read past (an average in a
+    float32 buffer the next round reuses) makes it copy what it held then; the values stay."""
+    tracker = FakeTracker()
+    model, optimizer = model_and_optimizer(0)
+    policy = attach(DiLoCo(inner_steps=2, outer_lr=0.7, outer_momentum=0.9), model, optimizer, tracker)
+    state = TrainingState(model, optimizer, policy).capture(VERSION, {})
+    policy.momentum.copy_(torch.randn(policy.layout.total, generator=torch.Generator().manual_seed(1)))
+    held = served_values(state)
+    policy.before_outer_step = lambda step=None: state.retire(1, step)  # one download reads it
+    start, total = policy.start, policy.layout.total
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        policy.apply(framed(0.05 * torch.randn(total, generator=generator)))
+    assert policy.start is start and state.held_bytes() == 0  # no copy, the owner's or the state's
+    assert not state.still_current() and state.frozen  # only while a download reads it
+    now = served_values(TrainingState(model, optimizer, policy).capture(VERSION + 2, {}))
+    past = served_values(state)
+    for name, values in held.items():
+        assert torch.allclose(past[name], values, rtol=1e-5, atol=1e-6), name
+        assert not torch.allclose(now[name], values, rtol=1e-3, atol=1e-4), name  # the live ones moved
+
+    policy.apply(0.05 * torch.randn(total, generator=generator))  # float32: not read past
+    assert policy.start is start and state.held_bytes() == 2 * 4 * total  # the state's copies now
+    for name, values in served_values(state).items():
+        assert torch.allclose(values, held[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_a_joiner_downloading_across_framed_outer_steps_takes_the_version_it_asked_for(swarm):
+    """Through a real server and download: the donor steps twice on framed averages right after the
+    first part it serves; the joiner's download of version 3 lands within float rounding of version 3
+    (its verification passes), and the donor held no copies of start or momentum meanwhile."""
+    s = Scenario(swarm, held_result_bytes=4.0)
+    s.donor.settings = s.donor.settings.model_copy(update={"outer_lr": 0.7, "outer_momentum": 0.9})
+    s.donor.momentum.copy_(torch.randn(s.donor.layout.total, generator=torch.Generator().manual_seed(4)))
+    version_3 = (s.donor.start.clone(), s.donor.momentum.clone())
+    generator, copies = torch.Generator().manual_seed(5), []
+
+    def framed_step() -> None:
+        epoch = s.donor_tracker.local.epoch
+        s.donor.apply(framed(0.05 * torch.randn(s.donor.layout.total, generator=generator)))
+        copies.append(s.server.held_bytes()["served_state_copies"])
+        s.donor_tracker.next_epoch(epoch + 1)
+        s.server.publish(s.donor_state.capture(epoch + 1, {}))
+
+    s.server.step = framed_step
+    landed = []
+    download_state = catch_up_module.download_state
+
+    async def kept(*args, **kwargs):
+        landed.append(await download_state(*args, **kwargs))
+        return landed[-1]
+
+    async def scenario() -> None:
+        async with s.server:
+            s.server.publish(s.donor_state.capture(VERSION, {}))
+            s.server.rounds = 2
+            await kept(swarm.transports[0], s.protocol, [swarm.donors[0].peer_id], seconds=20, min_version=VERSION)
+
+    swarm.loop.run(scenario(), timeout=60)
+    assert copies == [0, 0] and landed[0].version == VERSION
+    got = landed[0].tensors()
+    start = torch.cat([got[name].reshape(-1) for name in got if name.startswith("model/")])
+    momentum = torch.cat([got[name].reshape(-1) for name in got if name.startswith("strategy/momentum/")])
+    assert torch.allclose(start, version_3[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(momentum, version_3[1], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(s.donor.start, version_3[0], rtol=1e-3, atol=1e-4)

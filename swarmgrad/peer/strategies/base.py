@@ -128,8 +128,8 @@ class Policy(ABC):
         self.contribution = self.layout.zeros()  # what a round averages; the averager reads it in place
         # called before the strategy changes what ``outer_params`` and ``state_tensors`` view: the
         # state server drops a state served from them, or keeps them for its readers and says so
-        # (True: the strategy goes on with copies; state/served.py)
-        self.before_outer_step: Callable[[], bool] = lambda: False
+        # (True: the strategy goes on with copies; state/served.py), or reads past ``step`` where given
+        self.before_outer_step: Callable[[Any], bool] = lambda step=None: False
         # the averager reads a round's contribution through ``contribution_reader`` (a lossy codec, no
         # privacy; assembly.py sets it): a round run in turn then holds no copy of it (DESIGN's memory budget)
         self.read_contributions = False
@@ -231,10 +231,11 @@ class Policy(ABC):
         contribution after it is sent, and a retry fills it again)."""
         return False
 
-    def outer_step_begins(self) -> None:
+    def outer_step_begins(self, step: Any = None) -> None:
         """Before changing what ``outer_params`` and ``state_tensors`` view: where a reader keeps those
-        tensors (a download, a checkpoint), continue on copies of them."""
-        if self.before_outer_step():
+        tensors (a download, a checkpoint), continue on copies of them. ``step``: the change, where
+        a reader can read past it (state/served.py ``OuterStep``): then nobody copies."""
+        if self.before_outer_step(step):
             self.leave_outer_state()
 
     def leave_outer_state(self) -> None:

@@ -21,7 +21,7 @@ from swarmgrad.peer.strategies.base import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     import torch
 
@@ -148,7 +148,7 @@ class DiLoCoPolicy(Policy):
         piece of the average at a time (a round's frames are decoded one by one: base.py ``pieces``)."""
         import torch
 
-        self.outer_step_begins()
+        self.outer_step_begins(self._undoable(average))
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
         for offset, mean in pieces(average):
             end = offset + len(mean)
@@ -185,6 +185,14 @@ class DiLoCoPolicy(Policy):
 
     def average_in_place(self) -> bool:
         return not self._launched  # a round in flight resends what it sent, and lands on it if alone
+
+    def _undoable(self, average: Average) -> OuterStep | None:
+        """The outer step on ``average`` as a download of the state from before it can read past it
+        (no copies of start and momentum kept for it): where the average is held as its frames,
+        which stay as they are; a float32 average may be a buffer the next round reuses."""
+        if not hasattr(average, "pieces"):
+            return None
+        return OuterStep(self, average, self.settings.outer_lr, self.settings.outer_momentum)
 
     def leave_outer_state(self) -> None:
         self.start, self.momentum = self.start.clone(), self.momentum.clone()
@@ -232,7 +240,7 @@ class DiLoCoPolicy(Policy):
         progress made since the launch on top: each piece of the parameters gets the new start less
         the provisional one added, so they are never read back and no model-sized buffer is made."""
         self._check_launched()
-        self.outer_step_begins()
+        self.outer_step_begins(self._undoable(average))  # start and momentum step as ``apply``'s do
         lr, mu = self.settings.outer_lr, self.settings.outer_momentum
 
         def correction(offset: int, numel: int) -> torch.Tensor:
@@ -272,3 +280,45 @@ class DiLoCoPolicy(Policy):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_state_tensors(tensors)
         self.copy_params_into(self.start)  # the state's parameters are the new start
+
+
+class OuterStep:
+    """One ``DiLoCoPolicy.apply`` on an average held as its frames, undone on reading (state/served.py
+    ``OuterStep``): with m' = mu m + avg and start' = start - lr (avg + mu m'), what start and momentum
+    held before is start' + lr (avg + mu m') and (m' - avg) / mu, a piece at a time, from the live
+    tensors and the frames (which the state server keeps anyway, for replays). Float rounding leaves
+    it within a few ulps of the bytes it had: donors are compared up to a tolerance (state/sketch.py).
+    With mu = 0 the momentum before is not needed by anyone (the next step overwrites it) and reads
+    as it is now."""
+
+    def __init__(self, policy: DiLoCoPolicy, average: Average, lr: float, mu: float):
+        self.policy, self.average, self.lr, self.mu = policy, average, lr, mu
+        self.start, self.momentum = policy.start, policy.momentum  # the tensors this step changes
+
+    def _located(self, tensor: torch.Tensor) -> tuple[bool, int] | None:
+        """(in start, flat offset) of a view of the start or the momentum this step changes."""
+        for is_start, flat in ((True, self.start), (False, self.momentum)):
+            if tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+                return is_start, tensor.storage_offset() - flat.storage_offset()
+        return None
+
+    def covers(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype == self.start.dtype and self._located(tensor) is not None
+
+    @no_grad
+    def before(self, piece: torch.Tensor, steps: Sequence[OuterStep]) -> torch.Tensor:  # type: ignore[override]
+        located = self._located(piece)
+        if located is None or any(step.start is not self.start or step.momentum is not self.momentum
+                                  for step in steps):
+            raise ValueError("not a view of the tensors these outer steps changed")
+        is_start, offset = located
+        end = offset + piece.numel()
+        start = self.start[offset:end].clone() if is_start else None
+        momentum = self.momentum[offset:end].clone()
+        for step in reversed(steps):
+            mean = step.average[offset:end]
+            if start is not None:
+                start.add_(mean, alpha=step.lr).add_(momentum, alpha=step.lr * step.mu)
+            if step.mu:
+                momentum.sub_(mean).div_(step.mu)
+        return (start if start is not None else momentum).reshape(piece.shape)
