@@ -268,9 +268,11 @@ class CatchUp:
         assert self.runtime.transport is not None
         keep_optimizer = self.keeps_optimizer()
         donors = self.runtime.reachable_first(donors)  # behind a NAT: the donors it can connect to
-        # a peer that never held the swarm's state has nothing to lose in its outer state: the
-        # download writes it in place (no buffer of the state's size beside it), and a failure resets it
-        into = {} if self.in_step else self.state.download_targets()
+        # the download writes the outer state in place (no buffer of the state's size beside it:
+        # issue 35). A peer this far behind has little to lose in it: a failure resets it from the
+        # parameters, and the peer no longer holds the swarm's state (it takes it again, never
+        # replays onto a half-written one)
+        into = self.state.download_targets()
         try:
             snapshot = await download_state(self.runtime.transport, self.server.protocol, donors,
                                             seconds=self.timing.join_timeout, min_version=min_version,
@@ -279,6 +281,7 @@ class CatchUp:
         except BaseException:
             if into:
                 self.policy.reset_outer_state()
+                self.in_step = False
             raise
         self.downloads += 1
         self.in_step = True

@@ -122,8 +122,8 @@ class TrainingState:
         """The tensors a download may write in place (state/landing.py): the swarm's parameters where
         the strategy keeps them apart from the model, and its own tensors (DiLoCo's start and
         momentum), never the model the training loop reads. A reader of this peer's state keeps what
-        it reads (the strategy goes on with copies first). Only for a peer with nothing to lose in
-        them: a failed download leaves them half written (``reset_outer_state`` then)."""
+        it reads (the strategy goes on with copies first). A failed download leaves them half
+        written: ``reset_outer_state`` then."""
         self.strategy.outer_step_begins()
         targets = self._outer_views()
         if targets:
