@@ -16,6 +16,7 @@ result buffer would hold 4 bytes per element for the whole round (DESIGN's memor
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from typing import Iterator, Mapping, Sequence
 
@@ -42,6 +43,7 @@ class ResultDecoder:
 
     def __init__(self, schema: Schema, codec: Codec):
         self.schema, self.codec = schema, gather_codec_for(codec)
+        self._round_codec = codec
         self.frames = len(schema.chunks)
         # the most bytes one frame's payload may carry: read once per received frame, so computed once
         sizes = [self.codec.encoded_nbytes(chunk.view) for chunk in schema.chunks]
@@ -62,6 +64,18 @@ class ResultDecoder:
             self.check_header(index, header)
             result[chunk.start : chunk.start + chunk.length] = decode_chunk(self.codec, header, payload, chunk.view)
         return result
+
+    def framed(self, frames: Sequence[Frame]) -> FramedAverage:
+        """The result held as its frames (``FramedAverage``: no float32 copy of it), each decoded once
+        here to check it; FrameError as ``decode``'s, or for a value that is NaN or Inf."""
+        if len(frames) != self.frames:
+            raise FrameError(f"a result of {len(frames)} frames, expected {self.frames}")
+        for index, ((header, payload), chunk) in enumerate(zip(frames, self.schema.chunks)):
+            self.check_header(index, header)
+            low, high = torch.aminmax(decode_chunk(self.codec, header, payload, chunk.view))
+            if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+                raise FrameError(f"the result's chunk {index} holds NaN or Inf")
+        return FramedAverage(frames, self.schema, self._round_codec)
 
 
 class FramedAverage:

@@ -37,7 +37,7 @@ from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies.base import Policy
-from swarmgrad.state.results import RESULT_DTYPE, ResultFrames, download_result, download_result_digest
+from swarmgrad.state.results import RESULT_DTYPE, ResultFrames, ResultPieces, download_result, download_result_digest
 from swarmgrad.state.server import KEPT_RESULTS, StateServer
 from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.state.transfer import download_state
@@ -60,6 +60,11 @@ class Progress(Protocol):
     def ahead_of(self, epoch: int) -> list[str]: ...
 
     def next_epoch(self, epoch: int, steps: int = 0, samples: int = 0) -> None: ...
+
+
+def dense(result: torch.Tensor | ResultPieces) -> torch.Tensor:
+    """A result as one float32 tensor: where several donors' are compared or combined."""
+    return result if isinstance(result, torch.Tensor) else result.dense()
 
 
 class CatchUp:
@@ -186,7 +191,8 @@ class CatchUp:
             carried = (local.steps, local.samples)  # the work since its last round, sent in its next one
             if not self.policy.apply_keeping_progress(result):
                 carried = (0, 0)
-            self.server.publish_result(epoch, result)  # a peer behind this one may replay it here
+            # a peer behind this one may replay it here (in the frames it came in, where it did)
+            self.server.publish_result(epoch, result, getattr(result, "frames", None))
             self.tracker.next_epoch(epoch + 1, *carried)
             applied += 1
             donors = self.tracker.ahead_of(epoch + 1)
@@ -197,7 +203,7 @@ class CatchUp:
                         self.epoch)
         return applied
 
-    async def agreed_result(self, donors: list[str], epoch: int) -> torch.Tensor:
+    async def agreed_result(self, donors: list[str], epoch: int) -> torch.Tensor | ResultPieces:
         """The result of round ``epoch`` as ``REPLAY_DONORS`` of ``donors`` at once hand it over, so
         no single donor decides what this peer applies: of three or more, their coordinate-wise
         median; of two, their mean, only if they lie within ``REPLAY_SPREAD`` x the larger norm of
@@ -214,7 +220,10 @@ class CatchUp:
         outcomes = await asyncio.gather(*(download_result(
             self.runtime.transport, self.server.protocol, [donor], epoch, self.policy.layout.total,
             seconds=seconds, decoder=self.decoder) for donor in asked), return_exceptions=True)
-        served = [(donor, outcome) for donor, outcome in zip(asked, outcomes) if isinstance(outcome, torch.Tensor)]
+        handed = [(donor, outcome) for donor, outcome in zip(asked, outcomes) if not isinstance(outcome, BaseException)]
+        if len(handed) == 1:
+            return handed[0][1]  # as it came (in its frames, where it did)
+        served = [(donor, dense(result)) for donor, result in handed]
         results = [result for _, result in served]
         if not results:
             failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
@@ -233,7 +242,7 @@ class CatchUp:
             return (first + second) / 2
         return results[0]
 
-    async def _result_by_digest(self, asked: list[str], epoch: int) -> torch.Tensor | None:
+    async def _result_by_digest(self, asked: list[str], epoch: int) -> torch.Tensor | ResultPieces | None:
         """The members of one group hold the very same result, so the donors are first asked only for
         its digest: where two or more name the same one, its bytes are taken once, from one of them,
         and checked against it. None where no two agree (groups of a larger swarm, a liar, donors

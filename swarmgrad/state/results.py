@@ -30,11 +30,18 @@ RESULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class ResultPieces(Protocol):
-    """A result read a piece at a time, in order (averaging/result_frames.py ``FramedAverage``)."""
+    """A result read a piece at a time, in order, or a slice at a time (averaging/result_frames.py
+    ``FramedAverage``), held as the frames it travelled in."""
+
+    frames: list[tuple[dict, bytes]]
 
     def numel(self) -> int: ...
 
     def pieces(self) -> Iterator[tuple[int, torch.Tensor]]: ...
+
+    def __getitem__(self, span: slice) -> torch.Tensor: ...
+
+    def dense(self) -> torch.Tensor: ...
 
 
 DIGEST_ELEMENTS = 1 << 22  # converted to bfloat16 this many at a time: no copy of the whole result
@@ -82,14 +89,17 @@ class ResultFrames(Protocol):
 
     def decode(self, frames: Sequence[tuple[dict, bytes]]) -> torch.Tensor: ...
 
+    def framed(self, frames: Sequence[tuple[dict, bytes]]) -> ResultPieces: ...
+
 
 async def download_result(transport: Transport, protocol: str, donors: list[str], epoch: int, numel: int, *,
                           seconds: float = DEFAULT_TIMING.control_timeout, digest: str | None = None,
-                          decoder: ResultFrames | None = None) -> torch.Tensor:
+                          decoder: ResultFrames | None = None) -> torch.Tensor | ResultPieces:
     """The result of round ``epoch`` (``numel`` floats, as float32) from the first of ``donors``, in
     order, that kept it (and, given ``digest``, whose bytes have it); all within ``seconds``. With a
     ``decoder`` a donor that kept the frames the round travelled in sends those, which decode to
-    the float32 values it applied (else its bfloat16 copy). StateTransferError when none did."""
+    the float32 values it applied, and they are handed over as they came (``ResultPieces``: no
+    float32 copy of the result); else its bfloat16 copy, as float32. StateTransferError when none did."""
     if not donors:
         raise StateTransferError("no peer to take the round's result from")
     failures = []
@@ -109,10 +119,10 @@ async def download_result(transport: Transport, protocol: str, donors: list[str]
 
 
 async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: int, numel: int,
-                        digest: str | None, decoder: ResultFrames | None) -> torch.Tensor:
+                        digest: str | None, decoder: ResultFrames | None) -> torch.Tensor | ResultPieces:
     element = torch.empty(0, dtype=RESULT_DTYPE).element_size()
     channel = await transport.open(donor, protocol)
-    clean, result = False, None
+    clean, result, received = False, None, None
     try:
         await channel.send({"t": "result", "epoch": epoch, "chunks": True,
                             **({"frames": True} if decoder is not None else {})})
@@ -131,10 +141,10 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
                 payload = bytearray(frame_length)
                 await channel.recv_payload_into(memoryview(payload))
                 frames.append((frame_header, bytes(payload)))
-            result = decoder.decode(frames)
-            if result.numel() != numel:
-                raise FrameError(f"the result's frames hold {result.numel()} values, expected {numel}")
-            received = result.to(RESULT_DTYPE)  # what the donor keeps and names the digest of
+            framed = decoder.framed(frames)  # each frame decoded once: checked, finite
+            if framed.numel() != numel:
+                raise FrameError(f"the result's frames hold {framed.numel()} values, expected {numel}")
+            result = framed
         else:
             received = torch.empty(numel, dtype=RESULT_DTYPE)
             target = memoryview(received.view(torch.uint8).numpy())
@@ -150,12 +160,12 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
         clean = True
     finally:
         await (channel.close() if clean else channel.abort())
-    if digest is not None and result_digest(received) != digest:
+    if digest is not None and result_digest(result if received is None else received) != digest:
         raise StateTransferError(f"the result of round {epoch} it served is not the one it and others described")
-    if result is None:
+    if received is not None:
         result = received.to(torch.float32)
-    if not bool(torch.isfinite(result).all()):
-        raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")
+        if not bool(torch.isfinite(result).all()):
+            raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")
     return result
 
 

@@ -37,7 +37,7 @@ class KeptResults:
     def __init__(self) -> None:
         self.results: dict[int, torch.Tensor] = {}
 
-    def publish_result(self, epoch: int, result: torch.Tensor) -> None:
+    def publish_result(self, epoch: int, result: torch.Tensor, frames=None) -> None:
         self.results[epoch] = result.clone()
 
 
@@ -297,7 +297,8 @@ def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its
 def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_rounding():
     """Three real peers with q2: b sits out a round that a and c average; b then replays it from the
     frames the round travelled in (q2: 0.31 bytes an element where bfloat16 is 2), which decode to
-    exactly what a and c applied, so b's model is theirs to the bit (bfloat16 would leave 2^-8)."""
+    exactly what a and c applied, so b's model is theirs to the bit (bfloat16 would leave 2^-8), and
+    keeps them as those frames for a peer behind it (issue 35: not as a bfloat16 copy)."""
     async def scenario() -> None:
         models = [real_model_and_optimizer() for _ in range(3)]
         settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "q2", "timing": TIMING}
@@ -330,6 +331,8 @@ def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_roun
                 status = b.status()
                 assert status.rounds_replayed == a.epoch - epoch_b and status.state_downloads == downloads
                 assert b.epoch == a.epoch
+                kept = b.training.server._result_frames  # the replayed rounds: kept as frames, not as bfloat16
+                assert all(epoch in kept for epoch in range(epoch_b, b.epoch)), (sorted(kept), epoch_b)
                 for pa, pb in zip(models[0][0].parameters(), models[1][0].parameters()):
                     assert torch.allclose(pa, pb, atol=1e-6, rtol=0), (pa - pb).abs().max()
 

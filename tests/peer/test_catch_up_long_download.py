@@ -95,7 +95,7 @@ class Scenario:
         runtime = SimpleNamespace(transport=swarm.transports[0], limits=UNLIMITED,
                                   reachable_first=lambda donors: list(donors),
                                   admission=SimpleNamespace(misbehaviour=misbehaviour, blame=misbehaviour.note))
-        kept = SimpleNamespace(protocol=self.protocol, publish_result=lambda epoch, result: None)
+        kept = SimpleNamespace(protocol=self.protocol, publish_result=lambda epoch, result, frames=None: None)
         self.catch_up = CatchUp(runtime, kept, self.joiner, self.joiner_state, self.joiner_tracker,
                                 Timing(join_timeout=20.0), lambda: None)
 

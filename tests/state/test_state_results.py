@@ -126,9 +126,10 @@ def travelled_in_q2(values: torch.Tensor) -> tuple[Schema, torch.Tensor, list[tu
 
 def test_a_result_kept_with_its_frames_comes_in_them_to_the_bit(swarm):
     """A donor that kept the frames a round travelled in keeps only those (q2: 0.31 bytes an element,
-    against bfloat16's 2) and serves them to a peer that can decode them: it gets exactly the float32
-    values the donor applied, and they still have the digest the donor names (that of their bfloat16
-    bytes). A peer that cannot decode frames is told so. Frames out of order are refused."""
+    against bfloat16's 2) and serves them to a peer that can decode them: it gets them as they came
+    (no float32 copy), which read exactly the float32 values the donor applied, and they still have
+    the digest the donor names (that of their bfloat16 bytes). A peer that cannot decode frames is
+    told so. Frames out of order are refused."""
     schema, result, frames = travelled_in_q2(torch.randn(20_000, generator=torch.Generator().manual_seed(7)))
     decoder = ResultDecoder(schema, get_codec("q2"))
     assert sum(len(payload) for _, payload in frames) < result.numel() * 2 / 6
@@ -148,7 +149,8 @@ def test_a_result_kept_with_its_frames_comes_in_them_to_the_bit(swarm):
             return framed
 
     framed = run(swarm, scenario(frames))
-    assert torch.equal(framed, result)
+    assert not isinstance(framed, torch.Tensor) and [p for _, p in framed.frames] == [p for _, p in frames]
+    assert torch.equal(framed.dense(), result) and torch.equal(framed[100:15_000], result[100:15_000])
     with pytest.raises(StateTransferError, match="expected the result's chunk 0"):
         run(swarm, scenario(frames[1:] + frames[:1]))
 
