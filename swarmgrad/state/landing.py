@@ -2,8 +2,8 @@
 in place, not one buffer of the whole state that is then copied into them (issue 35: that buffer
 was 16 bytes a parameter beside the joiner's own state, the peak of a join).
 
-A tensor the caller hands over (``into``: a fresh peer's outer parameters and momentum, which it
-has nothing to lose in) is written where it lives; any other taken tensor is made here, once, and
+A tensor the caller hands over (``into``: a peer's outer parameters and momentum, which it resets
+if the download fails) is written where it lives; any other taken tensor is made here, once, and
 handed over as it is (the optimizer's moments become the optimizer's). A part that also holds bytes
 of a tensor not taken (``keep``) is kept whole beside them, so a sketch of it reads what the donor
 served; the alignment padding between tensors reads as zeros, as donors serve it.

@@ -23,7 +23,7 @@ from swarmgrad.net.wire import FrameError
 PART_BYTES = 1024 * 1024
 ALIGNMENT = 8  # bytes; the largest element size we carry
 MAX_DESCRIPTION_BYTES = 16 * 1024 * 1024
-MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024  # a joiner's default: it allocates the whole state up front
+MAX_STATE_BYTES = 64 * 1024 * 1024 * 1024  # a joiner's default: it makes the tensors it takes (and does not hold) up front
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")

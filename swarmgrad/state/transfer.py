@@ -26,7 +26,9 @@ since any donor may lie:
    served it, which serves nothing more, and every part that donor served is fetched again from
    another agreeing donor, then the state is checked with a fresh nonce and sample (at most
    ``VERIFY_PASSES`` passes).
-Nothing is used until a check's whole sample passed and every floating-point value is finite. A joiner that
+Nothing is used until a check's whole sample passed and every floating-point value is finite
+(parts land in the tensors they belong to, the caller's own where it hands them over: state/landing.py;
+a caller that does holds whatever landed when the download fails, and resets it). A joiner that
 needs only some of the tensors (``keep``) fetches, compares and checks only the parts that hold
 them. A donor that broke the protocol (a malformed description, part or sketch) is blamed "invalid
 frame", one that served NaN or Inf "bad state", on the transport's admission (accountability.py):
@@ -85,7 +87,7 @@ logger = logging.getLogger(__name__)
 # part requests a joiner keeps in flight per donor. One at a time, a donor served a part per round
 # trip: 1 MiB / 50 ms = 21 MB/s whatever its link. With n in flight it keeps sending while requests
 # travel, up to n parts per round trip: 8 MiB / 50 ms = 168 MB/s (1.3 Gbit/s; 670 Mbit/s at 100 ms).
-# It costs the joiner no memory (parts land in the state's buffer); a donor that fails hands its n
+# It costs the joiner no memory (parts land where they belong: state/landing.py); a donor that fails hands its n
 # parts on, and the last donor to finish may hold n parts while the others idle.
 PIPELINE_PARTS = 8
 

@@ -192,7 +192,7 @@ class DiLoCoPolicy(Policy):
         which stay as they are; a float32 average may be a buffer the next round reuses."""
         if not hasattr(average, "pieces"):
             return None
-        return OuterStep(self, average, self.settings.outer_lr, self.settings.outer_momentum)
+        return OuterStep(self.start, self.momentum, average, self.settings.outer_lr, self.settings.outer_momentum)
 
     def leave_outer_state(self) -> None:
         self.start, self.momentum = self.start.clone(), self.momentum.clone()
@@ -283,7 +283,7 @@ class DiLoCoPolicy(Policy):
 
 
 class OuterStep:
-    """One ``DiLoCoPolicy.apply`` on an average held as its frames, undone on reading (state/served.py
+    """One outer step (``apply``, ``land``) on an average held as its frames, undone on reading (state/served.py
     ``OuterStep``): with m' = mu m + avg and start' = start - lr (avg + mu m'), what start and momentum
     held before is start' + lr (avg + mu m') and (m' - avg) / mu, a piece at a time, from the live
     tensors and the frames (which the state server keeps anyway, for replays). Float rounding leaves
@@ -291,9 +291,9 @@ class OuterStep:
     With mu = 0 the momentum before is not needed by anyone (the next step overwrites it) and reads
     as it is now."""
 
-    def __init__(self, policy: DiLoCoPolicy, average: Average, lr: float, mu: float):
-        self.policy, self.average, self.lr, self.mu = policy, average, lr, mu
-        self.start, self.momentum = policy.start, policy.momentum  # the tensors this step changes
+    def __init__(self, start: torch.Tensor, momentum: torch.Tensor, average: Average, lr: float, mu: float):
+        self.start, self.momentum = start, momentum  # the tensors this step changes
+        self.average, self.lr, self.mu = average, lr, mu
 
     def _located(self, tensor: torch.Tensor) -> tuple[bool, int] | None:
         """(in start, flat offset) of a view of the start or the momentum this step changes."""
