@@ -101,8 +101,10 @@ NOTES = {
     ("averaging.allreduce", "averaging.rules"): "weights bounded; the part's aggregate by the run's rule (off the loop)",
     ("peer.driver", "state.server"): "**the round's result kept** for peers a round behind: the frames it travelled "
                                      "in (a bfloat16 copy where there are none)",
-    ("peer.strategies", "state.server"): "before the outer step changes start and momentum: a state a download reads "
-                                         "keeps them (the strategy steps on copies), any other is no longer served",
+    ("peer.strategies", "state.server"): "before the outer step changes start and momentum: a state being downloaded "
+                                         "reads past the step (undone on reading: no copies), any other is no longer "
+                                         "served",
+    ("state.served", "peer.strategies"): "whether the step can be undone on reading (an average held as its frames)",
     ("peer.peer", "peer.assembly"): "the swarm's new start published for joiners",
     ("peer.assembly", "peer.state"): "**the state published**: model, optimizer and strategy state",
     ("peer.state", "state.served"): "read from the outer start, momentum and optimizer tensors themselves: no copy",

@@ -21,6 +21,8 @@ from swarmgrad.net.accountability import WEIGHTS, Accountability, Misbehaviour
 from swarmgrad.net.admission import BANNED, NOT_ADMITTED, Admission
 from swarmgrad.net.wire import FrameError
 from swarmgrad.peer.driver import RoundOutcome
+from swarmgrad.state import snapshot as state_snapshot
+from swarmgrad.state.landing import StateLanding
 from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
 from swarmgrad.state.transfer import _check_finite
 
@@ -141,11 +143,19 @@ def test_a_donor_whose_parts_hold_nan_is_blamed_for_bad_state():
     good = torch.zeros(300_000)  # 1.2 MB: parts 0 and 1
     bad = torch.tensor([1.0, float("nan")])
     snapshot = StateSnapshot.capture(3, {"good": good, "bad": bad}, {})
+
+    def landed(keep=None) -> StateLanding:
+        landing = StateLanding(snapshot.specs, keep)
+        for index in state_snapshot.parts_holding(snapshot.specs, keep):
+            landing.write(index, snapshot.read_part(index).clone())
+        return landing
+
     blamed = []
     with pytest.raises(StateTransferError, match="NaN or Inf in 'bad'"):
-        _check_finite(snapshot, None, {0: "honest", 1: "poisoner"}, lambda *args: blamed.append(args))
+        _check_finite(landed(), {0: "honest", 1: "poisoner"}, lambda *args: blamed.append(args))
     assert blamed == [("poisoner", "bad state", "NaN or Inf in 'bad'")]
-    _check_finite(snapshot, lambda name: name == "good", {0: "honest", 1: "poisoner"}, lambda *args: blamed.append(args))
+    _check_finite(landed(lambda name: name == "good"), {0: "honest", 1: "poisoner"},
+                  lambda *args: blamed.append(args))
     assert len(blamed) == 1  # a tensor it does not keep was never fetched
 
 
