@@ -51,11 +51,10 @@ class StateLanding:
         """Where part ``index`` can be received straight into: the bytes of the one taken tensor that
         holds all of it; None where it spans tensors, padding or bytes not taken (``write`` it)."""
         start, length = self._span(index)
-        for name, offset, lo, hi in overlaps(self.specs, self._offsets, start, length):
-            if lo == start and hi == start + length and name in self.tensors:
-                return memoryview(byte_view(self.tensors[name]).numpy())[lo - offset : hi - offset]
+        name, offset, lo, hi = next(overlaps(self.specs, self._offsets, start, length), ("", 0, 0, 0))
+        if lo != start or hi != start + length or name not in self.tensors:
             return None
-        return None
+        return memoryview(byte_view(self.tensors[name]).numpy())[lo - offset : hi - offset]
 
     def write(self, index: int, payload: torch.Tensor) -> None:
         """Part ``index``'s bytes (uint8), into the taken tensors that hold them."""

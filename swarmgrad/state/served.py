@@ -125,19 +125,16 @@ class ServedState:
             self._steps.append(step)
             self.frozen = True
             return False
-        if self._steps:  # a change it cannot read past: copies of what it held, made before the change
+        copied = bool(self._steps)
+        if copied:  # a change it cannot read past: copies of what it held, made before the change
             for name in moving:
                 self._tensors[name] = self._steps[-1].before(self._tensors[name].detach().reshape(-1),
                                                              self._steps).reshape(self._tensors[name].shape)
             self._steps.clear()
-            self._live.difference_update(moving)
-            self._owned.update(moving)
-            self.frozen = True
-            return False
         self._live.difference_update(moving)
         self._owned.update(moving)
         self.frozen = True
-        return True
+        return not copied
 
     def held_bytes(self) -> int:
         """Host bytes this state holds of its own (copies), not counting the live tensors it reads."""

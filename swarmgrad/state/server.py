@@ -170,8 +170,8 @@ class StateServer:
         them: the owner then goes on with copies and leaves these alone. ``step``: the change is one
         the states can read past (no copies; state/served.py), unless a checkpoint holds a state
         (it writes the tensors themselves) or a state cannot."""
-        states = list(self._snapshots.values())
-        if step is not None and (sum(self._saving.values()) or not all(state.can_read_past(step) for state in states)):
+        if step is not None and (self._saving or not all(state.can_read_past(step)
+                                                         for state in self._snapshots.values())):
             step = None
         kept = [snapshot.retire(self._readers[version], step) for version, snapshot in list(self._snapshots.items())]
         self._drop_old()
