@@ -124,7 +124,7 @@ async def one_codec(codec: str, elements: int) -> Row:
         # peer 0 keeps its result as a donor does; peer 1 replays it as a peer that missed the round
         server = await stack.enter_async_context(StateServer(runtimes[0].transport, state_protocol(RUN)))
         server.publish_result(0, results[0], taken[0][1])
-        kept = server.held_bytes()["kept_results"]
+        kept = server.results.nbytes()
         del taken
         started = time.monotonic()
         decoder = averagers[1].result_decoder if averagers[1].codec.lossy else None

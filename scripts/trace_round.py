@@ -101,6 +101,8 @@ NOTES = {
     ("averaging.allreduce", "averaging.rules"): "weights bounded; the part's aggregate by the run's rule (off the loop)",
     ("peer.driver", "state.server"): "**the round's result kept** for peers a round behind: the frames it travelled "
                                      "in (a bfloat16 copy where there are none)",
+    ("state.server", "state.kept"): "written to an unlinked temporary file in a thread: kept results cost disk, not "
+                                    "host memory",
     ("peer.strategies", "state.server"): "before the outer step changes start and momentum: a state being downloaded "
                                          "reads past the step (undone on reading: no copies), any other is no longer "
                                          "served",

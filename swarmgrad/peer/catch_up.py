@@ -37,8 +37,9 @@ from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies.base import Policy
+from swarmgrad.state.kept import KEPT_RESULTS
 from swarmgrad.state.results import RESULT_DTYPE, ResultFrames, ResultPieces, download_result, download_result_digest
-from swarmgrad.state.server import KEPT_RESULTS, StateServer
+from swarmgrad.state.server import StateServer
 from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.state.transfer import download_state
 from swarmgrad.timing import Timing

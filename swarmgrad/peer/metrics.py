@@ -104,6 +104,8 @@ class PeerMetrics:
         for holder, held in sorted(status.swarm_memory.items()):
             memory.add_metric([holder], held)
         yield memory
+        yield GaugeMetricFamily("swarmgrad_peer_kept_results_on_disk_bytes", "Bytes of round results kept for "
+                                "peers that replay them, in temporary files", value=status.kept_results_on_disk)
         if status.loss is not None:
             yield GaugeMetricFamily("swarmgrad_peer_loss", "Smoothed training loss", value=status.loss)
         if status.epsilon is not None:

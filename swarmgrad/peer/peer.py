@@ -365,6 +365,7 @@ class Peer:
             last_report=counters.last_report, refused_records=self.runtime.admission.refused_records,
             refused_streams=self.runtime.admission.refused_streams, banned=self.runtime.admission.misbehaviour.bans(),
             swarm_memory=self.swarm_memory(),
+            kept_results_on_disk=training.server.results.bytes_on_disk() if training is not None else 0,
             round_deadline=timer.next_deadline if timer else None,
             round_rate_mbps=timer.assumed_rate * 8 / 1e6 if timer else None,
             longest_round=counters.longest_round, longest_allreduce=counters.longest_allreduce,

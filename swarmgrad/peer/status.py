@@ -45,6 +45,7 @@ class PeerStatus:
     # host bytes the swarm's work holds beyond the model, its gradients and the optimizer, by holder
     # (outer_start, outer_momentum, contribution, error_feedback, result, kept_results, served_state_copies)
     swarm_memory: dict[str, int] = field(default_factory=dict)
+    kept_results_on_disk: int = 0  # bytes of round results kept for replays, in temporary files (state/kept.py)
     round_deadline: float | None = None  # seconds a round like the last may take now (moshpit; timing.py RoundTimer)
     round_rate_mbps: float | None = None  # the rate it assumes: measured by rounds, else Timing.assumed_rate_mbps
     # members that were waited for in a round and never declared -> how often (averaging/attendance.py);

@@ -31,9 +31,7 @@ a loaded 2-core machine); it runs off the event loop, one at a time; donors keep
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -42,23 +40,14 @@ from swarmgrad.eventloop import timeout
 from swarmgrad.net.channel import Channel
 from swarmgrad.net.transport import Transport
 from swarmgrad.net.wire import FrameError, field, int_field
-from swarmgrad.state import results as state_results
 from swarmgrad.state import sketch as state_sketch
-from swarmgrad.state.results import RESULT_DTYPE, ResultPieces, result_digest
+from swarmgrad.state.kept import HELD_RESULT_BYTES_PER_ELEMENT, KEPT_RESULTS, KeptResults, ResultHolds
+from swarmgrad.state.results import ResultPieces
 from swarmgrad.state.served import OuterStep, ServedState
 from swarmgrad.state.sketch import CLASSES, MAX_SEED, SKETCH_PROJECTIONS, SKETCHES_PER_CHANNEL, sketch
 from swarmgrad.state.snapshot import StateSnapshot, part_count
 from swarmgrad.timing import DEFAULT_TIMING
 
-KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or two rounds behind
-# results a donor keeps beyond those, for the joiners its state downloads serve (``ResultHolds``):
-# at most this many bytes per element of a result, oldest dropped first. A donor serving a download
-# is at the peak of DESIGN's budget (12 bytes per parameter steady, 16 at a round's or download's
-# peak), so the held results get the 4 between: int8's frames (about 1 byte an element a round) 4
-# rounds more than KEPT_RESULTS, q2's (0.31) 12, bfloat16 copies 2. A download that takes longer is
-# followed by another one, as before.
-HELD_RESULT_BYTES_PER_ELEMENT = 4.0
-MAX_RESULT_HOLDERS = 64  # joiners a donor keeps results for at once (past it, the longest-idle goes)
 # older snapshots a donor keeps while downloads under way still read them (past its latest ``keep``):
 # on a slow link a state takes longer than an epoch (40 MB at 10 Mbit/s: 32 s, against epochs of
 # 8 s), and a download whose version the donor dropped failed on every retry; bounded, since each
@@ -72,76 +61,20 @@ def state_protocol(run_id: str) -> str:
     return f"swarmgrad/{run_id}/state"
 
 
-@dataclass
-class _Hold:
-    floor: int  # the oldest round whose result the joiner still needs (its state's version, then its replay's)
-    channels: int  # its downloads under way: held for as long as they read
-    expires: float  # time.monotonic() past which, with no download under way, the hold ends
-
-
-class ResultHolds:
-    """Which round results joiners that downloaded this donor's state still need: a joiner that
-    described version v replays the rounds from v on once its download is in, so results from v on
-    are kept while it reads and ``idle_seconds`` after its last request (each result or digest it
-    asks for moves its floor up and renews that). Keyed by the channel's authenticated peer id, at
-    most ``MAX_RESULT_HOLDERS`` of them; the bytes they keep are capped by the server."""
-
-    def __init__(self, idle_seconds: float):
-        self.idle_seconds = idle_seconds
-        self._holds: dict[str, _Hold] = {}
-
-    def reading(self, peer: str, version: int, new_channel: bool = True) -> None:
-        """``peer``'s download reads ``version`` (on one more channel, or on one that read another)."""
-        hold = self._holds.get(peer)
-        if hold is None:
-            if len(self._holds) >= MAX_RESULT_HOLDERS:
-                self._holds.pop(min(self._holds, key=lambda key: (self._holds[key].channels > 0,
-                                                                  self._holds[key].expires)))
-            hold = self._holds[peer] = _Hold(version, 0, 0.0)
-        hold.floor = version
-        hold.channels += 1 if new_channel or hold.channels == 0 else 0
-
-    def read(self, peer: str) -> None:
-        """One of ``peer``'s download channels ended: its replay comes next."""
-        hold = self._holds.get(peer)
-        if hold is not None:
-            hold.channels = max(0, hold.channels - 1)
-            hold.expires = time.monotonic() + self.idle_seconds
-
-    def replaying(self, peer: str, epoch: int) -> None:
-        """``peer`` asked for the result of round ``epoch``: it no longer needs the ones before."""
-        hold = self._holds.get(peer)
-        if hold is not None:
-            hold.floor = max(hold.floor, epoch)
-            hold.expires = time.monotonic() + self.idle_seconds
-
-    def floor(self) -> int | None:
-        """The oldest round a live hold needs (None: no joiner needs any); ends the expired ones."""
-        now = time.monotonic()
-        for peer in [peer for peer, hold in self._holds.items() if hold.channels <= 0 and hold.expires <= now]:
-            del self._holds[peer]
-        return min((hold.floor for hold in self._holds.values()), default=None)
-
-
 class StateServer:
     """Serves this peer's latest snapshots to joiners over ``protocol``."""
 
     def __init__(self, transport: Transport, protocol: str, keep: int = 2,
                  idle_seconds: float = DEFAULT_TIMING.join_timeout, keep_results: int = KEPT_RESULTS,
-                 held_result_bytes: float = HELD_RESULT_BYTES_PER_ELEMENT):
+                 held_result_bytes: float = HELD_RESULT_BYTES_PER_ELEMENT, results_dir: str | None = None):
         self.transport, self.protocol, self.keep, self.idle_seconds = transport, protocol, keep, idle_seconds
-        self.keep_results = keep_results
-        self.held_result_bytes = held_result_bytes  # per element, beyond the last ``keep_results``
         self.holds = ResultHolds(idle_seconds)
+        # held_result_bytes: per element, beyond the last ``keep_results``; on disk under ``results_dir``
+        self.results = KeptResults(self.holds, keep_results, held_result_bytes, results_dir)
         self._snapshots: dict[int, StateSnapshot | ServedState] = {}
         self._described: dict[int, bytes] = {}
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it
         self._saving: Counter[int] = Counter()  # version -> checkpoints written from it (``hold``)
-        self._results: dict[int, torch.Tensor | None] = {}  # bfloat16, None where kept as frames
-        self._result_numel: dict[int, int] = {}
-        # a result held as its frames is named in a thread, off the round's path: a future until then
-        self._result_digests: dict[int, str | asyncio.Future[str]] = {}
-        self._result_frames: dict[int, list[tuple[dict, bytes]]] = {}
         self._sketches: dict[tuple[int, int, tuple[int, ...]], bytes] = {}  # (version, seed, parts): oldest first
         self._sketching = asyncio.Lock()  # one sketch at a time: joiners cannot make this peer compute more
 
@@ -225,69 +158,14 @@ class StateServer:
 
     def publish_result(self, epoch: int, result: torch.Tensor | ResultPieces,
                        frames: list[tuple[dict, bytes]] | None = None) -> None:
-        """Keep what round ``epoch`` applied here (a flat float tensor: the swarm's average, or this
-        peer's own values when it stepped alone), for a peer that missed the round to replay: as the
-        ``frames`` it travelled in where given (averaging/result_frames.py; they decode to exactly it,
-        in a fraction of its bytes), else as bfloat16. The digest is of its bfloat16 bytes either way."""
-        if self.keep_results < 1:
-            return
-        for later in [later for later in self._results if later > epoch]:
-            self._drop_result(later)  # rounds of a lead this peer gave up (it rejoined the swarm's epoch)
-        if frames is None:
-            if not isinstance(result, torch.Tensor):
-                raise ValueError("a result held as frames is kept as its frames: pass them")
-            self._results[epoch] = result.detach().reshape(-1).to("cpu").to(RESULT_DTYPE, copy=True)
-        else:
-            self._results[epoch] = None
-        self._result_numel[epoch], self._result_digests[epoch] = result.numel(), self._digest(result)
-        self._result_frames.pop(epoch, None)
-        if frames is not None:
-            self._result_frames[epoch] = frames
-        self._drop_old_results()
-
-    @staticmethod
-    def _digest(result: torch.Tensor | ResultPieces) -> str | asyncio.Future[str]:
-        """A float32 result's digest now (its bfloat16 copy is made anyway); a framed one's decoded in a
-        thread (a pass over the model's size, which the outer step waited for) when an event loop runs."""
-        if isinstance(result, torch.Tensor):
-            return result_digest(result)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # called from plain code: now
-            return result_digest(result)
-        named = asyncio.ensure_future(asyncio.to_thread(result_digest, result))
-        named.add_done_callback(lambda done: done.cancelled() or done.exception())  # dropped unasked: retrieved
-        return named
-
-    def _drop_old_results(self) -> None:
-        """Keep the last ``keep_results`` results, and the older ones a joiner still needs
-        (``holds``) within ``held_result_bytes`` per element, dropping the oldest past that."""
-        older = sorted(self._results)[: -self.keep_results]
-        floor = self.holds.floor()
-        held = [epoch for epoch in older if floor is not None and epoch >= floor]
-        if held:
-            cap = self.held_result_bytes * max(self._result_numel.values())
-            while held and sum(self._result_bytes(epoch) for epoch in held) > cap:
-                held.pop(0)
-        for epoch in older:
-            if epoch not in held:
-                self._drop_result(epoch)
-
-    def _result_bytes(self, epoch: int) -> int:
-        result, frames = self._results[epoch], self._result_frames.get(epoch)
-        kept = result.numel() * result.element_size() if result is not None else 0
-        return kept + sum(len(payload) for _, payload in frames or ())
-
-    def _drop_result(self, epoch: int) -> None:
-        self._results.pop(epoch)
-        self._result_numel.pop(epoch)
-        self._result_digests.pop(epoch)
-        self._result_frames.pop(epoch, None)
+        """Keep what round ``epoch`` applied here, for a peer that missed the round to replay
+        (state/kept.py: as the ``frames`` it travelled in where given, else as bfloat16; on disk)."""
+        self.results.add(epoch, result, frames)
 
     def held_bytes(self) -> dict[str, int]:
         """Host bytes this server holds of its own: served states' copies and kept results."""
         return {"served_state_copies": sum(snapshot.held_bytes() for snapshot in self._snapshots.values()),
-                "kept_results": sum(self._result_bytes(epoch) for epoch in self._results)}
+                "kept_results": self.results.held_bytes_in_memory()}
 
     async def _serve(self, channel: Channel) -> None:
         sketches = 0  # asked on this channel
@@ -342,13 +220,11 @@ class StateServer:
                 elif request.kind in ("result", "digest"):
                     epoch = field(request.header, "epoch", int)
                     self.holds.replaying(channel.peer_id, epoch)
-                    if epoch not in self._results:
+                    if epoch not in self.results:
                         await channel.send_error(f"the result of round {epoch} is not kept here")
                         return
                     if request.kind == "digest":
-                        digest = self._result_digests[epoch]
-                        if not isinstance(digest, str):
-                            digest = await asyncio.shield(digest)
+                        digest = await self.results[epoch].named()
                         await channel.send({"t": "digest", "epoch": epoch, "sha256": digest})
                     else:
                         await self._send_result(channel, epoch, request.header.get("frames") is True,
@@ -362,27 +238,24 @@ class StateServer:
 
     async def _send_result(self, channel: Channel, epoch: int, frames_asked: bool, chunks_asked: bool) -> None:
         """A kept result: in the frames it travelled in when asked for them and kept, else as bfloat16,
-        in chunks of at most ``RESULT_CHUNK_BYTES`` when asked for chunks (an older peer reads one frame)."""
-        result, frames = self._results[epoch], self._result_frames.get(epoch)
-        numel = self._result_numel[epoch]
-        if result is not None and (frames is None or not frames_asked):
-            data = memoryview(result.view(torch.uint8).numpy())
-            if not chunks_asked:
-                await channel.send({"t": "result", "epoch": epoch, "numel": numel}, data)
-                return
-            size = state_results.RESULT_CHUNK_BYTES
-            count = -(-len(data) // size)
-            await channel.send({"t": "result", "epoch": epoch, "numel": numel, "chunks": count})
-            for index in range(count):
-                await channel.send({"t": "result-chunk", "epoch": epoch, "index": index},
-                                   data[index * size : (index + 1) * size])
-            return
-        if not frames_asked:  # kept as frames only: a peer that replays rounds decodes them
+        in chunks of at most ``RESULT_CHUNK_BYTES`` when asked for chunks (an older peer reads one frame).
+        Read from disk a payload at a time (state/kept.py)."""
+        kept = self.results[epoch]
+        if kept.framed and not frames_asked:  # kept as frames only: a peer that replays rounds decodes them
             await channel.send_error(f"the result of round {epoch} is kept only in the frames it travelled in")
             return
-        await channel.send({"t": "result", "epoch": epoch, "numel": numel, "frames": len(frames)})
-        for header, payload in frames:
-            await channel.send(header, payload)
+        if kept.framed:
+            assert kept.headers is not None
+            await channel.send({"t": "result", "epoch": epoch, "numel": kept.numel, "frames": kept.count})
+            for index, header in enumerate(kept.headers):
+                await channel.send(header, await kept.read(index))
+        elif chunks_asked:
+            await channel.send({"t": "result", "epoch": epoch, "numel": kept.numel, "chunks": kept.count})
+            for index in range(kept.count):
+                await channel.send({"t": "result-chunk", "epoch": epoch, "index": index}, await kept.read(index))
+        else:  # an older peer reads it in one frame
+            data = b"".join([await kept.read(index) for index in range(kept.count)])
+            await channel.send({"t": "result", "epoch": epoch, "numel": kept.numel}, data)
 
     async def _sketch(self, snapshot: StateSnapshot | ServedState, seed: int, parts: tuple[int, ...]) -> bytes:
         """The sketch of ``parts`` of ``snapshot`` for ``seed``, computed off the event loop, one at a

@@ -24,7 +24,7 @@ from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies.diloco import DiLoCo
-from swarmgrad.state.server import KEPT_RESULTS
+from swarmgrad.state.kept import KEPT_RESULTS
 from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.timing import Timing
 
@@ -331,8 +331,9 @@ def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_roun
                 status = b.status()
                 assert status.rounds_replayed == a.epoch - epoch_b and status.state_downloads == downloads
                 assert b.epoch == a.epoch
-                kept = b.training.server._result_frames  # the replayed rounds: kept as frames, not as bfloat16
-                assert all(epoch in kept for epoch in range(epoch_b, b.epoch)), (sorted(kept), epoch_b)
+                kept = b.training.server.results  # the replayed rounds: kept as frames, not as bfloat16
+                assert all(epoch in kept and kept[epoch].framed for epoch in range(epoch_b, b.epoch)), \
+                    (kept.epochs(), epoch_b)
                 for pa, pb in zip(models[0][0].parameters(), models[1][0].parameters()):
                     assert torch.allclose(pa, pb, atol=1e-6, rtol=0), (pa - pb).abs().max()
 

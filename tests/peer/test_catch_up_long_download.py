@@ -30,7 +30,8 @@ from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies.diloco import DiLoCo
-from swarmgrad.state.server import KEPT_RESULTS, StateServer
+from swarmgrad.state.kept import KEPT_RESULTS
+from swarmgrad.state.server import StateServer
 from swarmgrad.state.snapshot import layout, part_count
 from swarmgrad.timing import Timing
 
@@ -124,7 +125,7 @@ class Scenario:
                     if not self.joiner_tracker.ahead_of(epoch):
                         break
                     await self.catch_up(self.joiner_tracker.ahead_of(epoch), epoch + 1)
-                self.kept = self.server.held_bytes()["kept_results"]
+                self.kept = self.server.results.nbytes()
 
         self.swarm.loop.run(scenario(), timeout=60)
 

@@ -12,7 +12,7 @@ import torch
 from conftest import run_async, tiny_classifier
 
 import swarmgrad as sg
-from swarmgrad.state.server import KEPT_RESULTS
+from swarmgrad.state.kept import KEPT_RESULTS
 
 INNER = 4
 TIMING = sg.Timing(presence_refresh=0.5)

@@ -18,8 +18,8 @@ from swarmgrad.averaging.frames import decode_chunk, encode_chunk
 from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.result_frames import ResultDecoder
 from swarmgrad.net.wire import RemoteError
+from swarmgrad.state import kept as state_kept
 from swarmgrad.state import results as state_results
-from swarmgrad.state import server as state_server
 from swarmgrad.state.results import download_result, download_result_digest, result_digest
 from swarmgrad.state.server import StateServer
 from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
@@ -64,7 +64,7 @@ def test_a_donor_keeps_only_its_last_results(swarm):
         async with keeping_results(swarm, protocol, [results]):
             return await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], epoch, 10)
 
-    assert state_server.KEPT_RESULTS == 2
+    assert state_kept.KEPT_RESULTS == 2
     assert torch.equal(run(swarm, scenario(3)), results[3]) and torch.equal(run(swarm, scenario(2)), results[2])
     with pytest.raises(StateTransferError, match="result of round 1 is not kept here"):
         run(swarm, scenario(1))
@@ -124,6 +124,15 @@ def travelled_in_q2(values: torch.Tensor) -> tuple[Schema, torch.Tensor, list[tu
     return schema, result, frames
 
 
+async def on_disk(server: StateServer, epoch: int) -> None:
+    """Until the donor's thread wrote round ``epoch``'s result to disk."""
+    for _ in range(500):
+        if server.results[epoch].on_disk:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the result of round {epoch} was not written to disk in 5 s")
+
+
 def test_a_result_kept_with_its_frames_comes_in_them_to_the_bit(swarm):
     """A donor that kept the frames a round travelled in keeps only those (q2: 0.31 bytes an element,
     against bfloat16's 2) and serves them to a peer that can decode them: it gets them as they came
@@ -140,8 +149,9 @@ def test_a_result_kept_with_its_frames_comes_in_them_to_the_bit(swarm):
         async with AsyncExitStack() as stack:
             server = await stack.enter_async_context(StateServer(swarm.transports[1], protocol))
             server.publish_result(5, result, kept_frames)
+            await on_disk(server, 5)  # served from the file it was written to (state/kept.py)
             digest = await download_result_digest(swarm.transports[0], protocol, donor[0], 5)
-            assert server.held_bytes()["kept_results"] == sum(len(payload) for _, payload in kept_frames)
+            assert server.results.nbytes() == sum(len(payload) for _, payload in kept_frames)
             framed = await download_result(swarm.transports[0], protocol, donor, 5, result.numel(), digest=digest,
                                            decoder=decoder)
             with pytest.raises(StateTransferError, match="kept only in the frames"):
@@ -195,6 +205,7 @@ def test_a_result_above_the_frame_limit_travels_in_several_frames(swarm, monkeyp
         protocol = new_protocol()
         async with Watched(swarm.transports[1], protocol) as server:
             server.publish_result(3, result)
+            await on_disk(server, 3)
             got = await download_result(swarm.transports[0], protocol, donor_ids(swarm)[:1], 3, result.numel())
             channel = await swarm.transports[0].open(donor_ids(swarm)[0], protocol)
             try:
@@ -248,7 +259,7 @@ def test_a_donor_keeps_the_results_a_download_of_its_state_will_replay_within_it
     its last request, each request letting the rounds before it go; at most 4 bytes an element
     beyond the last two (two bfloat16 results here), the oldest dropped first; then as before."""
     clock = [1000.0]
-    monkeypatch.setattr(state_server, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(state_kept, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     numel = 1000
     result = {epoch: torch.full((numel,), float(epoch)) for epoch in range(20)}
 
@@ -256,7 +267,7 @@ def test_a_donor_keeps_the_results_a_download_of_its_state_will_replay_within_it
         protocol = new_protocol()
         async with StateServer(swarm.transports[1], protocol, idle_seconds=30.0) as server:
             server.publish(StateSnapshot.capture(4, {"w": torch.zeros(10)}, {}))
-            kept = lambda: sorted(server._results)  # noqa: E731
+            kept = lambda: server.results.epochs()  # noqa: E731
 
             def publish(*epochs: int) -> None:
                 for epoch in epochs:
@@ -269,7 +280,7 @@ def test_a_donor_keeps_the_results_a_download_of_its_state_will_replay_within_it
             publish(4, 5, 6, 7)  # the swarm goes on while the joiner reads version 4
             reading = kept()
             publish(8)  # past the cap: 4, 5, 6 and 7 held would be 8 bytes an element
-            capped, held_bytes = kept(), server.held_bytes()["kept_results"]
+            capped, held_bytes = kept(), server.results.nbytes()
             await channel.send({"t": "done"})
             await channel.close()
             while any(hold.channels for hold in server.holds._holds.values()):  # the donor saw it end
@@ -292,13 +303,13 @@ def test_a_donor_keeps_the_results_a_download_of_its_state_will_replay_within_it
 def test_a_donor_keeps_results_for_a_bounded_number_of_joiners():
     """Any peer may open a channel: at most MAX_RESULT_HOLDERS joiners are remembered, the one idle
     longest forgotten first (the bytes they keep are capped apart from that)."""
-    holds = state_server.ResultHolds(idle_seconds=60.0)
-    for index in range(state_server.MAX_RESULT_HOLDERS):
+    holds = state_kept.ResultHolds(idle_seconds=60.0)
+    for index in range(state_kept.MAX_RESULT_HOLDERS):
         holds.reading(f"peer{index}", 100 + index)
         if index:
             holds.read(f"peer{index}")  # its download ended: idle from now on; peer0 still reads
     holds.reading("late", 500)
-    assert len(holds._holds) == state_server.MAX_RESULT_HOLDERS and "peer1" not in holds._holds
+    assert len(holds._holds) == state_kept.MAX_RESULT_HOLDERS and "peer1" not in holds._holds
     assert holds.floor() == 100  # peer0, still reading, is kept
 
 
@@ -315,7 +326,7 @@ def test_a_result_kept_as_its_frames_is_named_in_a_thread_and_served_by_its_dige
         async with AsyncExitStack() as stack:
             server = await stack.enter_async_context(StateServer(swarm.transports[1], protocol))
             server.publish_result(4, framed, frames)
-            assert server.held_bytes()["kept_results"] == framed.nbytes()
+            assert server.results.nbytes() == framed.nbytes()
             return await download_result_digest(swarm.transports[0], protocol, donor_ids(swarm)[0], 4)
 
     assert run(swarm, scenario()) == result_digest(result)
