@@ -51,6 +51,11 @@ What each peer process measures and reports to the parent (one JSON line):
   not expose either: where these private functions are renamed the figures read n/a.
 * ``stall``: the longest ``step()`` call that was no swarm-step call, beside the median of those calls,
   and their ratio (the training loop's worst pause outside rounds: e.g. serving the joiner's state).
+  Each such call's wall time is split with the training thread's ``/proc/self/task/<tid>/schedstat``
+  into seconds on a CPU, seconds runnable but waiting for a core (``runq``: the other peers' work on
+  a shared machine) and the rest, ``blocked``: the thread waited on something (a lock, a future, I/O).
+  ``blocked s`` is the longest such wait of any call outside rounds: what the peer made the training
+  loop wait for, whatever the machine.
 
 Before a size starts, the peers' memory is estimated as 3 x (16 + ``--swarm-bytes-per-param``) bytes
 per parameter plus 0.4 GB per process; a size that would not fit in MemAvailable less 1 GiB is skipped
@@ -282,10 +287,23 @@ def swarm_memory(peer: Any) -> dict[str, Any] | None:
     return found or None
 
 
+def thread_schedstat() -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable and waiting for one) of the calling thread so far (Linux);
+    NaN where the kernel does not say."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stats:
+            on_cpu, waiting, _ = stats.read().split()
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
+
+
 def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: Any, deadline: float) -> dict:
     """Step until the parent's end epoch; every step() call timed, swarm steps told apart."""
     steps: list[float] = []
     step_epochs: list[int] = []  # the epoch each of those steps ran in
+    step_cpu: list[float] = []  # of each of those steps: seconds on a CPU, and waiting for one
+    step_runq: list[float] = []
     rounds: list[dict] = []
     steady: list[int] = []
     index = 0
@@ -295,9 +313,11 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
         loss = backward(model, batches[index % len(batches)])
         index += 1
         rss, before = proc_status("self", "VmRSS"), status_counts(peer)
+        cpu_before, runq_before = thread_schedstat()
         started = time.perf_counter()
         peer.step(batch_size=BATCH, loss=loss)
         seconds = time.perf_counter() - started
+        cpu_after, runq_after = thread_schedstat()
         after = status_counts(peer)
         if any(after[name] != before[name] for name in STATUS_FIELDS):
             rounds.append({"epoch": after["epoch"], "seconds": seconds, "rss_before": rss,
@@ -310,7 +330,10 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
         else:
             steps.append(seconds)
             step_epochs.append(after["epoch"])
-    return {"steps": steps, "step_epochs": step_epochs, "rounds": rounds}
+            step_cpu.append(cpu_after - cpu_before)
+            step_runq.append(runq_after - runq_before)
+    return {"steps": steps, "step_epochs": step_epochs, "step_cpu": step_cpu, "step_runq": step_runq,
+            "rounds": rounds}
 
 
 def worker(cfg: WorkerConfig) -> None:
@@ -659,6 +682,10 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
     stall, typical = (max(steps), statistics.median(steps)) if steps else (None, None)
     step_epochs = result.get("step_epochs") or []
     stall_epoch = step_epochs[steps.index(stall)] if stall is not None and len(step_epochs) == len(steps) else None
+    cpu, runq = result.get("step_cpu") or [], result.get("step_runq") or []
+    split = len(cpu) == len(runq) == len(steps) and steps
+    blocked = [max(0.0, wall - on_cpu - waiting) for wall, on_cpu, waiting in zip(steps, cpu, runq)] if split else []
+    at = steps.index(stall) if split else None
     download = result.get("download") or {}
     row = {
         "role": result["role"], "index": result["index"], "params": params, "epoch": result["epoch"],
@@ -670,6 +697,10 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
         "baseline_rss": baseline, "daemon_rss": result["daemon_rss"], "swarm_memory": result["swarm_memory"],
         "stall_s": stall, "stall_epoch": stall_epoch, "median_step_s": typical,
         "stall_ratio": stall / typical if stall is not None and typical else None,
+        "stall_cpu_s": cpu[at] if at is not None else None, "stall_runq_s": runq[at] if at is not None else None,
+        "stall_blocked_s": blocked[at] if at is not None else None,
+        "longest_blocked_s": max(blocked) if blocked else None,
+        "median_blocked_s": statistics.median(blocked) if blocked else None,
         "state_downloads": result["state_downloads"], "enter_s": result["enter_s"],
         "download_s": download.get("download_s"), "download_bytes": download.get("download_bytes"),
         "verify_s": download.get("verify_s"),
@@ -785,7 +816,8 @@ def state_cell(peer: dict) -> str:
 
 
 COLUMNS = ("peer", "ok/failed", "round s", "wire s", "steady B/param", "peak B/param", "daemon MB",
-           "swarm mem", "download s", "state MB", "state wire s", "verify", "stall s", "median step s", "stall ratio")
+           "swarm mem", "download s", "state MB", "state wire s", "verify", "stall s", "median step s", "stall ratio",
+           "stall cpu/runq/blocked s", "blocked s")
 
 
 def table_rows(record: dict) -> list[tuple[str, ...]]:
@@ -800,6 +832,8 @@ def table_rows(record: dict) -> list[tuple[str, ...]]:
             fmt(peer["download_s"]) if joiner else "", state_cell(peer) if joiner else "",
             fmt(peer["download_wire_s"]) if joiner else "", fmt(peer["verify_share"]) if joiner else "",
             fmt(peer["stall_s"], 3) + (f" @{peer['stall_epoch']}" if peer.get("stall_epoch") is not None else ""), fmt(peer["median_step_s"], 3), fmt(peer["stall_ratio"], 1),
+            "/".join(fmt(peer.get(key), 1) for key in ("stall_cpu_s", "stall_runq_s", "stall_blocked_s")),
+            fmt(peer.get("longest_blocked_s"), 3),
         ))  # fmt: skip
     return rows
 
@@ -822,7 +856,8 @@ def render(record: dict, args: argparse.Namespace) -> Any:
         "round at the link rate. B/param: host RSS beyond model, gradients and Adam (steady: before each "
         "swarm step after the first, median; peak: 50 ms samples). daemon MB: the peer's p2pd. download "
         "s: the joiner's state downloads (all of them, as state MB), beside their bytes at the link rate; "
-        "verify: share spent in the verification pass. stall: the longest step() outside rounds (@ the epoch it ran in), beside the median step."))
+        "verify: share spent in the verification pass. stall: the longest step() outside rounds (@ the epoch it ran in), beside the median step; its "
+        "seconds on a CPU, waiting for a core and blocked; blocked s: the longest wait of any step() outside rounds."))
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("peer", "swarm mem") else "right")
     for row in table_rows(record):

@@ -50,6 +50,7 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     result = {"role": "joiner", "index": 2, "params": 1000, "epoch": 5, "rounds_ok": 2, "rounds_failed": 1,
               "baseline_rss": 10_000, "peak_rss": 150_000, "hwm": 160_000, "daemon_rss": 5e7, "swarm_memory": None,
               "state_downloads": 1, "enter_s": 3.0, "steps": [0.1, 0.1, 0.5],
+              "step_cpu": [0.1, 0.05, 0.1], "step_runq": [0.0, 0.05, 0.3],
               "download": {"download_s": 4.0, "download_bytes": 25_000_000, "verify_s": 1.0},
               "rounds": [{"epoch": e, "seconds": s, "rss_before": rss, "ok": 1, "failed": 0,
                           "bytes_sent": 1_250_000, "bytes_received": 2_500_000}
@@ -63,6 +64,9 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     assert row["peak_bytes_per_param"] == 140.0 and row["hwm_bytes_per_param"] == 150.0
     assert row["stall_ratio"] == pytest.approx(5.0) and row["download_wire_s"] == pytest.approx(2.0)
     assert row["verify_share"] == pytest.approx(0.25)
+    # the stall's 0.5 s: 0.1 on a CPU, 0.3 waiting for one, 0.1 blocked; the longest wait of any step
+    assert (row["stall_cpu_s"], row["stall_runq_s"]) == (0.1, 0.3)
+    assert row["stall_blocked_s"] == pytest.approx(0.1) and row["longest_blocked_s"] == pytest.approx(0.1)
     assert bm.summarize_peer(result, None)["wire_s"] is None  # loopback: no link rate
 
 
@@ -160,6 +164,8 @@ def test_quick_big_model_benchmark_trains_joins_and_measures(tmp_path):
     starters = peers[:2]
     for peer in starters:
         assert peer["stall_ratio"] is not None and peer["stall_ratio"] >= 1.0 and peer["steps"] > 0
+        split = peer["stall_cpu_s"] + peer["stall_runq_s"] + peer["stall_blocked_s"]
+        assert peer["stall_cpu_s"] > 0 and split == pytest.approx(peer["stall_s"], abs=0.02), peer
     joiner = peers[2]
     assert joiner["state_downloads"] >= 1
     # a fresh joiner takes the whole state: at least the fp32 parameters and Adam's two moments
