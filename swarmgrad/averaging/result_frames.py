@@ -86,8 +86,18 @@ class FramedAverage:
     def __init__(self, frames: Sequence[Frame], schema: Schema, codec: Codec):
         if len(frames) != len(schema.chunks):
             raise ValueError(f"a result of {len(frames)} frames, expected {len(schema.chunks)}")
-        self.frames, self.schema, self.codec = list(frames), schema, gather_codec_for(codec)
+        self.frames: Sequence[Frame] = list(frames)
+        self.schema, self.codec = schema, gather_codec_for(codec)
         self._starts = [chunk.start for chunk in schema.chunks]
+        self._nbytes = sum(len(payload) for _, payload in self.frames)
+
+    def read_from(self, frames: Sequence[Frame]) -> None:
+        """Read its frames from ``frames`` from now on: the same frames, kept elsewhere (state/kept.py: on
+        disk), so that an average that outlives its round (an outer step a download reads past,
+        state/served.py) does not keep them in memory."""
+        if len(frames) != len(self.frames):
+            raise ValueError(f"{len(frames)} frames to read from, expected {len(self.frames)}")
+        self.frames = frames
 
     def numel(self) -> int:
         return self.schema.total
@@ -96,8 +106,8 @@ class FramedAverage:
         return self.schema.total
 
     def nbytes(self) -> int:
-        """The payload bytes it holds."""
-        return sum(len(payload) for _, payload in self.frames)
+        """The payload bytes of its frames."""
+        return self._nbytes
 
     def _decoded(self, index: int) -> torch.Tensor:
         header, payload = self.frames[index]

@@ -33,10 +33,13 @@ logger = logging.getLogger(__name__)
 KEPT_RESULTS = 2  # rounds whose results a donor keeps: enough for a peer one or two rounds behind
 # results a donor keeps beyond those, for the joiners its state downloads serve (``ResultHolds``):
 # at most this many bytes per element of a result, oldest dropped first: int8's frames (about 1 byte
-# an element a round) 4 rounds more than KEPT_RESULTS, q2's (0.31) 12, bfloat16 copies 2. They are
-# on disk (a 1B-parameter model's int8 rounds: 4 GB); a download that takes longer is followed by
+# an element a round) 12 rounds more than KEPT_RESULTS, q2's (0.31) 38, bfloat16 copies 6. On disk,
+# so the bound is what a replay is worth: the state a joiner downloads is 12 to 16 bytes a parameter
+# (DiLoCo's start and momentum, and SGD's or Adam's), and past that a download costs no more. At 4
+# (when they were in memory) a 201M int8 joiner in the lab downloaded 3 times and never caught up: a
+# download of its state took 7.5 of the swarm's rounds. A download that takes longer is followed by
 # another one, as before.
-HELD_RESULT_BYTES_PER_ELEMENT = 4.0
+HELD_RESULT_BYTES_PER_ELEMENT = 12.0
 MAX_RESULT_HOLDERS = 64  # joiners a donor keeps results for at once (past it, the longest-idle goes)
 
 Frame = tuple[dict, bytes]
@@ -140,9 +143,10 @@ class KeptResult:
         self._file, self._spans, self._payloads = file, spans, None
 
     def payload(self, index: int) -> bytes | memoryview:
-        """Payload ``index``: from memory, or read from the file (blocking: call it in a thread)."""
-        if self._payloads is not None:
-            return self._payloads[index]
+        """Payload ``index``: from memory, or read from the file (blocking: in a thread, or a frame's worth)."""
+        payloads = self._payloads  # once: the write may end meanwhile (on the event loop's thread)
+        if payloads is not None:
+            return payloads[index]
         offset, length = self._spans[index]
         assert self._file is not None
         data = os.pread(self._file.fileno(), length, offset)
@@ -156,9 +160,33 @@ class KeptResult:
             return self._payloads[index]
         return await asyncio.to_thread(self.payload, index)
 
+    def frames(self) -> KeptFrames:
+        return KeptFrames(self)
+
     async def named(self) -> str:
         digest = self.digest
         return digest if isinstance(digest, str) else await asyncio.shield(digest)
+
+
+class KeptFrames(Sequence[Frame]):
+    """A kept result's frames, read where they are (memory, then the file: a frame's pread), for an
+    average that outlives its round (``FramedAverage.read_from``): an outer step a download reads
+    past holds its average until the download ends, and it would otherwise keep a round's frames in
+    memory for each step (at 201M in the lab, int8: 1 byte per parameter a round, 8 rounds deep)."""
+
+    def __init__(self, kept: KeptResult):
+        if not kept.framed:
+            raise ValueError("a result kept as bfloat16 has no frames")
+        self._kept = kept
+
+    def __len__(self) -> int:
+        return self._kept.count
+
+    def __getitem__(self, index):  # type: ignore[override]  # one frame at a time, by its index
+        if not isinstance(index, int):
+            raise TypeError("kept frames are read one at a time")
+        assert self._kept.headers is not None
+        return self._kept.headers[index], self._kept.payload(index)
 
 
 class KeptResults:
@@ -200,6 +228,9 @@ class KeptResults:
         else:
             kept = KeptResult(result.numel(), [header for header, _ in frames], [payload for _, payload in frames],
                               self._digest(result))
+            read_from = getattr(result, "read_from", None)
+            if read_from is not None:  # the average reads them where they are kept: it pins no copy
+                read_from(kept.frames())
         self._results[epoch] = kept
         self._drop_old()
         self._write(kept)

@@ -10,6 +10,10 @@ import os
 
 import torch
 
+from swarmgrad.averaging.codecs import get_codec
+from swarmgrad.averaging.frames import decode_chunk, encode_chunk
+from swarmgrad.averaging.layout import Schema
+from swarmgrad.averaging.result_frames import FramedAverage
 from swarmgrad.state import results as state_results
 from swarmgrad.state.kept import KeptResults, ResultHolds
 from swarmgrad.state.results import RESULT_DTYPE, result_digest
@@ -62,6 +66,33 @@ def test_a_kept_result_moves_to_an_unlinked_file_and_reads_back_to_the_byte(tmp_
     assert read == [payload for _, payload in frames]
     assert digest == result_digest(values)
     assert os.listdir(tmp_path) == []  # unlinked at once: nothing is left behind if the process dies
+
+
+def test_an_average_kept_as_its_frames_reads_them_from_the_file_once_written(tmp_path):
+    """An average that outlives its round (an outer step a download reads past holds it) reads its
+    frames where they are kept: once they are on disk it pins none of them in memory."""
+    values = torch.randn(20_000, generator=torch.Generator().manual_seed(5))
+    schema, codec = Schema.of([("w", values)], chunk_elements=4096), get_codec("int8")
+    frames, decoded = [], torch.empty_like(values)
+    for chunk in schema.chunks:
+        header, payload = encode_chunk(codec, values[chunk.start : chunk.start + chunk.length].view(chunk.view))
+        frames.append(({"t": "avg", "c": chunk.index, **header}, bytes(payload)))
+        decoded[chunk.start : chunk.start + chunk.length] = decode_chunk(codec, header, payload, chunk.view)
+    average = FramedAverage(frames, schema, codec)
+
+    async def scenario():
+        results = KeptResults(ResultHolds(60.0), directory=str(tmp_path))
+        results.add(3, average, frames)
+        await written(results, 3)
+        return results
+
+    results = asyncio.run(scenario())
+    assert results.held_bytes_in_memory() == 0 and average.nbytes() == results.bytes_on_disk()
+    read = [average.frames[index] for index in range(len(frames))]
+    assert [header for header, _ in read] == [header for header, _ in frames]
+    assert [payload for _, payload in read] == [payload for _, payload in frames]
+    assert all(payload is not kept for (_, payload), (_, kept) in zip(read, frames))  # read back, not pinned
+    assert torch.equal(average.dense(), decoded) and torch.equal(average[5000:13000], decoded[5000:13000])
 
 
 def test_a_float_result_is_kept_as_bfloat16_chunks_on_disk(tmp_path, monkeypatch):

@@ -256,8 +256,8 @@ def test_a_result_in_chunks_that_do_not_add_up_is_refused(swarm, monkeypatch, fa
 def test_a_donor_keeps_the_results_a_download_of_its_state_will_replay_within_its_byte_cap(swarm, monkeypatch):
     """A joiner that described version 4 replays the rounds from 4 on once its state is in: the donor
     keeps their results past its last KEPT_RESULTS while the joiner reads and for idle_seconds after
-    its last request, each request letting the rounds before it go; at most 4 bytes an element
-    beyond the last two (two bfloat16 results here), the oldest dropped first; then as before."""
+    its last request, each request letting the rounds before it go; within a cap of bytes an element
+    beyond the last two (4 here: two bfloat16 results), the oldest dropped first; then as before."""
     clock = [1000.0]
     monkeypatch.setattr(state_kept, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     numel = 1000
@@ -265,7 +265,7 @@ def test_a_donor_keeps_the_results_a_download_of_its_state_will_replay_within_it
 
     async def scenario():
         protocol = new_protocol()
-        async with StateServer(swarm.transports[1], protocol, idle_seconds=30.0) as server:
+        async with StateServer(swarm.transports[1], protocol, idle_seconds=30.0, held_result_bytes=4.0) as server:
             server.publish(StateSnapshot.capture(4, {"w": torch.zeros(10)}, {}))
             kept = lambda: server.results.epochs()  # noqa: E731
 
