@@ -101,6 +101,8 @@ NOTES = {
     ("averaging.allreduce", "averaging.rules"): "weights bounded; the part's aggregate by the run's rule (off the loop)",
     ("peer.driver", "state.server"): "**the round's result kept** for peers a round behind: the frames it travelled "
                                      "in (a bfloat16 copy where there are none)",
+    ("averaging.result_frames", "state.kept"): "the outer step reads the average's frames where they are kept "
+                                               "(memory until written, then the file)",
     ("state.server", "state.kept"): "written to an unlinked temporary file in a thread: kept results cost disk, not "
                                     "host memory",
     ("peer.strategies", "state.server"): "before the outer step changes start and momentum: a state being downloaded "
