@@ -30,7 +30,9 @@ What each peer process measures and reports to the parent (one JSON line):
   solo_steps, state_downloads or rounds_replayed moved. ``round s``: the median duration of those
   that attempted a round (rounds_ok or rounds_failed moved; the local Adam step of the call
   included); the others only caught up (a replay or a state download; ``catch_up_calls`` and
-  ``catch_up_s`` in the JSON).
+  ``catch_up_s`` in the JSON). ``round cpu s``: the median CPU seconds the peer's process (all its
+  threads; not its p2pd) spent over those calls: where three peers share a machine's cores, a
+  round cannot take less than their sum over the cores, whatever the link.
 * ``wire s``: per such round, this peer's bytes at its link rate, max(sent / up, received / down),
   from the ``bytes_sent`` / ``bytes_received`` deltas of ``status()`` over the call; the median over
   rounds. The two directions are separate links, so the larger one bounds the round; the sum over
@@ -314,13 +316,15 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
         index += 1
         rss, before = proc_status("self", "VmRSS"), status_counts(peer)
         cpu_before, runq_before = thread_schedstat()
+        process_before = time.process_time()
         started = time.perf_counter()
         peer.step(batch_size=BATCH, loss=loss)
         seconds = time.perf_counter() - started
         cpu_after, runq_after = thread_schedstat()
+        process_cpu = time.process_time() - process_before
         after = status_counts(peer)
         if any(after[name] != before[name] for name in STATUS_FIELDS):
-            rounds.append({"epoch": after["epoch"], "seconds": seconds, "rss_before": rss,
+            rounds.append({"epoch": after["epoch"], "seconds": seconds, "rss_before": rss, "cpu_s": process_cpu,
                            "ok": after["rounds_ok"] - before["rounds_ok"],
                            "failed": after["rounds_failed"] - before["rounds_failed"],
                            "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
@@ -664,6 +668,9 @@ def round_figures(rounds: list[dict], rate: float | None) -> dict:
     caught_up = [r for r in rounds if r["ok"] + r["failed"] == 0]
     return {
         "round_s": median([r["seconds"] for r in attempted]),
+        # the process's CPU seconds over those calls, all its threads (the round's codec, rule and
+        # transport work, and the call's Adam step); not the p2pd daemon's
+        "round_cpu_s": median([r["cpu_s"] for r in attempted if "cpu_s" in r]),
         "wire_s": median([max(r["bytes_sent"], r["bytes_received"]) / rate for r in attempted]) if rate else None,
         "wire_sum_s": median([(r["bytes_sent"] + r["bytes_received"]) / rate for r in attempted]) if rate else None,
         "round_mb_sent": median([r["bytes_sent"] / MB for r in attempted]),
@@ -701,6 +708,7 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
         "stall_blocked_s": blocked[at] if at is not None else None,
         "longest_blocked_s": max(blocked) if blocked else None,
         "median_blocked_s": statistics.median(blocked) if blocked else None,
+        "median_step_cpu_s": statistics.median(cpu) if split else None,
         "state_downloads": result["state_downloads"], "enter_s": result["enter_s"],
         "download_s": download.get("download_s"), "download_bytes": download.get("download_bytes"),
         "verify_s": download.get("verify_s"),
@@ -815,7 +823,7 @@ def state_cell(peer: dict) -> str:
     return f"{peer['download_bytes'] / MB:.0f}" + (f" in {count}" if count > 1 else "")
 
 
-COLUMNS = ("peer", "ok/failed", "round s", "wire s", "steady B/param", "peak B/param", "daemon MB",
+COLUMNS = ("peer", "ok/failed", "round s", "round cpu s", "wire s", "steady B/param", "peak B/param", "daemon MB",
            "swarm mem", "download s", "state MB", "state wire s", "verify", "stall s", "median step s", "stall ratio",
            "stall cpu/runq/blocked s", "blocked s")
 
@@ -826,7 +834,7 @@ def table_rows(record: dict) -> list[tuple[str, ...]]:
         joiner = peer["role"] == "joiner"
         rows.append((
             f"{peer['role']} {peer['index']}" + (f" (stopped at {peer['epoch']})" if peer.get("stopped") else ""),
-            f"{peer['rounds_ok']}/{peer['rounds_failed']}", fmt(peer["round_s"]),
+            f"{peer['rounds_ok']}/{peer['rounds_failed']}", fmt(peer["round_s"]), fmt(peer.get("round_cpu_s")),
             fmt(peer["wire_s"]), fmt(peer["steady_bytes_per_param"], 1), fmt(peer["peak_bytes_per_param"], 1),
             fmt(None if peer["daemon_rss"] is None else peer["daemon_rss"] / MB, 0), memory_cell(peer["swarm_memory"]),
             fmt(peer["download_s"]) if joiner else "", state_cell(peer) if joiner else "",

@@ -237,7 +237,7 @@ class Averager:
             report.group, report.error = [self.node.peer_id], SWARM_MOVED_ON if moved else NO_GROUP
         else:
             in_place = in_place() if callable(in_place) else in_place
-            read = self._reader() if self._reader is not None and in_place else None
+            read = self._reader() if self._reader is not None else None  # a flight's too: what it sent
             if lazy and read is None and not self._prepare_contribution(report):
                 return report  # the caller filled the contribution meanwhile (its round became a flight)
             result = await self._allreduce(plan, weight, in_place and not self.write_back, read)
@@ -246,8 +246,8 @@ class Averager:
         return report
 
     def read_in_place(self, reader: Callable[[], Callable[[int, int], torch.Tensor] | None]) -> bool:
-        """From now on ``reader()`` may return ``read(offset, length)``: where a round run in place reads
-        its contribution a chunk at a time instead of from the tensors (which the caller then leaves
+        """From now on ``reader()`` may return ``read(offset, length)``: where a round (run in turn, or in
+        flight) reads its contribution a chunk at a time instead of from the tensors (which the caller then leaves
         unfilled, having checked it finite itself), its average handed over as frames; None: from the
         tensors. Taken (True) only with write_back=False, a lossy return codec (the frames hold the
         result) and no privacy (a release needs all of it at once)."""

@@ -322,7 +322,8 @@ class RoundDriver:
         flight = Flight(epoch, sent, local.steps, local.samples, self.clock.clock())
 
         def keep_sent() -> None:
-            self.policy.contribution.copy_(sent)
+            """Before each attempt: nothing to fill. The policy keeps what the flight sent until it
+            lands (the contribution as sent, or its bfloat16 copy that the averager reads)."""
 
         if running is None:
             flight.task = asyncio.ensure_future(self._attempts(epoch, MAX_ROUND_ATTEMPTS, weight, keep_sent,

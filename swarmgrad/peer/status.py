@@ -43,7 +43,7 @@ class PeerStatus:
     refused_streams: int = 0  # private run: their streams, refused
     banned: dict[str, float] = field(default_factory=dict)  # peers banned here for misbehaviour -> seconds left
     # host bytes the swarm's work holds beyond the model, its gradients and the optimizer, by holder
-    # (outer_start, outer_momentum, contribution, error_feedback, result, kept_results, served_state_copies)
+    # (outer_start, outer_momentum, contribution, flight, error_feedback, result, kept_results, served_state_copies)
     swarm_memory: dict[str, int] = field(default_factory=dict)
     kept_results_on_disk: int = 0  # bytes of round results kept for replays, in temporary files (state/kept.py)
     round_deadline: float | None = None  # seconds a round like the last may take now (moshpit; timing.py RoundTimer)

@@ -117,21 +117,33 @@ def test_a_python_peer_and_a_cli_peer_with_default_settings_average_together():
         run.close()
 
 
-def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model(compression):
     """With overlap on, each round travels while the next inner phase runs. Each peer's published
     state (what joiners download) holds the swarm's model, the start its outer steps reached, while
-    its live parameters carry the local progress made since on top."""
+    its live parameters carry the local progress made since on top. With int8 the averager reads what
+    a flight sent from its bfloat16 copy, a chunk at a time (no float32 contribution)."""
     holders: list[sg.Peer] = []
+    flights: list[dict[str, int]] = []
 
     async def scenario() -> list[sg.PeerStatus]:
         models = [tiny_classifier() for _ in range(2)]
         strategy = sg.DiLoCo(inner_steps=INNER, overlap="on")
         timing = sg.Timing(presence_refresh=0.5)
-        async with sg.Peer(*models[0], run_id="py-overlap", strategy=strategy, compression="none",
-                           timing=timing) as first:
-            async with sg.Peer(*models[1], run_id="py-overlap", strategy=strategy, compression="none", timing=timing,
-                               initial_peers=first.maddrs) as second:
+        async with sg.Peer(*models[0], run_id=f"py-overlap-{compression}", strategy=strategy,
+                           compression=compression, timing=timing) as first:
+            async with sg.Peer(*models[1], run_id=f"py-overlap-{compression}", strategy=strategy,
+                               compression=compression, timing=timing, initial_peers=first.maddrs) as second:
                 holders.extend([first, second])
+                for peer in holders:  # what each flight holds once launched
+                    policy, launch = peer.training.policy, peer.training.policy.launch
+
+                    def launched(*args, policy=policy, launch=launch, **kwargs):
+                        sent = launch(*args, **kwargs)
+                        flights.append(policy.held_bytes())
+                        return sent
+
+                    policy.launch = launched
                 await asyncio.gather(first.await_peers(2, 20), second.await_peers(2, 20))
                 statuses = await asyncio.gather(*(train_steps(peer, model, seed, 6 * INNER)
                                                   for seed, (peer, (model, _)) in enumerate(zip(holders, models))))
@@ -155,3 +167,7 @@ def test_python_peers_overlap_rounds_with_training_and_serve_the_swarms_model():
     for status in statuses:
         assert status.rounds_overlapped >= 2 and status.rounds_ok >= 2, status
         assert status.epoch >= 3, status
+    params = sum(p.numel() for p in tiny_classifier()[0].parameters())
+    assert len(flights) >= 4, flights
+    for held in flights:  # what a flight holds of what it sent, and in what
+        assert (held["contribution"], held["flight"]) == ((0, 2 * params) if compression == "int8" else (4 * params, 0))

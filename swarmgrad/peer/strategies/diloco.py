@@ -69,6 +69,8 @@ class DiLoCoPolicy(Policy):
         self.copy_params_into(self.start)
         self.momentum = self.layout.zeros()
         self._launched = False  # a round in flight (overlap.py): the contribution is what it sent
+        # what a round in flight sent, as bfloat16, where the averager reads contributions (``launch``)
+        self._sent: torch.Tensor | None = None
         self._filled = False  # the contribution buffer holds this epoch's pseudo-gradient
         self._offsets = [0, *itertools.accumulate(self.layout.numels)]  # where each parameter starts, flat
 
@@ -116,7 +118,19 @@ class DiLoCoPolicy(Policy):
             self.prepare()
 
     def contribution_reader(self) -> Callable[[int, int], torch.Tensor] | None:
+        if self._sent is not None:
+            return self._read_sent
         return self._read_contribution if self.read_contributions and not self._filled else None
+
+    def _read_sent(self, offset: int, length: int) -> torch.Tensor:
+        """What the round in flight sends over ``[offset, offset + length)``: the same at every attempt."""
+        from swarmgrad.averaging.codecs.base import all_finite
+
+        assert self._sent is not None
+        values = self._sent[offset : offset + length].float()
+        if not all_finite(values):
+            raise ValueError(f"the pseudo-gradient holds NaN or Inf in [{offset}, {offset + length}); not sending it")
+        return values
 
     @no_grad
     def _read_contribution(self, offset: int, length: int) -> torch.Tensor:
@@ -181,7 +195,8 @@ class DiLoCoPolicy(Policy):
         return True
 
     def held_bytes(self) -> dict[str, int]:
-        return {**super().held_bytes(), "outer_start": nbytes(self.start), "outer_momentum": nbytes(self.momentum)}
+        return {**super().held_bytes(), "outer_start": nbytes(self.start), "outer_momentum": nbytes(self.momentum),
+                "flight": nbytes(self._sent) if self._sent is not None else 0}
 
     def average_in_place(self) -> bool:
         return not self._launched  # a round in flight resends what it sent, and lands on it if alone
@@ -215,24 +230,52 @@ class DiLoCoPolicy(Policy):
         return start - (lr * (1 + mu)) * sent - (lr * mu * mu) * momentum
 
     def _slices(self, offset: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One piece (as the device boundary cuts them) of start, momentum and the contribution."""
+        """One piece (as the device boundary cuts them) of start, momentum and what the flight sent."""
         end = offset + numel
-        return self.start[offset:end], self.momentum[offset:end], self.contribution[offset:end]
+        sent = self._sent[offset:end].float() if self._sent is not None else self.contribution[offset:end]
+        return self.start[offset:end], self.momentum[offset:end], sent
 
     @no_grad
     def launch(self, refill: bool = True) -> torch.Tensor:
         """Eager (arXiv 2502.12996): the parameters take the outer step on this peer's own
         pseudo-gradient at once, standing in for the swarm's until the round lands, so the next inner
         phase starts near where the swarm's step will put it. Start and momentum stay as they were
-        (and the state served from them with them), and the contribution stays as sent until the
-        round lands: no copy of any of the three. Returns the contribution as sent. ``refill=False``:
+        (and the state served from them with them), and what was sent stays as it is until the
+        round lands: no copy of any of the three. Returns what was sent. ``refill=False``:
         the contribution already holds this epoch's pseudo-gradient (a round in turn, already being
-        sent, becomes a flight; the parameters have not moved since)."""
-        if refill or not self._filled:  # a round in turn that read its contribution lazily: formed now
+        sent, becomes a flight; the parameters have not moved since).
+
+        Where the averager reads contributions where they live (``read_contributions``: a lossy codec, no
+        privacy), what the flight sends is kept as bfloat16 instead of the float32 contribution (2 bytes
+        a parameter for the whole flight, not 4: DESIGN's 16 at a round's peak), and the provisional
+        step, the landing and a withdrawal all read those same values: the averager's codec rounds far
+        coarser than bfloat16 does, and its error feedback carries what rounding lost."""
+        from swarmgrad.averaging.codecs.base import all_finite
+
+        if self.read_contributions and not self._filled:
+            self._sent = self._pseudo_gradient_bf16()
+            self.release_contribution()
+            if not all_finite(self._sent):  # filled instead: the averager refuses to send it, as in turn
+                self._sent = None
+                self.prepare()
+        elif refill or not self._filled:  # a round in turn that read its contribution lazily: formed now
             self.prepare()
         self.boundary.write(self.params, lambda offset, numel: self._provisional(*self._slices(offset, numel)))
         self._launched = True
-        return self.contribution
+        return self._sent if self._sent is not None else self.contribution
+
+    def _pseudo_gradient_bf16(self) -> torch.Tensor:
+        """start - parameters, as bfloat16, formed a piece at a time (no float32 buffer of it)."""
+        import torch
+
+        sent = torch.empty(self.layout.total, dtype=torch.bfloat16)
+
+        def piece(offset: int, params: torch.Tensor) -> None:
+            end = offset + len(params)
+            sent[offset:end].copy_(self.start[offset:end] - params)
+
+        self.boundary.read(self.params, piece)
+        return sent
 
     @no_grad
     def land(self, average: Average) -> None:
@@ -253,7 +296,7 @@ class DiLoCoPolicy(Policy):
             return start - provisional
 
         self.boundary.write(self.params, correction, add=True)  # the parameters are never read back
-        self.release_contribution()
+        self._landed()
 
     @no_grad
     def withdraw(self) -> None:
@@ -266,6 +309,11 @@ class DiLoCoPolicy(Policy):
             return (start - sent) - self._provisional(start, momentum, sent)
 
         self.boundary.write(self.params, back, add=True)
+        self._landed()
+
+    def _landed(self) -> None:
+        """The flight is over: what it sent is no longer needed."""
+        self._sent = None
         self.release_contribution()
 
     def _check_launched(self) -> None:
