@@ -84,6 +84,22 @@ def packed(state) -> torch.Tensor:
     return torch.cat([state.read_part(index) for index in range(part_count(state.nbytes))])
 
 
+def travelled_in(values: torch.Tensor, codec_name: str):
+    """A result as a lossy round hands it to every member: each chunk encoded by its owner, decoded.
+    Returns (schema, the decoded values, the frames)."""
+    from swarmgrad.averaging.codecs import get_codec
+    from swarmgrad.averaging.frames import decode_chunk, encode_chunk
+    from swarmgrad.averaging.layout import Schema
+
+    schema, codec = Schema.of([("w", values)], chunk_elements=4096), get_codec(codec_name)
+    frames, result = [], torch.empty_like(values)
+    for chunk in schema.chunks:
+        header, payload = encode_chunk(codec, values[chunk.start : chunk.start + chunk.length].view(chunk.view))
+        frames.append(({"t": "avg", "c": chunk.index, **header}, bytes(payload)))
+        result[chunk.start : chunk.start + chunk.length] = decode_chunk(codec, header, payload, chunk.view)
+    return schema, result, frames
+
+
 def run_async(coroutine):
     return run(coroutine)
 

@@ -75,8 +75,9 @@ class PhaseClock:
 
 @dataclass
 class Flight:
-    """A round sent while the next inner phase runs: its epoch, the contribution as sent (a retry
-    resends it: the parameters moved on), and the local progress made since, carried into the next epoch."""
+    """A round sent while the next inner phase runs: its epoch, what it sent (the contribution, or its
+    bfloat16 copy where the averager reads contributions: a retry resends it, the parameters moved on),
+    and the local progress made since, carried into the next epoch."""
 
     epoch: int
     sent: torch.Tensor

@@ -66,11 +66,11 @@ class StateServer:
 
     def __init__(self, transport: Transport, protocol: str, keep: int = 2,
                  idle_seconds: float = DEFAULT_TIMING.join_timeout, keep_results: int = KEPT_RESULTS,
-                 held_result_bytes: float = HELD_RESULT_BYTES_PER_ELEMENT, results_dir: str | None = None):
+                 held_result_bytes: float = HELD_RESULT_BYTES_PER_ELEMENT):
         self.transport, self.protocol, self.keep, self.idle_seconds = transport, protocol, keep, idle_seconds
         self.holds = ResultHolds(idle_seconds)
-        # held_result_bytes: per element, beyond the last ``keep_results``; on disk under ``results_dir``
-        self.results = KeptResults(self.holds, keep_results, held_result_bytes, results_dir)
+        # held_result_bytes: per element, beyond the last ``keep_results`` (on disk: state/kept.py)
+        self.results = KeptResults(self.holds, keep_results, held_result_bytes)
         self._snapshots: dict[int, StateSnapshot | ServedState] = {}
         self._described: dict[int, bytes] = {}
         self._readers: Counter[int] = Counter()  # version -> channels whose download reads it

@@ -9,10 +9,9 @@ import logging
 import os
 
 import torch
+from conftest import travelled_in
 
 from swarmgrad.averaging.codecs import get_codec
-from swarmgrad.averaging.frames import decode_chunk, encode_chunk
-from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.result_frames import FramedAverage
 from swarmgrad.state import results as state_results
 from swarmgrad.state.kept import KeptResults, ResultHolds
@@ -71,14 +70,8 @@ def test_a_kept_result_moves_to_an_unlinked_file_and_reads_back_to_the_byte(tmp_
 def test_an_average_kept_as_its_frames_reads_them_from_the_file_once_written(tmp_path):
     """An average that outlives its round (an outer step a download reads past holds it) reads its
     frames where they are kept: once they are on disk it pins none of them in memory."""
-    values = torch.randn(20_000, generator=torch.Generator().manual_seed(5))
-    schema, codec = Schema.of([("w", values)], chunk_elements=4096), get_codec("int8")
-    frames, decoded = [], torch.empty_like(values)
-    for chunk in schema.chunks:
-        header, payload = encode_chunk(codec, values[chunk.start : chunk.start + chunk.length].view(chunk.view))
-        frames.append(({"t": "avg", "c": chunk.index, **header}, bytes(payload)))
-        decoded[chunk.start : chunk.start + chunk.length] = decode_chunk(codec, header, payload, chunk.view)
-    average = FramedAverage(frames, schema, codec)
+    schema, decoded, frames = travelled_in(torch.randn(20_000, generator=torch.Generator().manual_seed(5)), "int8")
+    average = FramedAverage(frames, schema, get_codec("int8"))
 
     async def scenario():
         results = KeptResults(ResultHolds(60.0), directory=str(tmp_path))

@@ -10,12 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import joiner_and_donors
+from conftest import joiner_and_donors, travelled_in
 from test_state_transfer import donor_ids, new_protocol, run
 
 from swarmgrad.averaging.codecs import get_codec
-from swarmgrad.averaging.frames import decode_chunk, encode_chunk
-from swarmgrad.averaging.layout import Schema
 from swarmgrad.averaging.result_frames import ResultDecoder
 from swarmgrad.net.wire import RemoteError
 from swarmgrad.state import kept as state_kept
@@ -113,17 +111,6 @@ def test_donors_name_the_digest_of_the_result_they_keep_and_a_download_checks_it
     assert torch.equal(got, result.to(torch.bfloat16).float())
 
 
-def travelled_in_q2(values: torch.Tensor) -> tuple[Schema, torch.Tensor, list[tuple[dict, bytes]]]:
-    """A result as a q2 round hands it to every member: each chunk encoded by its owner, decoded."""
-    schema, codec = Schema.of([("w", values)], chunk_elements=4096), get_codec("q2")
-    frames, result = [], torch.empty_like(values)
-    for chunk in schema.chunks:
-        header, payload = encode_chunk(codec, values[chunk.start : chunk.start + chunk.length].view(chunk.view))
-        frames.append(({"t": "avg", "c": chunk.index, **header}, bytes(payload)))
-        result[chunk.start : chunk.start + chunk.length] = decode_chunk(codec, header, payload, chunk.view)
-    return schema, result, frames
-
-
 async def on_disk(server: StateServer, epoch: int) -> None:
     """Until the donor's thread wrote round ``epoch``'s result to disk."""
     for _ in range(500):
@@ -139,7 +126,7 @@ def test_a_result_kept_with_its_frames_comes_in_them_to_the_bit(swarm):
     (no float32 copy), which read exactly the float32 values the donor applied, and they still have
     the digest the donor names (that of their bfloat16 bytes). A peer that cannot decode frames is
     told so. Frames out of order are refused."""
-    schema, result, frames = travelled_in_q2(torch.randn(20_000, generator=torch.Generator().manual_seed(7)))
+    schema, result, frames = travelled_in(torch.randn(20_000, generator=torch.Generator().manual_seed(7)), "q2")
     decoder = ResultDecoder(schema, get_codec("q2"))
     assert sum(len(payload) for _, payload in frames) < result.numel() * 2 / 6
 
@@ -318,7 +305,7 @@ def test_a_result_kept_as_its_frames_is_named_in_a_thread_and_served_by_its_dige
     the digest a peer asks for is that of its decoded bfloat16 bytes, as for a float32 result."""
     from swarmgrad.averaging.result_frames import FramedAverage
 
-    schema, result, frames = travelled_in_q2(torch.randn(20_000, generator=torch.Generator().manual_seed(8)))
+    schema, result, frames = travelled_in(torch.randn(20_000, generator=torch.Generator().manual_seed(8)), "q2")
     framed = FramedAverage(frames, schema, get_codec("q2"))
 
     async def scenario():
