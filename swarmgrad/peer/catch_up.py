@@ -38,7 +38,14 @@ from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies.base import Policy
 from swarmgrad.state.kept import KEPT_RESULTS
-from swarmgrad.state.results import RESULT_DTYPE, ResultFrames, ResultPieces, download_result, download_result_digest
+from swarmgrad.state.results import (
+    RESULT_DTYPE,
+    ResultFrames,
+    ResultPieces,
+    download_result,
+    download_result_digest,
+    download_result_in_parts,
+)
 from swarmgrad.state.server import StateServer
 from swarmgrad.state.snapshot import StateTransferError
 from swarmgrad.state.transfer import download_state
@@ -245,8 +252,9 @@ class CatchUp:
 
     async def _result_by_digest(self, asked: list[str], epoch: int) -> torch.Tensor | ResultPieces | None:
         """The members of one group hold the very same result, so the donors are first asked only for
-        its digest: where two or more name the same one, its bytes are taken once, from one of them,
-        and checked against it. None where no two agree (groups of a larger swarm, a liar, donors
+        its digest: where two or more name the same one, its bytes are taken once, a share of its frames
+        from each of them at once (or, where that fails or it has no frames, whole from one of them), and
+        checked against it. None where no two agree (groups of a larger swarm, a liar, donors
         gone): the caller then takes every donor's result and their median."""
         assert self.runtime.transport is not None
         try:
@@ -261,6 +269,14 @@ class CatchUp:
             return None
         digest = counts.most_common(1)[0][0]
         holders = [donor for donor, named_digest in zip(asked, named) if named_digest == digest]
+        if self.decoder is not None:  # its frames, a share from each holder at once
+            try:
+                return await download_result_in_parts(
+                    self.runtime.transport, self.server.protocol, holders, epoch, self.policy.layout.total,
+                    seconds=self.replay_seconds(1), digest=digest, decoder=self.decoder)
+            except StateTransferError as error:
+                logger.info("round %d's result in parts from %d donors: %s; taking it from one", epoch,
+                            len(holders), error)
         try:
             return await download_result(self.runtime.transport, self.server.protocol, holders, epoch,
                                          self.policy.layout.total, seconds=self.replay_seconds(1), digest=digest,

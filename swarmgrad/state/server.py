@@ -12,11 +12,12 @@ reading the answers (state/transfer.py keeps ``PIPELINE_PARTS`` part requests in
         "parts": [ascending indices]}            + float32[parts][classes][k]
     -> {"t": "part", "version", "index"}      <- {"t": "part", "version", "index"} + raw bytes
     -> {"t": "result", "epoch"[, "frames"]    <- {"t": "result", "epoch", "numel"} + bfloat16 bytes, or, when
-        [, "chunks"]}                            asked for chunks: {"t": "result", "epoch", "numel", "chunks": n}
+        [, "chunks"][, "first", "count"]}        asked for chunks: {"t": "result", "epoch", "numel", "chunks": n}
                                                  then n frames {"t": "result-chunk", "epoch", "index"} + at most
                                                  RESULT_CHUNK_BYTES of those bytes each, or, when asked for frames
                                                  and kept: {"t": "result", "epoch", "numel", "frames": n} then the
-                                                 n chunk frames it travelled in
+                                                 n chunk frames it travelled in (with "first" and "count": those
+                                                 frames only, said in the reply's header too)
     -> {"t": "digest", "epoch"}               <- {"t": "digest", "epoch", "sha256"} (of those bytes)
     -> {"t": "done"}
 ``describe`` without a version describes the latest snapshot. A sketch reads the parts asked for,
@@ -227,8 +228,7 @@ class StateServer:
                         digest = await self.results[epoch].named()
                         await channel.send({"t": "digest", "epoch": epoch, "sha256": digest})
                     else:
-                        await self._send_result(channel, epoch, request.header.get("frames") is True,
-                                                request.header.get("chunks") is True)
+                        await self._send_result(channel, epoch, request.header)
                 else:
                     raise FrameError(f"unexpected request {request.kind!r}")
         finally:
@@ -236,20 +236,27 @@ class StateServer:
                 self.holds.read(channel.peer_id)  # held idle_seconds more: its replay comes next
             self._reading(reading, None)
 
-    async def _send_result(self, channel: Channel, epoch: int, frames_asked: bool, chunks_asked: bool) -> None:
-        """A kept result: in the frames it travelled in when asked for them and kept, else as bfloat16,
-        in chunks of at most ``RESULT_CHUNK_BYTES`` when asked for chunks (an older peer reads one frame).
-        Read from disk a payload at a time (state/kept.py)."""
+    async def _send_result(self, channel: Channel, epoch: int, request: dict) -> None:
+        """A kept result: in the frames it travelled in when asked for them and kept (``first`` and
+        ``count``: those of them only, so that a peer takes one result from several donors at once),
+        else as bfloat16, in chunks of at most ``RESULT_CHUNK_BYTES`` when asked for chunks (an older
+        peer reads one frame). Read from disk a payload at a time (state/kept.py)."""
         kept = self.results[epoch]
-        if kept.framed and not frames_asked:  # kept as frames only: a peer that replays rounds decodes them
+        if kept.framed and request.get("frames") is not True:  # kept as frames only: a replaying peer decodes them
             await channel.send_error(f"the result of round {epoch} is kept only in the frames it travelled in")
             return
         if kept.framed:
             assert kept.headers is not None
-            await channel.send({"t": "result", "epoch": epoch, "numel": kept.numel, "frames": kept.count})
-            for index, header in enumerate(kept.headers):
-                await channel.send(header, await kept.read(index))
-        elif chunks_asked:
+            header = {"t": "result", "epoch": epoch, "numel": kept.numel, "frames": kept.count}
+            first, count = 0, kept.count
+            if "first" in request:
+                first = int_field(request, "first", 0, max(0, kept.count - 1))
+                count = int_field(request, "count", 1, kept.count - first)
+                header.update(first=first, count=count)
+            await channel.send(header)
+            for index in range(first, first + count):
+                await channel.send(kept.headers[index], await kept.read(index))
+        elif request.get("chunks") is True:
             await channel.send({"t": "result", "epoch": epoch, "numel": kept.numel, "chunks": kept.count})
             for index in range(kept.count):
                 await channel.send({"t": "result-chunk", "epoch": epoch, "index": index}, await kept.read(index))

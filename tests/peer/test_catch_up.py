@@ -294,11 +294,22 @@ def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its
     run_async(scenario())
 
 
-def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_rounding():
+def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_rounding(monkeypatch):
     """Three real peers with q2: b sits out a round that a and c average; b then replays it from the
-    frames the round travelled in (q2: 0.31 bytes an element where bfloat16 is 2), which decode to
-    exactly what a and c applied, so b's model is theirs to the bit (bfloat16 would leave 2^-8), and
-    keeps them as those frames for a peer behind it (issue 35: not as a bfloat16 copy)."""
+    frames the round travelled in (q2: 0.31 bytes an element where bfloat16 is 2), a share from each
+    of a and c (they name the same digest), which decode to exactly what a and c applied, so b's
+    model is theirs to the bit (bfloat16 would leave 2^-8), and keeps them as those frames for a
+    peer behind it (issue 35: not as a bfloat16 copy)."""
+    in_parts: list[int] = []
+    download_in_parts = catch_up_module.download_result_in_parts
+
+    async def watched(transport, protocol, donors, *args, **kwargs):
+        result = await download_in_parts(transport, protocol, donors, *args, **kwargs)
+        in_parts.append(len(donors))
+        return result
+
+    monkeypatch.setattr(catch_up_module, "download_result_in_parts", watched)
+
     async def scenario() -> None:
         models = [real_model_and_optimizer() for _ in range(3)]
         settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "q2", "timing": TIMING}
@@ -331,6 +342,7 @@ def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_roun
                 status = b.status()
                 assert status.rounds_replayed == a.epoch - epoch_b and status.state_downloads == downloads
                 assert b.epoch == a.epoch
+                assert in_parts == [2] * status.rounds_replayed, in_parts  # each round from both donors at once
                 kept = b.training.server.results  # the replayed rounds: kept as frames, not as bfloat16
                 assert all(epoch in kept and kept[epoch].framed for epoch in range(epoch_b, b.epoch)), \
                     (kept.epochs(), epoch_b)

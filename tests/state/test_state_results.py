@@ -18,7 +18,7 @@ from swarmgrad.averaging.result_frames import ResultDecoder
 from swarmgrad.net.wire import RemoteError
 from swarmgrad.state import kept as state_kept
 from swarmgrad.state import results as state_results
-from swarmgrad.state.results import download_result, download_result_digest, result_digest
+from swarmgrad.state.results import download_result, download_result_digest, download_result_in_parts, result_digest
 from swarmgrad.state.server import StateServer
 from swarmgrad.state.snapshot import StateSnapshot, StateTransferError
 
@@ -150,6 +150,63 @@ def test_a_result_kept_with_its_frames_comes_in_them_to_the_bit(swarm):
     assert torch.equal(framed.dense(), result) and torch.equal(framed[100:15_000], result[100:15_000])
     with pytest.raises(StateTransferError, match="expected the result's chunk 0"):
         run(swarm, scenario(frames[1:] + frames[:1]))
+
+
+@pytest.mark.parametrize("donor", ["honest", "corrupt", "older"])
+def test_a_result_comes_in_parts_from_the_donors_that_named_it(swarm, donor):
+    """Donors that named the same digest hold the very same frames: each sends a share of them at
+    once, and the parts are checked as one result (headers, finite, the digest). A donor whose part
+    is not what it named, or one that does not know parts (sends every frame), fails the whole: the
+    caller then takes the result from one donor."""
+    schema, result, frames = travelled_in(torch.randn(60_000, generator=torch.Generator().manual_seed(9)), "q2")
+    decoder = ResultDecoder(schema, get_codec("q2"))
+    sent: list[list[int]] = [[], []]
+
+    class Donor(StateServer):
+        index = 0
+
+        async def _serve(self, channel) -> None:
+            send = channel.send
+
+            async def watched_send(header, payload=b""):
+                if header.get("t") == "avg":
+                    sent[self.index].append(header["c"])
+                    if donor == "corrupt" and self.index == 1:
+                        payload = bytes(reversed(bytes(payload)))
+                await send(header, payload)
+
+            async def older_recv(*args, **kwargs):
+                request = await receive(*args, **kwargs)
+                request.header.pop("first", None)  # a donor from before parts: it sends every frame
+                request.header.pop("count", None)
+                return request
+
+            receive = channel.recv
+            channel.send = watched_send
+            if donor == "older" and self.index == 1:
+                channel.recv = older_recv
+            await super()._serve(channel)
+
+    async def scenario():
+        protocol = new_protocol()
+        async with AsyncExitStack() as stack:
+            for index, transport in enumerate(swarm.transports[1:3]):
+                server = Donor(transport, protocol)
+                server.index = index
+                await stack.enter_async_context(server)
+                server.publish_result(5, decoder.framed(frames), frames)
+            digest = await download_result_digest(swarm.transports[0], protocol, donor_ids(swarm)[0], 5)
+            return await download_result_in_parts(swarm.transports[0], protocol, donor_ids(swarm)[:2], 5,
+                                                  result.numel(), seconds=30.0, digest=digest, decoder=decoder)
+
+    count = len(frames)
+    if donor != "honest":
+        with pytest.raises(StateTransferError, match="in parts"):
+            run(swarm, scenario())
+        return
+    framed = run(swarm, scenario())
+    assert torch.equal(framed.dense(), result)
+    assert sent == [list(range(count // 2)), list(range(count // 2, count))]  # each its share, once
 
 
 @pytest.mark.parametrize("bad", ["size", "nan"])
