@@ -1,0 +1,75 @@
+"""A round in flight where the averager reads contributions where they live (a lossy codec, no
+privacy): what it sent is held as bfloat16, not as the float32 contribution (DESIGN's memory budget,
+issue 35). The fakes are test_overlap.py's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from test_overlap import AVERAGE, GatedBackend, Harness, _settle
+
+from swarmgrad.averaging.report import RoundReport
+from swarmgrad.peer.driver import RoundOutcome
+
+
+class ReadingBackend(GatedBackend):
+    """As the averager does where it reads contributions where they live (a lossy codec, no privacy):
+    through ``policy.contribution_reader()`` a chunk at a time, else from the contribution."""
+
+    def __init__(self, policy, outcomes: list[bool]):
+        super().__init__(policy.contribution, outcomes)
+        self.policy = policy
+        self.held: list[dict[str, int]] = []
+
+    async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
+                      moved_on=lambda: False) -> RoundOutcome:
+        read = self.policy.contribution_reader()
+        total = self.policy.layout.total
+        self.calls.append(torch.cat([read(offset, min(7, total - offset)) for offset in range(0, total, 7)])
+                          if read is not None else self.contribution.clone())
+        self.held.append(self.policy.held_bytes())
+        await self.release.wait()
+        ok = self.outcomes.pop(0)
+        return RoundOutcome(ok, torch.full((total,), AVERAGE) if ok else None, RoundReport("moshpit", attempt, ok=ok))
+
+
+def test_a_flight_read_where_it_lives_holds_what_it_sent_as_bfloat16_and_resends_it_to_the_bit():
+    """Where the averager reads contributions chunk by chunk, a flight holds no float32 contribution:
+    what it sent is kept as bfloat16 (2 bytes a parameter for the flight, not 4), every attempt reads
+    exactly that, and the provisional step, the landing and a withdrawal use the same values."""
+    async def scenario(outcomes: list[bool], withdraw: bool):
+        h = Harness(outcomes, outer_lr=0.7, outer_momentum=0.9)
+        h.policy.read_contributions = True
+        h.policy.prepare_round()  # as a round in turn does first: the contribution's buffer is given back
+        h.backend = h.driver.backend = ReadingBackend(h.policy, outcomes)
+        h.train(2)
+        start, at_launch = h.policy.start.clone(), h.flat_params()
+        await h.driver.swarm_step()
+        await _settle()
+        params = h.policy.layout.total
+        sent = (start - at_launch).to(torch.bfloat16).float()
+        provisional = start - 0.7 * (sent + 0.9 * sent)  # no momentum yet: start - lr (sent + mu (mu m + sent))
+        torch.testing.assert_close(h.flat_params(), provisional)
+        h.train(1, seed=10)
+        meanwhile = h.flat_params() - provisional
+        if withdraw:
+            h.driver.cancel_flight()
+        h.backend.release.set()
+        advanced = await h.driver.land()
+        return h, params, sent, start, at_launch, meanwhile, advanced
+
+    h, params, sent, start, at_launch, meanwhile, advanced = asyncio.run(scenario([False, True], withdraw=False))
+    assert advanced and len(h.backend.calls) == 2
+    assert torch.equal(h.backend.calls[0], sent) and torch.equal(h.backend.calls[1], sent)  # resent to the bit
+    assert all(held["contribution"] == 0 and held["flight"] == 2 * params for held in h.backend.held)
+    assert h.policy.held_bytes()["flight"] == 0  # landed: what it sent is let go
+    torch.testing.assert_close(h.policy.momentum, torch.full((params,), AVERAGE))
+    new_start = start - 0.7 * (AVERAGE + 0.9 * AVERAGE)
+    torch.testing.assert_close(h.policy.start, new_start)
+    torch.testing.assert_close(h.flat_params(), new_start + meanwhile)
+
+    h, params, sent, start, at_launch, meanwhile, advanced = asyncio.run(scenario([True], withdraw=True))
+    assert not advanced and h.policy.held_bytes()["flight"] == 0
+    torch.testing.assert_close(h.policy.start, start)
+    torch.testing.assert_close(h.flat_params(), start - sent + meanwhile)  # where it was sent from, as sent
