@@ -30,7 +30,10 @@ What each peer process measures and reports to the parent (one JSON line):
   solo_steps, state_downloads or rounds_replayed moved. ``round s``: the median duration of those
   that attempted a round (rounds_ok or rounds_failed moved; the local Adam step of the call
   included); the others only caught up (a replay or a state download; ``catch_up_calls`` and
-  ``catch_up_s`` in the JSON). ``round cpu s``: the median CPU seconds the peer's process (all its
+  ``catch_up_s`` in the JSON). ``averaging / all-reduce s``: of those calls, the median seconds of
+  the averaging step (``status().last_report``'s ``seconds``: matchmaking and all-reduce) and of its
+  all-reduce (``allreduce_seconds``); the rest of a call is the inner Adam step, the outer step and
+  what the strategy does around the round. ``round cpu s``: the median CPU seconds the peer's process (all its
   threads; not its p2pd) spent over those calls: where three peers share a machine's cores, a
   round cannot take less than their sum over the cores, whatever the link.
 * ``wire s``: per such round, this peer's bytes at its link rate, max(sent / up, received / down),
@@ -72,13 +75,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
-import logging
 import os
 import queue
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,24 +90,18 @@ from typing import Any, Iterator, TextIO
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its peer process and report modules
 
-WIDTH = 2048
-PARAMS_PER_LAYER = WIDTH * WIDTH + WIDTH  # one Linear(2048, 2048): weight and bias
-BATCH = 8
+from _big_model_peer import PARAMS_PER_LAYER, PEERS, WorkerConfig, group_pids, log, proc_status  # noqa: E402
+from _big_model_report import output, rerender, summarize_case, summarize_peer  # noqa: E402
+
+PEER_SCRIPT = Path(__file__).resolve().parent / "_big_model_peer.py"
 MODEL_BYTES_PER_PARAM = 16  # fp32 weights, gradients, Adam's two moments
 PROCESS_OVERHEAD = 0.4e9  # Python, torch and a p2pd per peer process, before any model
 HEADROOM = 1 << 30  # kept free for the rest of the machine
-PEERS = 3  # two starters and a joiner
-SAMPLE_S = 0.05
 GiB = 1 << 30
-MB = 1e6
 SIZES, CODECS, NETWORKS = "20M,60M,200M", "int8,q2", "lab,loopback"
 QUICK = {"sizes": "5M", "codecs": "int8", "networks": "loopback", "rounds": 4, "join_after": 1}
-STATUS_FIELDS = ("epoch", "rounds_ok", "rounds_failed", "solo_steps", "state_downloads", "rounds_replayed")
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- sizes and memory
@@ -135,281 +129,6 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
-def proc_status(pid: int | str, key: str) -> int:
-    """A kB field of /proc/<pid>/status (VmRSS, VmHWM) in bytes, 0 if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every live process in process group ``pgid`` (a peer and the p2pd it started)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    if int(stat.read().rsplit(")", 1)[1].split()[2]) == pgid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
-# ---------------------------------------------------------------- the peer process
-
-
-@dataclass
-class WorkerConfig:
-    role: str  # "starter" or "joiner"
-    index: int
-    layers: int
-    codec: str
-    run_id: str
-    host: str
-    inner_steps: int
-    overlap: str
-    deadline_s: float
-    seed: int = 0
-    joiner_moments: str = "download"  # DiLoCo's: "fresh" leaves the donors' Adam moments
-
-
-class PeakSampler(threading.Thread):
-    """The largest VmRSS of this process, read every ``SAMPLE_S`` seconds."""
-
-    def __init__(self) -> None:
-        super().__init__(name="rss-sampler", daemon=True)
-        self.peak = proc_status("self", "VmRSS")
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(SAMPLE_S):
-            self.peak = max(self.peak, proc_status("self", "VmRSS"))
-
-
-class Commands(threading.Thread):
-    """Lines from the parent on stdin: {"go": [initial peers]}, {"end_epoch": E}, {"stop": true} (end
-    now, short of the end epoch) and {"leave": true}."""
-
-    def __init__(self) -> None:
-        super().__init__(name="parent-commands", daemon=True)
-        self.initial_peers: list[str] = []
-        self.end_epoch: int | None = None
-        self.go, self.stop, self.leave = threading.Event(), threading.Event(), threading.Event()
-
-    def run(self) -> None:
-        for line in sys.stdin:
-            message = json.loads(line)
-            if "go" in message:
-                self.initial_peers = list(message["go"])
-                self.go.set()
-            if "end_epoch" in message:
-                self.end_epoch = int(message["end_epoch"])
-            if message.get("stop"):
-                self.stop.set()
-            if message.get("leave"):
-                self.leave.set()
-        self.go.set()
-        self.stop.set()
-        self.leave.set()  # the parent is gone
-
-
-def build_model(cfg: WorkerConfig) -> tuple[Any, Any, list[Any]]:
-    """The model (same weights on every peer), its Adam, and this peer's batches."""
-    import torch
-
-    torch.manual_seed(cfg.seed)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(cfg.layers)))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(1000 + cfg.index)
-    batches = [torch.randn(BATCH, WIDTH, generator=generator) for _ in range(4)]
-    return model, optimizer, batches
-
-
-def backward(model: Any, batch: Any) -> float:
-    loss = model(batch).pow(2).mean()
-    loss.backward()
-    return float(loss.detach())
-
-
-def allocate_training_state(model: Any, optimizer: Any, batch: Any) -> None:
-    """One forward/backward and one Adam step: gradients kept, both moments allocated."""
-    backward(model, batch)
-    optimizer.step()
-
-
-def instrument_download() -> dict[str, Any]:
-    """Wrap the joiner's state download and its verification pass to time them (see the docstring)."""
-    record: dict[str, Any] = {"download_s": None, "download_bytes": None, "verify_s": None}
-    try:
-        from swarmgrad.peer import catch_up
-        from swarmgrad.state import transfer
-    except ImportError:
-        return record
-    download, verify = getattr(catch_up, "download_state", None), getattr(transfer, "_verify", None)
-
-    async def timed_download(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        snapshot = await download(*args, **kwargs)
-        record["download_s"] = (record["download_s"] or 0.0) + time.perf_counter() - started
-        record["download_bytes"] = (record["download_bytes"] or 0) + int(snapshot.nbytes)
-        return snapshot
-
-    async def timed_verify(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return await verify(*args, **kwargs)
-        finally:
-            record["verify_s"] = (record["verify_s"] or 0.0) + time.perf_counter() - started
-
-    if download is not None:
-        catch_up.download_state = timed_download
-    if verify is not None:
-        transfer._verify = timed_verify
-    return record
-
-
-def status_counts(peer: Any) -> dict[str, int]:
-    status = peer.status()
-    counts = {name: int(getattr(status, name, 0)) for name in STATUS_FIELDS}
-    counts["bytes_sent"], counts["bytes_received"] = status.bytes_sent, status.bytes_received
-    return counts
-
-
-def swarm_memory(peer: Any) -> dict[str, Any] | None:
-    """What status() says about the swarm's memory, where it has such a field."""
-    found = {key: value for key, value in peer.status().to_json().items() if "memory" in key}
-    return found or None
-
-
-def thread_schedstat() -> tuple[float, float]:
-    """(seconds on a CPU, seconds runnable and waiting for one) of the calling thread so far (Linux);
-    NaN where the kernel does not say."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stats:
-            on_cpu, waiting, _ = stats.read().split()
-        return int(on_cpu) / 1e9, int(waiting) / 1e9
-    except (OSError, ValueError):
-        return float("nan"), float("nan")
-
-
-def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: Any, deadline: float) -> dict:
-    """Step until the parent's end epoch; every step() call timed, swarm steps told apart."""
-    steps: list[float] = []
-    step_epochs: list[int] = []  # the epoch each of those steps ran in
-    step_cpu: list[float] = []  # of each of those steps: seconds on a CPU, and waiting for one
-    step_runq: list[float] = []
-    rounds: list[dict] = []
-    steady: list[int] = []
-    index = 0
-    while not commands.stop.is_set() and (commands.end_epoch is None or peer.epoch < commands.end_epoch):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"reached epoch {peer.epoch} of {commands.end_epoch} before the deadline")
-        loss = backward(model, batches[index % len(batches)])
-        index += 1
-        rss, before = proc_status("self", "VmRSS"), status_counts(peer)
-        cpu_before, runq_before = thread_schedstat()
-        process_before = time.process_time()
-        started = time.perf_counter()
-        peer.step(batch_size=BATCH, loss=loss)
-        seconds = time.perf_counter() - started
-        cpu_after, runq_after = thread_schedstat()
-        process_cpu = time.process_time() - process_before
-        after = status_counts(peer)
-        if any(after[name] != before[name] for name in STATUS_FIELDS):
-            rounds.append({"epoch": after["epoch"], "seconds": seconds, "rss_before": rss, "cpu_s": process_cpu,
-                           "ok": after["rounds_ok"] - before["rounds_ok"],
-                           "failed": after["rounds_failed"] - before["rounds_failed"],
-                           "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
-                           "bytes_received": after["bytes_received"] - before["bytes_received"]})
-            steady.append(rss)
-            send({"event": "epoch", "epoch": peer.epoch, "rounds_ok": after["rounds_ok"]})
-        else:
-            steps.append(seconds)
-            step_epochs.append(after["epoch"])
-            step_cpu.append(cpu_after - cpu_before)
-            step_runq.append(runq_after - runq_before)
-    return {"steps": steps, "step_epochs": step_epochs, "step_cpu": step_cpu, "step_runq": step_runq,
-            "rounds": rounds}
-
-
-def worker(cfg: WorkerConfig) -> None:
-    """One peer process: model, baseline, Peer, training, one JSON result line to the parent."""
-    protocol = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # what libraries print goes to the log; stdout belongs to the protocol
-
-    def send(message: dict) -> None:
-        protocol.write(json.dumps(message) + "\n")
-
-    try:
-        run_worker(cfg, send)
-    except BaseException as error:
-        import traceback
-
-        log(traceback.format_exc())
-        send({"event": "error", "error": f"{type(error).__name__}: {error}"[:2000]})
-
-
-def run_worker(cfg: WorkerConfig, send: Any) -> None:
-    import torch
-
-    import swarmgrad as sg
-    from swarmgrad.eventloop import configure_logging
-
-    configure_logging(logging.INFO)
-    torch.set_num_threads(1)
-    deadline = time.monotonic() + cfg.deadline_s
-    model, optimizer, batches = build_model(cfg)
-    allocate_training_state(model, optimizer, batches[0])
-    gc.collect()
-    baseline = proc_status("self", "VmRSS")
-    if cfg.role == "joiner":
-        optimizer.state.clear()  # a fresh joiner: it downloads the whole state, Adam's moments included
-        gc.collect()
-    sampler, commands = PeakSampler(), Commands()
-    sampler.start()
-    commands.start()
-    download = instrument_download() if cfg.role == "joiner" else None
-    send({"event": "built"})
-    if not commands.go.wait(max(1.0, deadline - time.monotonic())) or commands.leave.is_set():
-        raise TimeoutError("the parent never said go")
-    started = time.perf_counter()
-    peer = sg.Peer(model, optimizer, run_id=cfg.run_id, initial_peers=commands.initial_peers,
-                   strategy=sg.DiLoCo(inner_steps=cfg.inner_steps, overlap=cfg.overlap,
-                                      joiner_moments=cfg.joiner_moments),
-                   averaging=sg.Moshpit(group_size=PEERS), compression=cfg.codec, network=sg.NodeConfig(host=cfg.host))
-    daemon_rss: list[int] = []
-    with peer:
-        enter_s = time.perf_counter() - started
-        send({"event": "ready", "maddrs": peer.maddrs, "epoch": peer.epoch})
-        if cfg.role == "starter":
-            peer.wait_for_peers(2, 60)
-        daemon = threading.Thread(target=_sample_daemons, args=(daemon_rss, commands.leave), daemon=True)
-        daemon.start()
-        record = train(peer, model, batches, commands, send, deadline)
-        status, memory = peer.status(), swarm_memory(peer)
-        result = {"role": cfg.role, "index": cfg.index, "params": sum(p.numel() for p in model.parameters()),
-                  "baseline_rss": baseline, "peak_rss": sampler.peak, "hwm": proc_status("self", "VmHWM"),
-                  "enter_s": enter_s, "rounds_ok": status.rounds_ok, "rounds_failed": status.rounds_failed,
-                  "state_downloads": status.state_downloads, "epoch": status.epoch, "swarm_memory": memory,
-                  "daemon_rss": statistics.median(daemon_rss) if daemon_rss else None,
-                  "download": download, "stopped": commands.stop.is_set(), **record}
-        send({"event": "result", **result})
-        commands.leave.wait(max(1.0, deadline - time.monotonic()))  # groupmates may still finish a round with us
-    sampler.stopped.set()
-
-
-def _sample_daemons(samples: list[int], stop: threading.Event) -> None:
-    while not stop.wait(1.0):
-        pids = [pid for pid in group_pids(os.getpgrp()) if pid != os.getpid()]
-        samples.append(sum(proc_status(pid, "VmRSS") for pid in pids))
 
 
 # ---------------------------------------------------------------- the parent: one group of peers
@@ -465,7 +184,7 @@ class Group:
     events: queue.Queue = field(default_factory=queue.Queue)
 
     def start(self, cfg: WorkerConfig) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(cfg))]
+        argv = [sys.executable, str(PEER_SCRIPT), json.dumps(asdict(cfg))]
         with open(self.log_dir / f"peer-{cfg.index}.log", "w") as log_file:
             process = self.network.start(cfg.index, argv, log_file)
         self.processes.append(process)
@@ -650,88 +369,6 @@ def run_case(case: Case, network: Network, log_dir: Path, cap_bytes: float) -> t
     return [results[i] for i in range(PEERS)], {"joiner_arrival": conductor.arrival, "end_epoch": conductor.end}
 
 
-# ---------------------------------------------------------------- summaries
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def per_param(value: float | None, params: int) -> float | None:
-    return None if value is None else value / params
-
-
-def round_figures(rounds: list[dict], rate: float | None) -> dict:
-    """Round time and wire time over the calls that attempted a round (ok or failed); the calls that
-    only caught up (a replay or a state download moved the epoch) are counted apart."""
-    attempted = [r for r in rounds if r["ok"] + r["failed"] > 0]
-    caught_up = [r for r in rounds if r["ok"] + r["failed"] == 0]
-    return {
-        "round_s": median([r["seconds"] for r in attempted]),
-        # the process's CPU seconds over those calls, all its threads (the round's codec, rule and
-        # transport work, and the call's Adam step); not the p2pd daemon's
-        "round_cpu_s": median([r["cpu_s"] for r in attempted if "cpu_s" in r]),
-        "wire_s": median([max(r["bytes_sent"], r["bytes_received"]) / rate for r in attempted]) if rate else None,
-        "wire_sum_s": median([(r["bytes_sent"] + r["bytes_received"]) / rate for r in attempted]) if rate else None,
-        "round_mb_sent": median([r["bytes_sent"] / MB for r in attempted]),
-        "round_mb_received": median([r["bytes_received"] / MB for r in attempted]),
-        "catch_up_calls": len(caught_up), "catch_up_s": sum(r["seconds"] for r in caught_up),
-    }
-
-
-def summarize_peer(result: dict, rate: float | None) -> dict:
-    """The numbers of one peer's row (the docstring says what each is)."""
-    params, baseline = result["params"], result["baseline_rss"]
-    rounds = result["rounds"]
-    after_first = [r["rss_before"] for r in rounds[1:]] or [r["rss_before"] for r in rounds]
-    steady = median([float(v - baseline) for v in after_first])
-    steps = result["steps"]
-    stall, typical = (max(steps), statistics.median(steps)) if steps else (None, None)
-    step_epochs = result.get("step_epochs") or []
-    stall_epoch = step_epochs[steps.index(stall)] if stall is not None and len(step_epochs) == len(steps) else None
-    cpu, runq = result.get("step_cpu") or [], result.get("step_runq") or []
-    split = len(cpu) == len(runq) == len(steps) and steps
-    blocked = [max(0.0, wall - on_cpu - waiting) for wall, on_cpu, waiting in zip(steps, cpu, runq)] if split else []
-    at = steps.index(stall) if split else None
-    download = result.get("download") or {}
-    row = {
-        "role": result["role"], "index": result["index"], "params": params, "epoch": result["epoch"],
-        "stopped": result.get("stopped", False),
-        "rounds_ok": result["rounds_ok"], "rounds_failed": result["rounds_failed"], **round_figures(rounds, rate),
-        "steady_bytes_per_param": per_param(steady, params),
-        "peak_bytes_per_param": per_param(result["peak_rss"] - baseline, params),
-        "hwm_bytes_per_param": per_param(result["hwm"] - baseline, params),
-        "baseline_rss": baseline, "daemon_rss": result["daemon_rss"], "swarm_memory": result["swarm_memory"],
-        "stall_s": stall, "stall_epoch": stall_epoch, "median_step_s": typical,
-        "stall_ratio": stall / typical if stall is not None and typical else None,
-        "stall_cpu_s": cpu[at] if at is not None else None, "stall_runq_s": runq[at] if at is not None else None,
-        "stall_blocked_s": blocked[at] if at is not None else None,
-        "longest_blocked_s": max(blocked) if blocked else None,
-        "median_blocked_s": statistics.median(blocked) if blocked else None,
-        "median_step_cpu_s": statistics.median(cpu) if split else None,
-        "state_downloads": result["state_downloads"], "enter_s": result["enter_s"],
-        "download_s": download.get("download_s"), "download_bytes": download.get("download_bytes"),
-        "verify_s": download.get("verify_s"),
-        "rounds": rounds, "steps": len(steps),
-    }
-    nbytes = row["download_bytes"]
-    row["download_wire_s"] = nbytes / rate if rate and nbytes else None
-    verify, seconds = row["verify_s"], row["download_s"]
-    row["verify_share"] = verify / seconds if verify is not None and seconds else None
-    return row
-
-
-def summarize_case(peers: list[dict]) -> dict:
-    """The case's point in the PNG: the starters' median round and wire time, the peers' median steady
-    and largest peak RAM per parameter."""
-    starters = [p for p in peers if p["role"] == "starter"]
-    return {"round_s": median([p["round_s"] for p in starters if p["round_s"] is not None]),
-            "wire_s": median([p["wire_s"] for p in starters if p.get("wire_s") is not None]),
-            "steady_bytes_per_param": median([p["steady_bytes_per_param"] for p in peers
-                                              if p["steady_bytes_per_param"] is not None]),
-            "peak_bytes_per_param": max((p["peak_bytes_per_param"] for p in peers), default=None)}
-
-
 # ---------------------------------------------------------------- running every case
 
 
@@ -802,112 +439,6 @@ def cases(args: argparse.Namespace) -> list[Case]:
     return found
 
 
-# ---------------------------------------------------------------- output
-
-
-def fmt(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def memory_cell(value: dict | None) -> str:
-    if not value:
-        return "n/a"
-    return ", ".join(f"{k}={v}" for k, v in value.items())[:40]
-
-
-def state_cell(peer: dict) -> str:
-    """The state's MB, and how many downloads they took where more than one."""
-    if peer["download_bytes"] is None:
-        return "n/a"
-    count = peer["state_downloads"]
-    return f"{peer['download_bytes'] / MB:.0f}" + (f" in {count}" if count > 1 else "")
-
-
-COLUMNS = ("peer", "ok/failed", "round s", "round cpu s", "wire s", "steady B/param", "peak B/param", "daemon MB",
-           "swarm mem", "download s", "state MB", "state wire s", "verify", "stall s", "median step s", "stall ratio",
-           "stall cpu/runq/blocked s", "blocked s")
-
-
-def table_rows(record: dict) -> list[tuple[str, ...]]:
-    rows = []
-    for peer in record["peers"]:
-        joiner = peer["role"] == "joiner"
-        rows.append((
-            f"{peer['role']} {peer['index']}" + (f" (stopped at {peer['epoch']})" if peer.get("stopped") else ""),
-            f"{peer['rounds_ok']}/{peer['rounds_failed']}", fmt(peer["round_s"]), fmt(peer.get("round_cpu_s")),
-            fmt(peer["wire_s"]), fmt(peer["steady_bytes_per_param"], 1), fmt(peer["peak_bytes_per_param"], 1),
-            fmt(None if peer["daemon_rss"] is None else peer["daemon_rss"] / MB, 0), memory_cell(peer["swarm_memory"]),
-            fmt(peer["download_s"]) if joiner else "", state_cell(peer) if joiner else "",
-            fmt(peer["download_wire_s"]) if joiner else "", fmt(peer["verify_share"]) if joiner else "",
-            fmt(peer["stall_s"], 3) + (f" @{peer['stall_epoch']}" if peer.get("stall_epoch") is not None else ""), fmt(peer["median_step_s"], 3), fmt(peer["stall_ratio"], 1),
-            "/".join(fmt(peer.get(key), 1) for key in ("stall_cpu_s", "stall_runq_s", "stall_blocked_s")),
-            fmt(peer.get("longest_blocked_s"), 3),
-        ))  # fmt: skip
-    return rows
-
-
-def render(record: dict, args: argparse.Namespace) -> Any:
-    from rich.table import Table
-
-    link = f"{args.mbps:g} Mbit/s up and down, {args.rtt_ms:g} ms RTT" if record["network"] == "lab" else "unshaped"
-    title = (f"{record['network']} ({link}), {record['codec']}, {record['size']}: {record['layers']} x "
-             f"Linear(2048, 2048) = {record['params']:,} parameters, DiLoCo H={record['inner_steps']}")
-    if record.get("joiner_arrival") is not None:
-        title += f"; the joiner came in at epoch {record['joiner_arrival']}, all ended at {record['end_epoch']}"
-    if record["status"] != "ok":
-        table = Table(title=title, title_justify="left", min_width=min(len(title), 160))
-        table.add_column("status")
-        table.add_row(record["reason"])
-        return table
-    table = Table(title=title, title_justify="left", caption=(
-        "round s: median step() call that attempted a round; wire s: max(sent/up, received/down) of that "
-        "round at the link rate. B/param: host RSS beyond model, gradients and Adam (steady: before each "
-        "swarm step after the first, median; peak: 50 ms samples). daemon MB: the peer's p2pd. download "
-        "s: the joiner's state downloads (all of them, as state MB), beside their bytes at the link rate; "
-        "verify: share spent in the verification pass. stall: the longest step() outside rounds (@ the epoch it ran in), beside the median step; its "
-        "seconds on a CPU, waiting for a core and blocked; blocked s: the longest wait of any step() outside rounds."))
-    for column in COLUMNS:
-        table.add_column(column, justify="left" if column in ("peer", "swarm mem") else "right")
-    for row in table_rows(record):
-        table.add_row(*row)
-    return table
-
-
-def write_png(records: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (rounds_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
-    lines: dict[tuple[str, str], list[dict]] = {}
-    for record in records:
-        if record["status"] == "ok":
-            lines.setdefault((record["codec"], record["network"]), []).append(record)
-    for (codec, network), points in sorted(lines.items()):
-        points.sort(key=lambda r: r["params"])
-        x = [r["params"] / 1e6 for r in points]
-        label, summaries = f"{codec}, {network}", [r["summary"] for r in points]
-        [line] = rounds_axis.plot(x, [s["round_s"] for s in summaries], marker="o", label=f"{label} round")
-        color = line.get_color()
-        if any(s.get("wire_s") is not None for s in summaries):
-            rounds_axis.plot(x, [s.get("wire_s") for s in summaries], marker=".", linestyle=":", color=color,
-                             label=f"{label} wire")
-        memory_axis.plot(x, [s["steady_bytes_per_param"] for s in summaries], marker="o", color=color,
-                         label=f"{label} steady")
-        memory_axis.plot(x, [s["peak_bytes_per_param"] for s in summaries], marker="x", linestyle="--", color=color,
-                         label=f"{label} peak")
-    rounds_axis.set(xlabel="parameters (M)", ylabel="seconds", title="median round, and its bytes at the link rate")
-    memory_axis.set(xlabel="parameters (M)", ylabel="host bytes per parameter beyond model + Adam",
-                    title="swarm memory")
-    for axis in (rounds_axis, memory_axis):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
 # ---------------------------------------------------------------- command line
 
 
@@ -933,7 +464,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", default=None, help="write round seconds and bytes/param against P here")
     parser.add_argument("--render", default=None, help="print (and plot) saved --out reports (FILE,FILE...) instead of running")
     parser.add_argument("--logs", default=None, help="keep each peer's log in this directory")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -964,9 +494,6 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker is not None:
-        worker(WorkerConfig(**json.loads(args.worker)))
-        return 0
     from swarmgrad.lab.signals import restore_handlers, terminate_on_signals
 
     if args.render:
@@ -988,40 +515,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         restore_handlers(saved)
     return output(args, make_report(args, records, load, started))
-
-
-def output(args: argparse.Namespace, report: dict) -> int:
-    """The tables (or the JSON on stdout) and the PNG; exit status 1 if a case failed."""
-    from rich.console import Console
-
-    records = report["cases"]
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-    if args.png:
-        write_png(records, args.png)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        console = Console(width=None if sys.stdout.isatty() else 220)
-        for record in records:
-            console.print(render(record, args))
-    return 1 if any(record["status"] == "failed" for record in records) else 0
-
-
-def rerender(paths: list[Path], args: argparse.Namespace) -> dict:
-    """Saved reports as one (their cases in turn), round figures and summaries computed again by
-    this version's rules."""
-    reports = [json.loads(path.read_text()) for path in paths]
-    report = {**reports[0], "cases": [record for each in reports for record in each["cases"]]}
-    for key in ("mbps", "rtt_ms"):
-        setattr(args, key, report["config"][key])
-    for record in report["cases"]:
-        rate = args.mbps * 1e6 / 8 if record["network"] == "lab" else None
-        for peer in record["peers"]:
-            peer.update(round_figures(peer["rounds"], rate))
-        if record["status"] == "ok":
-            record["summary"] = summarize_case(record["peers"])
-    return report
 
 
 def make_report(args: argparse.Namespace, records: list[dict], load: tuple[float, ...], started: float) -> dict:

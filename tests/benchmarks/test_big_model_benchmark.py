@@ -53,6 +53,7 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
               "step_cpu": [0.1, 0.05, 0.1], "step_runq": [0.0, 0.05, 0.3],
               "download": {"download_s": 4.0, "download_bytes": 25_000_000, "verify_s": 1.0},
               "rounds": [{"epoch": e, "seconds": s, "rss_before": rss, "ok": 1, "failed": 0, "cpu_s": s / 2,
+                          "averaging_s": s - 1, "allreduce_s": s - 1.5,
                           "bytes_sent": 1_250_000, "bytes_received": 2_500_000}
                          for e, s, rss in ((3, 9.0, 500_000), (4, 2.0, 90_000), (5, 3.0, 110_000))]}
     result["rounds"].append({"epoch": 7, "seconds": 30.0, "rss_before": 100_000, "ok": 0, "failed": 0,
@@ -61,6 +62,7 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     assert row["round_cpu_s"] == 1.5  # median(4.5, 1.0, 1.5): the call that only caught up left out
     assert row["round_s"] == 3.0 and row["wire_s"] == pytest.approx(0.2) and row["wire_sum_s"] == pytest.approx(0.3)
     assert row["catch_up_calls"] == 1 and row["catch_up_s"] == 30.0  # not a round
+    assert (row["averaging_s"], row["allreduce_s"]) == (2.0, 1.5)  # of the same calls
     assert row["steady_bytes_per_param"] == 90.0  # the first round's sample is left out: median(80, 90, 100)
     assert row["peak_bytes_per_param"] == 140.0 and row["hwm_bytes_per_param"] == 150.0
     assert row["stall_ratio"] == pytest.approx(5.0) and row["download_wire_s"] == pytest.approx(2.0)
@@ -159,6 +161,8 @@ def test_quick_big_model_benchmark_trains_joins_and_measures(tmp_path):
         assert peer["params"] == bm.PARAMS_PER_LAYER
         assert peer["rounds_ok"] >= 1, peer
         assert peer["round_s"] is not None and peer["round_s"] > 0 and peer["round_cpu_s"] > 0
+        # the averaging step is part of the call, its all-reduce part of the averaging step
+        assert 0 < peer["allreduce_s"] <= peer["averaging_s"] <= peer["round_s"], peer
         for key in ("steady_bytes_per_param", "peak_bytes_per_param"):
             assert math.isfinite(peer[key]) and peer[key] > 0, (key, peer[key])
         assert peer["wire_s"] is None  # loopback
