@@ -300,10 +300,12 @@ def test_error_feedback_carries_the_powersgd_warm_start_per_tensor():
     assert len(feedback) == 0
 
 
-@pytest.mark.parametrize("spec, kept_as", [("int8", torch.bfloat16), ("q4", torch.float32)])
+@pytest.mark.parametrize("spec, kept_as", [("int8", torch.bfloat16), ("q4", torch.bfloat16), ("q2", torch.bfloat16),
+                                           ("topk:0.1", torch.float32), ("sign", torch.float32)])
 def test_error_feedback_residual_is_a_fresh_tensor_and_the_payload_keeps_the_callers_dtype(spec, kept_as):
-    """int8 drops at most half a step of 1/127 of a block's largest value: its residuals are kept as
-    bfloat16 (2 bytes an element); a codec that drops more keeps them as float32."""
+    """A block quantizer drops at most a step of its block (int8 half of 1/127 of the block's largest
+    value, q2 a quarter): its residuals are kept as bfloat16 (2 bytes an element); a codec whose
+    residuals build up over rounds (a sparsifier, signs) keeps them as float32."""
     feedback = ErrorFeedback(get_codec(spec))
     update = random_tensor((100,), seed=9)
     encoded = feedback.encode("w", update)

@@ -192,9 +192,11 @@ class Codec(ABC):
     # A helper only carries another codec's averages back (`nonzero` for `sparse`): no spec names it.
     helper: ClassVar[bool] = False
     meta_keys: ClassVar[frozenset[str]] = frozenset()
-    # how ErrorFeedback keeps this codec's residuals: bfloat16 (2 bytes an element) where what the
-    # codec drops is a small share of the update (rounding it to 2^-9 of itself then loses ~nothing),
-    # float32 where it is most of it (sparsifiers, signs, low rank, few bits)
+    # how ErrorFeedback keeps this codec's residuals: bfloat16 (2 bytes an element) where a residual is
+    # at most a fraction of the block it came from (the block quantizers: int8, q4, q2), so rounding
+    # it to 2^-8 of itself loses at most 2^-8 of a quantization step a round, unbiased; float32 where a
+    # residual builds up over rounds (sparsifiers, signs, low rank): an update added to a residual
+    # hundreds of times its size would be rounded away in bfloat16
     residual_dtype: ClassVar[torch.dtype] = torch.float32
 
     @classmethod

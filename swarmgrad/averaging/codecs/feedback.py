@@ -11,8 +11,9 @@ Over rounds t = 1..T with committed residuals e_t = y_t - decoded_t and y_t = u_
 
 so the swarm receives every update exactly, only delayed, and ||sum(u_t) - sum(decoded_t)|| is
 the current residual norm; where the codec keeps its residuals as bfloat16 (`Codec.residual_dtype`:
-int8's, which are at most half of 1/127 of a block's largest value; DESIGN's memory budget), up to
-2^-9 of each residual. Not thread-safe: one owner (the averaging round) at a time.
+the block quantizers', whose residuals are at most a quantization step of their block, 1/254 of its
+largest value for int8 and 1/4 for q2; DESIGN's memory budget), up to 2^-8 of each residual a round
+more (round to nearest: unbiased). Not thread-safe: one owner (the averaging round) at a time.
 """
 
 

@@ -32,7 +32,7 @@ class Int8Codec(BlockCodec):
 
     name: ClassVar[str] = "int8"
     order: ClassVar[int] = 40
-    # what it drops is at most half a step of 1/127 of a block's largest value
+    # what it drops is at most half a step of 1/127 of a block's largest value (feedback.py)
     residual_dtype: ClassVar[torch.dtype] = torch.bfloat16
     # a decoded value is q * scale with |q| <= 128 (a hostile sender may use -128): keep it finite
     max_scale: ClassVar[float] = FLOAT32_MAX / 128

@@ -42,6 +42,8 @@ class _BlockQuantCodec(BlockCodec):
 
     bits: ClassVar[int]
     scale_part: ClassVar[str] = "absmax"
+    # what it drops is at most m / L of its block's absmax m (feedback.py: 2 bytes an element)
+    residual_dtype: ClassVar[torch.dtype] = torch.bfloat16
 
     def code_bytes(self, numel: int) -> int:
         return packed_size(numel, self.bits)
