@@ -182,6 +182,23 @@ def swarm_memory(peer: Any) -> dict[str, Any] | None:
     return found or None
 
 
+def link_bytes() -> tuple[int, int]:
+    """(received, sent) bytes of this process's network namespace, every interface but loopback
+    (/proc/self/net/dev: link-layer bytes, headers and acknowledgements included): in the lab, all
+    that the peer's shaped link carried, state served and replays included."""
+    received = sent = 0
+    try:
+        with open("/proc/self/net/dev") as dev:
+            for line in dev.readlines()[2:]:
+                name, counters = line.split(":", 1)
+                if name.strip() != "lo":
+                    fields = counters.split()
+                    received, sent = received + int(fields[0]), sent + int(fields[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return received, sent
+
+
 def thread_schedstat() -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable and waiting for one) of the calling thread so far (Linux);
     NaN where the kernel does not say."""
@@ -207,13 +224,14 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
             raise TimeoutError(f"reached epoch {peer.epoch} of {commands.end_epoch} before the deadline")
         loss = backward(model, batches[index % len(batches)])
         index += 1
-        rss, before = proc_status("self", "VmRSS"), status_counts(peer)
+        rss, before, link_before = proc_status("self", "VmRSS"), status_counts(peer), link_bytes()
         cpu_before, runq_before = thread_schedstat()
         process_before = time.process_time()
         started = time.perf_counter()
         peer.step(batch_size=BATCH, loss=loss)
         seconds = time.perf_counter() - started
         cpu_after, runq_after = thread_schedstat()
+        link_received, link_sent = (after - before for after, before in zip(link_bytes(), link_before))
         process_cpu = time.process_time() - process_before
         after = status_counts(peer)
         if any(after[name] != before[name] for name in STATUS_FIELDS):
@@ -223,7 +241,8 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
                            "ok": after["rounds_ok"] - before["rounds_ok"],
                            "failed": after["rounds_failed"] - before["rounds_failed"],
                            "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
-                           "bytes_received": after["bytes_received"] - before["bytes_received"]})
+                           "bytes_received": after["bytes_received"] - before["bytes_received"],
+                           "link_sent": link_sent, "link_received": link_received})
             steady.append(rss)
             send({"event": "epoch", "epoch": peer.epoch, "rounds_ok": after["rounds_ok"]})
         else:

@@ -38,11 +38,30 @@ def round_figures(rounds: list[dict], rate: float | None) -> dict:
         "averaging_s": median([r["averaging_s"] for r in attempted if r.get("averaging_s") is not None]),
         "allreduce_s": median([r["allreduce_s"] for r in attempted if r.get("allreduce_s") is not None]),
         "wire_s": median([max(r["bytes_sent"], r["bytes_received"]) / rate for r in attempted]) if rate else None,
+        # everything the peer's link carried over those calls (the state it served, replays): the
+        # round's bytes share it
+        "link_s": median([max(r["link_sent"], r["link_received"]) / rate for r in attempted
+                          if r.get("link_sent") is not None]) if rate else None,
+        # the rounds whose link carried little beyond their own bytes (no state served, no replay):
+        # what a round costs where the link is its own
+        "quiet_round_s": median([r["seconds"] for r in attempted if _quiet(r)]),
+        "quiet_rounds": sum(1 for r in attempted if _quiet(r)),
         "wire_sum_s": median([(r["bytes_sent"] + r["bytes_received"]) / rate for r in attempted]) if rate else None,
         "round_mb_sent": median([r["bytes_sent"] / MB for r in attempted]),
         "round_mb_received": median([r["bytes_received"] / MB for r in attempted]),
         "catch_up_calls": len(caught_up), "catch_up_s": sum(r["seconds"] for r in caught_up),
     }
+
+
+QUIET_LINK = 1.15  # a quiet round's link bytes at most this many times its own (headers and acknowledgements)
+
+
+def _quiet(round_: dict) -> bool:
+    """Whether the link carried at most ``QUIET_LINK`` times the round's own bytes over the call."""
+    if round_.get("link_sent") is None:
+        return False
+    own, carried = round_["bytes_sent"] + round_["bytes_received"], round_["link_sent"] + round_["link_received"]
+    return own > 0 and carried <= QUIET_LINK * own
 
 
 def summarize_peer(result: dict, rate: float | None) -> dict:
@@ -116,7 +135,8 @@ def state_cell(peer: dict) -> str:
     return f"{peer['download_bytes'] / MB:.0f}" + (f" in {count}" if count > 1 else "")
 
 
-COLUMNS = ("peer", "ok/failed", "round s", "averaging / all-reduce s", "round cpu s", "wire s", "steady B/param", "peak B/param", "daemon MB",
+COLUMNS = ("peer", "ok/failed", "round s", "quiet round s", "averaging / all-reduce s", "round cpu s", "wire s", "link s",
+           "steady B/param", "peak B/param", "daemon MB",
            "swarm mem", "download s", "state MB", "state wire s", "verify", "stall s", "median step s", "stall ratio",
            "stall cpu/runq/blocked s", "blocked s")
 
@@ -128,8 +148,10 @@ def table_rows(record: dict) -> list[tuple[str, ...]]:
         rows.append((
             f"{peer['role']} {peer['index']}" + (f" (stopped at {peer['epoch']})" if peer.get("stopped") else ""),
             f"{peer['rounds_ok']}/{peer['rounds_failed']}", fmt(peer["round_s"]),
+            f"{fmt(peer.get('quiet_round_s'))} ({peer.get('quiet_rounds', 0)})",
             f"{fmt(peer.get('averaging_s'))} / {fmt(peer.get('allreduce_s'))}", fmt(peer.get("round_cpu_s")),
-            fmt(peer["wire_s"]), fmt(peer["steady_bytes_per_param"], 1), fmt(peer["peak_bytes_per_param"], 1),
+            fmt(peer["wire_s"]), fmt(peer.get("link_s")),
+            fmt(peer["steady_bytes_per_param"], 1), fmt(peer["peak_bytes_per_param"], 1),
             fmt(None if peer["daemon_rss"] is None else peer["daemon_rss"] / MB, 0), memory_cell(peer["swarm_memory"]),
             fmt(peer["download_s"]) if joiner else "", state_cell(peer) if joiner else "",
             fmt(peer["download_wire_s"]) if joiner else "", fmt(peer["verify_share"]) if joiner else "",
@@ -156,7 +178,9 @@ def render(record: dict, args: argparse.Namespace) -> Any:
     table = Table(title=title, title_justify="left", caption=(
         "round s: median step() call that attempted a round; averaging / all-reduce s: of that call, the "
         "averaging step (matchmaking and all-reduce) and its all-reduce, medians; wire s: max(sent/up, received/down) of that "
-        "round at the link rate. B/param: host RSS beyond model, gradients and Adam (steady: before each "
+        "round at the link rate; link s: all the bytes the peer's link carried over that call (state served, "
+        "replays) at the link rate; quiet round s: the median of the (n) rounds whose link carried at most 1.15x "
+        "their own bytes. B/param: host RSS beyond model, gradients and Adam (steady: before each "
         "swarm step after the first, median; peak: 50 ms samples). daemon MB: the peer's p2pd. download "
         "s: the joiner's state downloads (all of them, as state MB), beside their bytes at the link rate; "
         "verify: share spent in the verification pass. stall: the longest step() outside rounds (@ the epoch it ran in), beside the median step; its "

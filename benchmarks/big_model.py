@@ -39,7 +39,11 @@ What each peer process measures and reports to the parent (one JSON line):
 * ``wire s``: per such round, this peer's bytes at its link rate, max(sent / up, received / down),
   from the ``bytes_sent`` / ``bytes_received`` deltas of ``status()`` over the call; the median over
   rounds. The two directions are separate links, so the larger one bounds the round; the sum over
-  the rate is in the JSON too (``wire_sum_s``). ``n/a`` on loopback.
+  the rate is in the JSON too (``wire_sum_s``). ``link s``: the same for all the bytes the peer's
+  link carried over the call (``/proc/self/net/dev`` of its namespace, every interface but loopback:
+  link-layer bytes, the state it served and the replays included); ``quiet round s (n)``: the
+  median of the n rounds whose link carried at most 1.15x their own bytes (no state served then).
+  ``n/a`` on loopback.
 * host RAM beyond model, gradients and optimizer, in bytes per parameter. Baseline: VmRSS of
   /proc/self/status after the model was built, one forward/backward pass left its gradients and one
   Adam step allocated both moments (16 bytes per parameter in all), after ``gc.collect()`` and before

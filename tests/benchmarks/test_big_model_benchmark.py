@@ -54,8 +54,10 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
               "download": {"download_s": 4.0, "download_bytes": 25_000_000, "verify_s": 1.0},
               "rounds": [{"epoch": e, "seconds": s, "rss_before": rss, "ok": 1, "failed": 0, "cpu_s": s / 2,
                           "averaging_s": s - 1, "allreduce_s": s - 1.5,
-                          "bytes_sent": 1_250_000, "bytes_received": 2_500_000}
-                         for e, s, rss in ((3, 9.0, 500_000), (4, 2.0, 90_000), (5, 3.0, 110_000))]}
+                          "bytes_sent": 1_250_000, "bytes_received": 2_500_000,
+                          "link_sent": 1_300_000, "link_received": link}
+                         for e, s, rss, link in ((3, 9.0, 500_000, 25_000_000), (4, 2.0, 90_000, 2_600_000),
+                                                 (5, 3.0, 110_000, 2_600_000))]}
     result["rounds"].append({"epoch": 7, "seconds": 30.0, "rss_before": 100_000, "ok": 0, "failed": 0,
                              "bytes_sent": 0, "bytes_received": 0})  # a call that only caught up
     row = bm.summarize_peer(result, rate)
@@ -63,6 +65,9 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     assert row["round_s"] == 3.0 and row["wire_s"] == pytest.approx(0.2) and row["wire_sum_s"] == pytest.approx(0.3)
     assert row["catch_up_calls"] == 1 and row["catch_up_s"] == 30.0  # not a round
     assert (row["averaging_s"], row["allreduce_s"]) == (2.0, 1.5)  # of the same calls
+    # the link carried 2.6 MB in, 0.21 s at the rate; in the first round a served state besides
+    assert row["link_s"] == pytest.approx(0.208)
+    assert (row["quiet_round_s"], row["quiet_rounds"]) == (2.5, 2)  # the first round's link was not quiet
     assert row["steady_bytes_per_param"] == 90.0  # the first round's sample is left out: median(80, 90, 100)
     assert row["peak_bytes_per_param"] == 140.0 and row["hwm_bytes_per_param"] == 150.0
     assert row["stall_ratio"] == pytest.approx(5.0) and row["download_wire_s"] == pytest.approx(2.0)
