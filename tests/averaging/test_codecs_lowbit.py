@@ -210,6 +210,19 @@ def test_all_zero_blocks_decode_to_exact_zeros(spec: str) -> None:
     assert torch.equal(codec.decode(codec.encode(torch.zeros(5))), torch.zeros(5))
 
 
+@pytest.mark.parametrize("codec", [Q4Codec(), Q2Codec()])
+def test_every_code_decodes_to_its_cells_centre(codec) -> None:
+    """code_values' affine form gives exactly the centres `levels` lists, for every code."""
+    from swarmgrad.averaging.codecs.bits import pack
+    from swarmgrad.averaging.codecs.lowbit import levels
+
+    count = 1 << codec.bits
+    codes = np.tile(np.arange(count, dtype=np.uint8), 3)
+    values = codec.code_values(pack(codes, codec.bits), codes.size)
+    assert values.dtype == np.float32 and np.array_equal(values, levels(codec.bits)[codes])
+    assert np.array_equal(np.unique(values), (2 * np.arange(count) + 1 - count) / count)
+
+
 def test_sparse_keeps_zeros_exact_when_a_chunk_has_fewer_than_k_nonzeros() -> None:
     codec = SparseCodec(3 / 256)
     x = torch.zeros(600)

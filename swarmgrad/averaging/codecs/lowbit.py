@@ -49,8 +49,13 @@ class _BlockQuantCodec(BlockCodec):
         return packed_size(numel, self.bits)
 
     def code_values(self, codes: bytes, numel: int) -> np.ndarray:
-        # every level is inside (-1, 1), so level * absmax is finite
-        return levels(self.bits)[unpack(codes, numel, self.bits)]
+        # every level is inside (-1, 1), so level * absmax is finite. Level q is q * 2/L + (1 - L)/L,
+        # both dyadic: the affine form gives levels()'s values to the bit, without a gather per element
+        count = 1 << self.bits
+        values = unpack(codes, numel, self.bits).astype(np.float32)
+        values *= np.float32(2 / count)
+        values += np.float32((1 - count) / count)
+        return values
 
     def _encode(
         self, flat: torch.Tensor, shape: tuple[int, ...], warm_start: torch.Tensor | None
