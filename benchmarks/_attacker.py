@@ -40,6 +40,15 @@ STATE_FACTOR = -10.0
 PRIVATE = False  # set from the peer's arguments: update-level privacy on
 
 
+def _send_the_contribution() -> None:
+    """An honest peer's averager reads the pseudo-gradient where it lives, a chunk at a time
+    (``Averager.read_in_place``), and never the contribution ``prepare()`` fills: this one sends the
+    contribution, which its attack changed (else the attack would change nothing it sends)."""
+    from swarmgrad.averaging.moshpit import Averager
+
+    Averager.read_in_place = lambda self, reader: False  # type: ignore[method-assign]
+
+
 def _patch_update(change: Callable[[torch.Tensor], None]) -> None:
     """``change`` the contribution in place after every ``prepare()`` (a retried round prepares again).
     In a private run it changes what its releaser released instead: a liar skips its own clip, and
@@ -59,6 +68,7 @@ def _patch_update(change: Callable[[torch.Tensor], None]) -> None:
         return
     from swarmgrad.peer.strategies.diloco import DiLoCoPolicy
 
+    _send_the_contribution()
     prepare = DiLoCoPolicy.prepare
 
     def poisoned(self: DiLoCoPolicy) -> None:
@@ -79,6 +89,7 @@ def _add_noise(update: torch.Tensor) -> None:
 def _patch_replay() -> None:
     from swarmgrad.peer.strategies.diloco import DiLoCoPolicy
 
+    _send_the_contribution()
     prepare = DiLoCoPolicy.prepare
     first: list[torch.Tensor] = []
 
