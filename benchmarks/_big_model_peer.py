@@ -119,7 +119,11 @@ def build_model(cfg: WorkerConfig) -> tuple[Any, Any, list[Any]]:
     import torch
 
     torch.manual_seed(cfg.seed)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(cfg.layers)))
+    # a tanh after each layer: a stack of linear layers alone went to Inf by the 32nd round at 201M
+    # (Adam moves every weight by about its learning rate however small its gradient, the outer
+    # momentum adds those steps up, and their product over 48 layers overflowed float32)
+    model = torch.nn.Sequential(*(module for _ in range(cfg.layers)
+                                  for module in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1000 + cfg.index)
     batches = [torch.randn(BATCH, WIDTH, generator=generator) for _ in range(4)]
@@ -183,15 +187,18 @@ def swarm_memory(peer: Any) -> dict[str, Any] | None:
 
 
 def link_bytes() -> tuple[int, int]:
-    """(received, sent) bytes of this process's network namespace, every interface but loopback
-    (/proc/self/net/dev: link-layer bytes, headers and acknowledgements included): in the lab, all
-    that the peer's shaped link carried, state served and replays included."""
+    """(received, sent) bytes of this process's network namespace, every interface but loopback and
+    the lab's ifb (which carries the incoming bytes a second time, to shape them) (/proc/self/net/dev:
+    link-layer bytes, headers and acknowledgements included): in the lab, all that the peer's shaped
+    link carried, state served and replays included."""
+    from swarmgrad.lab.network import IFB_NAME
+
     received = sent = 0
     try:
         with open("/proc/self/net/dev") as dev:
             for line in dev.readlines()[2:]:
                 name, counters = line.split(":", 1)
-                if name.strip() != "lo":
+                if name.strip() not in ("lo", IFB_NAME):
                     fields = counters.split()
                     received, sent = received + int(fields[0]), sent + int(fields[8])
     except (OSError, ValueError, IndexError):

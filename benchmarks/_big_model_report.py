@@ -167,7 +167,7 @@ def render(record: dict, args: argparse.Namespace) -> Any:
 
     link = f"{args.mbps:g} Mbit/s up and down, {args.rtt_ms:g} ms RTT" if record["network"] == "lab" else "unshaped"
     title = (f"{record['network']} ({link}), {record['codec']}, {record['size']}: {record['layers']} x "
-             f"Linear(2048, 2048) = {record['params']:,} parameters, DiLoCo H={record['inner_steps']}")
+             f"(Linear(2048, 2048), Tanh) = {record['params']:,} parameters, DiLoCo H={record['inner_steps']}")
     if record.get("joiner_arrival") is not None:
         title += f"; the joiner came in at epoch {record['joiner_arrival']}, all ended at {record['end_epoch']}"
     if record["status"] != "ok":
