@@ -56,15 +56,16 @@ class FakeTracker:
 class FakeBackend:
     """Averaging without a network: each call takes the next of ``outcomes`` (True: the round succeeds
     and the average is ``average`` or the contribution itself; its owners left out ``rejected_share``
-    of the contribution); records what it was asked."""
+    of the contribution; ``retried``: attempt -> the attempt its report says the others went on to);
+    records what it was asked."""
 
     in_turn_wait = 60.0  # its rounds end at once
     writing_in_place = False
 
     def __init__(self, contribution: torch.Tensor, outcomes: list[bool], average: torch.Tensor | None = None,
-                 on_call=None, rejected_share: float = 0.0):
+                 on_call=None, rejected_share: float = 0.0, retried: dict[int, int] | None = None):
         self.contribution, self.outcomes, self.fixed_average, self.on_call = contribution, list(outcomes), average, on_call
-        self.rejected_share = rejected_share
+        self.rejected_share, self.retried = rejected_share, retried or {}
         self.calls: list[dict] = []
 
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
@@ -75,7 +76,8 @@ class FakeBackend:
             self.on_call(len(self.calls))
         ok = self.outcomes.pop(0)
         average = self.fixed_average if self.fixed_average is not None else self.contribution
-        report = RoundReport("moshpit", attempt, ok=ok, rejected_share=self.rejected_share if ok else 0.0)
+        report = RoundReport("moshpit", attempt, ok=ok, rejected_share=self.rejected_share if ok else 0.0,
+                             retried=0 if ok else self.retried.get(attempt, 0))
         return RoundOutcome(ok, average if ok else None, report)
 
 

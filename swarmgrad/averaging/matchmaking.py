@@ -17,6 +17,13 @@ did not declare is probed as the window ends, and the next member leads once the
 crashed leader costs one window, not the window and a plan's wait). A member whose record
 carries a pace is waited for at most a cap from this peer's own round period, and not at all when
 its pace says it cannot come within it (stragglers.py).
+
+A peer whose attempt failed and that retries under a later key says so on its declaration (``leave``:
+done, and the attempt it went on to). A peer that comes late to the failed key, and finds everyone
+who declared there gone to a retry, follows them at once (``Retried``) instead of waiting its window
+out alone: attempts are counted per peer, and a joiner that finished replaying a round 1-3 s late
+looked under the first attempt's key while the others waited for it under the second's and third's,
+and every attempt failed (benchmarks/big_model.py, 200M, lab: "the quorum trap").
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import hashlib
 import logging
 import math
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Annotated, Callable, Mapping
 
 import pydantic
@@ -54,7 +63,8 @@ GRACE_LATENCIES = 3
 # How often a peer that is looking asks whether the swarm finished the round without it: a local
 # read of the presence records it already holds, which change once a presence refresh.
 MOVED_ON_POLL = 0.1
-
+MAX_RETRY = 64  # the latest attempt a declaration may send a late peer to (the driver makes 3)
+KEPT_DECLARATIONS = 64  # keys whose declaration's expiry is kept, for ``leave`` (bounded: one a round)
 
 
 @record_kind
@@ -66,8 +76,17 @@ class MatchRecord(RecordBody):
     share: Annotated[float, pydantic.Field(ge=0, le=1e12, allow_inf_nan=False)]
     schema_digest: Annotated[str, pydantic.Field(max_length=64)]
     codec: Annotated[str, pydantic.Field(max_length=32)]
-    done: bool = False
+    done: bool = False  # its owner left the key (``Matchmaker.leave``)
     aggregator: Annotated[str, pydantic.Field(max_length=32)] = "mean"  # absent: a peer that only averages
+    retry: Annotated[int, pydantic.Field(ge=0, le=MAX_RETRY)] = 0  # done: the attempt it went on to (0: none)
+
+
+@dataclass(frozen=True)
+class Retried:
+    """``find_group``'s answer when every other peer that declared under the key left it for a retry:
+    the latest ``attempt`` they went on to (the caller looks there, at once)."""
+
+    attempt: int
 
 
 def split_groups(peer_ids: list[str], group_size: int, key: str) -> list[list[str]]:
@@ -104,7 +123,9 @@ class Matchmaker:
         self.attendance = Attendance()
         self.invitations = Invitations(node, transport, protocol, self.terms, self.attendance, reply_timeout)
         self.rounds = RoundClock()  # this peer's round period, which caps the wait for stragglers
-        self._probes: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # probes, and stores that say this peer left a key
+        # key -> when this peer's declaration there expires, and how long an attempt's declaration lives
+        self._expires: OrderedDict[str, tuple[float, float]] = OrderedDict()
         # whether this peer comes to rounds now: not while it takes the swarm's state (the peer sets it;
         # probes answered "alive" then had every member wait for one that could not come: issue 38)
         self.available: Callable[[], bool] = lambda: True
@@ -119,8 +140,9 @@ class Matchmaker:
         expected: int | None = None, expected_members: frozenset[str] | None = None,
         unreachable: frozenset[str] = frozenset(), clients: frozenset[str] = frozenset(),
         paces: Mapping[str, Pace] | None = None, moved_on: Callable[[], bool] | None = None,
-    ) -> GroupPlan | None:
-        """The agreed plan for this round, or None when no group of at least min_group_size formed.
+    ) -> GroupPlan | Retried | None:
+        """The agreed plan for this round, or None when no group of at least min_group_size formed, or
+        ``Retried`` when all the others that declared under ``key`` left it for a retry (``leave``).
 
         ``expected``: how many peers the caller knows will look under this key (e.g. from swarm
         progress); ``expected_members``: which ones (e.g. from the moshpit grid). Once that many, or
@@ -179,6 +201,9 @@ class Matchmaker:
             record = MatchRecord(ready_at=ready_at, share=share, schema_digest=terms.schema_digest, codec=terms.codec,
                                  aggregator=terms.aggregator)
             expires = ready_at + window + grace + self.reply_deadline
+            self._expires[key] = (expires, expires - time.time())
+            while len(self._expires) > KEPT_DECLARATIONS:
+                self._expires.popitem(last=False)
             # read while our own declaration is still being stored: others are declaring at the same moment
             declaring = asyncio.ensure_future(self.node.store(key, record, expires=expires, all_replicas=False))
             try:
@@ -188,7 +213,7 @@ class Matchmaker:
                 # in every other round of three peers, each a replay or a step alone)
                 least = max(min_group_size, looking.quorum)
                 enough = max(least, group_size if expected is None else min(group_size, expected))
-                peers = await self._wait_for_peers(
+                peers, retried = await self._wait_for_peers(
                     key, looking, ready_at, enough, expected_members, least, grace=grace,
                     poll=min(FIRST_POLL, window / 4), waited=waited,
                 )
@@ -196,6 +221,9 @@ class Matchmaker:
             finally:
                 await declaring
                 seen["stored"] = time.monotonic() - began
+            if retried:
+                logger.debug("%s: everyone else went on to attempt %d; following them", key, retried)
+                return Retried(retried)
             declared = set(peers)
             if waited is not None:
                 waiting_for, was_alive = waiting(declared), alive()
@@ -273,25 +301,29 @@ class Matchmaker:
         self, key: str, looking: Looking, ready_at: float, enough: int, expected: frozenset[str] | None,
         min_group_size: int, grace: float, poll: float,
         waited: Callable[[set[str]], frozenset[str] | None] | None = None,
-    ) -> list[str]:
+    ) -> tuple[list[str], int]:
         """Peers declared under ``key``, read until the window ends or ``enough`` of them, or exactly
         the ``expected`` ones, or all those of them ``waited()`` names (at least a group's worth)
         and none outside them, are there (no need to wait out the window then), or until an
         invitation commits us. If too few for a group have shown up when the window ends, read on for
         up to ``grace`` more: on a loaded machine a declaration can take longer than the window to
-        become readable."""
+        become readable. Second: the attempt the others went on to, once this peer is alone under the
+        key and some of them left it for a retry (0 otherwise: the peers are what counts)."""
         while True:
-            peers = await self._declared(key)
+            peers, retried = await self._declared(key)
             now = time.time()
             declared = set(peers)
+            if retried and not looking.committed and len(peers) == 1:
+                looking.committed = True  # no invitation under this key is accepted from now on
+                return peers, retried
             if looking.committed or len(peers) >= enough or expected == declared:
-                return peers
+                return peers, 0
             if expected is not None and waited is not None:
                 alive = waited(declared)
                 if alive is not None and len(alive) >= min_group_size and alive <= declared <= expected:
-                    return peers
+                    return peers, 0
             if now >= ready_at and (len(peers) >= min_group_size or now >= ready_at + grace):
-                return peers
+                return peers, 0
             try:
                 await asyncio.wait_for(asyncio.shield(looking.plan), timeout=poll)
             except asyncio.TimeoutError:
@@ -299,9 +331,12 @@ class Matchmaker:
             poll = min(2 * poll, max(FIRST_POLL, grace / POLLS_PER_WINDOW))
 
     def _start_probe(self, peer: str) -> None:
-        task = asyncio.ensure_future(self.probe(peer))
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._in_background(self.probe(peer))
+
+    def _in_background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def probe(self, peer: str, key: str | None = None) -> bool:
         """Whether ``peer`` answers on this matchmaking protocol now (a record alone cannot); told to
@@ -326,11 +361,11 @@ class Matchmaker:
                 await channel.close()
 
     async def close(self) -> None:
-        """Stop the probes in flight."""
-        for task in list(self._probes):
+        """Stop the probes and stores in flight."""
+        for task in list(self._background):
             task.cancel()
-        if self._probes:
-            await asyncio.wait(list(self._probes))
+        if self._background:
+            await asyncio.wait(list(self._background))
 
     async def _plan(self, looking: Looking, window: float,
                     unless: asyncio.Future[bool] | None = None) -> GroupPlan | None:
@@ -363,21 +398,46 @@ class Matchmaker:
         await asyncio.sleep(after)
         return not await self.probe(leader, key)
 
-    async def _declared(self, key: str) -> list[str]:
+    def leave(self, key: str, retry: int) -> None:
+        """Say on this peer's declaration under ``key`` that it left the key for attempt ``retry`` (a
+        peer that comes late follows it there), in the background: the retry does not wait for it.
+        Replaces the declaration: its expiry is later."""
+        kept = self._expires.pop(key, None)
+        if kept is None:
+            return  # never declared here (or long ago): nobody waits under it for this peer
+        declared, lives = kept
+        terms = self.terms
+        record = MatchRecord(ready_at=time.time(), share=0.0, schema_digest=terms.schema_digest, codec=terms.codec,
+                             aggregator=terms.aggregator, done=True, retry=retry)
+        expires = max(declared + 0.001, time.time() + lives)  # the DHT keeps the record that expires last
+
+        async def store() -> None:
+            try:
+                await self.node.store(key, record, expires=expires, all_replicas=False)
+            except Exception as error:  # a late peer then waits its window out, as before
+                logger.debug("could not say that this peer left %s: %s: %s", key, type(error).__name__, error)
+
+        self._in_background(store())
+
+    async def _declared(self, key: str) -> tuple[list[str], int]:
+        """The peers looking under ``key`` (this one included), and the latest attempt that those who
+        left it went on to (0: none did)."""
         records = await self.node.get_records(key, MatchRecord)
-        admission = self.transport.admission  # a private run's outsiders and banned peers declare in vain:
-        peers = [  # grouped with one, this peer would open streams to it and hand it its contribution
-            owner
-            for owner, record in records.items()
-            if (admission is None or admission.admits(owner))
-            and not record.body.done
-            and record.body.schema_digest == self.terms.schema_digest
-            and record.body.codec == self.terms.codec
-            and record.body.aggregator == self.terms.aggregator
-        ]
-        if self.node.peer_id not in peers:  # our own declaration may not be readable yet
-            peers.append(self.node.peer_id)
-        return peers
+        admission, terms = self.transport.admission, self.terms  # outsiders and banned peers declare in vain:
+        peers, retried, me = [], 0, self.node.peer_id  # grouped with one, this peer would hand it its contribution
+        ours = (terms.schema_digest, terms.codec, terms.aggregator)
+        for owner, record in records.items():
+            body = record.body
+            if (admission is not None and not admission.admits(owner)) or (
+                    body.schema_digest, body.codec, body.aggregator) != ours:
+                continue
+            if not body.done:
+                peers.append(owner)
+            elif owner != me:
+                retried = max(retried, body.retry)
+        if me not in peers:  # our own declaration may not be readable yet
+            peers.append(me)
+        return peers, retried
 
     def _my_group(self, key: str, peers: list[str], group_size: int) -> list[str]:
         for group in split_groups(peers, group_size, key):

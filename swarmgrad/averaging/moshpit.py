@@ -38,7 +38,7 @@ from swarmgrad.averaging.grid import (
 )
 from swarmgrad.averaging.group_plan import GroupPlan
 from swarmgrad.averaging.layout import Schema, check_averager_name
-from swarmgrad.averaging.matchmaking import Matchmaker
+from swarmgrad.averaging.matchmaking import Matchmaker, Retried
 from swarmgrad.averaging.privacy import BudgetExhausted, Privacy, PrivateReleaser
 from swarmgrad.averaging.report import RoundReport
 from swarmgrad.averaging.result_frames import Frame, FramedAverage, ResultDecoder, ordered_frames
@@ -189,6 +189,7 @@ class Averager:
     async def step(
         self, weight: float = 1.0, round_index: int | None = None, expected_peers: int | None = None,
         attempt: int = 0, in_place: bool | Callable[[], bool] = False, moved_on: Callable[[], bool] | None = None,
+        retry: int | None = None,
     ) -> RoundReport:
         """Meet this round's group, average, and write the result into the tensors.
 
@@ -203,7 +204,10 @@ class Averager:
         the caller fills it again before a retry); a callable is asked when the all-reduce begins, so
         the caller may change its mind while matchmaking runs. ``moved_on``: whether the swarm finished this round
         without this peer; once it says so before a group took this peer, the round ends unchanged
-        (``SWARM_MOVED_ON``) instead of waiting out matchmaking (``Matchmaker.find_group``).
+        (``SWARM_MOVED_ON``) instead of waiting out matchmaking (``Matchmaker.find_group``). ``retry``: the
+        attempt the caller makes next if this one fails, said on this peer's declaration so that a peer
+        that comes late follows it there; ``report.retried``: where the others went, a late peer's
+        attempt ended at once (``Matchmaker.leave``).
         """
         if self.matchmaker is None:
             raise RuntimeError("use `async with Averager(...)` before calling step()")
@@ -232,9 +236,15 @@ class Averager:
             unreachable=unreachable, clients=clients, paces=self._paces() if slice_peers is not None else None,
             moved_on=moved_on,
         )
-        if plan is None:
+        if isinstance(plan, Retried):
+            report.group, report.retried = [self.node.peer_id], plan.attempt
+            report.error = f"the others left this key for attempt {plan.attempt}; tensors unchanged"
+            self.matchmaker.leave(key, plan.attempt)  # a peer later still follows them too
+        elif plan is None:
             moved = moved_on is not None and moved_on()
             report.group, report.error = [self.node.peer_id], SWARM_MOVED_ON if moved else NO_GROUP
+            if not moved and retry is not None:
+                self.matchmaker.leave(key, retry)
         else:
             in_place = in_place() if callable(in_place) else in_place
             read = self._reader() if self._reader is not None else None  # a flight's too: what it sent
@@ -242,6 +252,8 @@ class Averager:
                 return report  # the caller filled the contribution meanwhile (its round became a flight)
             result = await self._allreduce(plan, weight, in_place and not self.write_back, read)
             self._apply(report, result, plan)
+            if not report.ok and retry is not None:
+                self.matchmaker.leave(key, retry)
         report.seconds = time.monotonic() - started
         return report
 

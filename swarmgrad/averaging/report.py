@@ -42,6 +42,8 @@ class RoundReport:
     transports: dict[str, str] = field(default_factory=dict, metadata=MOSHPIT)  # groupmate -> direct or libp2p
     # of this peer's contribution, the share the owners' rules left out (the average holds the rest)
     rejected_share: float = field(default=0.0, metadata=MOSHPIT)
+    # the attempt the others went on to, having left this round's key (0: none); the caller follows
+    retried: int = field(default=0, metadata=MOSHPIT)
 
     pushed_to: list[str] = field(default_factory=list, metadata=GOSSIP)  # peers that accepted our push
     failed: list[str] = field(default_factory=list, metadata=GOSSIP)  # peers we could not push to

@@ -78,10 +78,11 @@ class MoshpitBackend:
 
     async def average(self, epoch: int, attempt: int, weight: float, expected_peers: int,
                       moved_on: Callable[[], bool]) -> RoundOutcome:
+        retry = attempt + 1 if attempt + 1 < MAX_ROUND_ATTEMPTS else None  # where this peer goes if it fails
         try:
             report = await self.averager.step(weight=max(weight, 1e-6), round_index=epoch,
                                               expected_peers=expected_peers, attempt=attempt,
-                                              in_place=self._in_place_now, moved_on=moved_on)
+                                              in_place=self._in_place_now, moved_on=moved_on, retry=retry)
         finally:
             self.writing_in_place = False
         if not report.ok:
@@ -246,7 +247,8 @@ class RoundDriver:
         each): the outcome of the one that succeeded, or None and the peers that finished the epoch
         meanwhile. After a failed attempt it waits for the records to say whether the swarm finished
         the epoch (``ahead_wait``); ``settle=False``: not after the last one, the records as they are."""
-        for attempt in range(first, attempts):
+        attempt = first
+        while attempt < attempts:
             prepare()
             outcome = await self.backend.average(epoch, attempt, weight, self.expected_peers(epoch),
                                                  lambda: bool(self.tracker.ahead_of(epoch)))
@@ -258,6 +260,12 @@ class RoundDriver:
                 left_out = outcome.report.rejected_share if outcome.report is not None else 0.0
                 self.samples_averaged += int(weight * (1.0 - left_out))
                 return outcome, []
+            retried = outcome.report.retried if outcome.report is not None else 0
+            if attempt < retried < MAX_ROUND_ATTEMPTS:
+                # this peer came late: the others left this attempt's key for a retry, and it follows them
+                # there at once (attempts are counted per peer; matchmaking.py ``Retried``)
+                attempt, attempts = retried, max(attempts, retried + 1)
+                continue
             if not settle and attempt == attempts - 1:
                 return None, self.tracker.ahead_of(epoch)
             ahead = await self._wait_for_ahead(epoch)
@@ -265,6 +273,7 @@ class RoundDriver:
                 return None, ahead
             if not self.tracker.others_at(epoch):
                 break  # nobody else is training: finish the epoch alone
+            attempt += 1
         return None, []
 
     async def _rejoin(self, epoch: int) -> bool | None:

@@ -4,6 +4,8 @@ peer trains alone. The same driver runs with real peers in test_peer_* and test_
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import run_async
@@ -27,7 +29,7 @@ class Harness:
     """A DiLoCo policy that took a few local steps, its driver, and what the driver called."""
 
     def __init__(self, outcomes: list[bool], others=(peer_at(0),), other_settings=(), fail_catch_up=False,
-                 on_call=None, rejected_share: float = 0.0):
+                 on_call=None, rejected_share: float = 0.0, retried: dict[int, int] | None = None):
         self.model, optimizer = model_and_optimizer(0, lr=0.5)
         self.tracker = FakeTracker(tuple(others), tuple(other_settings))
         self.policy = attach(DiLoCo(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), self.model, optimizer,
@@ -36,7 +38,8 @@ class Harness:
             set_grads(self.policy.params, seed)
             self.policy.after_backward(batch_size=4)
         self.swarm_average = torch.full((self.policy.layout.total,), 0.25)
-        self.backend = FakeBackend(self.policy.contribution, outcomes, self.swarm_average, on_call, rejected_share)
+        self.backend = FakeBackend(self.policy.contribution, outcomes, self.swarm_average, on_call, rejected_share,
+                                   retried)
         self.catch_ups: list[tuple[list[str], int]] = []
         self.rejoins: list[tuple[list[str], int]] = []  # the state taken from a swarm behind this peer
         self.fail_catch_up, self.recorded = fail_catch_up, []
@@ -88,6 +91,26 @@ def test_failed_rounds_are_retried_with_fresh_attempts_and_change_nothing_until_
     assert h.tracker.local.epoch == 1 and h.driver.solo_steps == 0
     assert h.driver.samples_averaged == 8  # once, for the attempt that succeeded
     assert not all(torch.equal(a, b) for a, b in zip(before, h.params()))
+
+
+def test_a_late_peer_follows_the_others_to_their_retry_at_once():
+    """Attempt 0's report says the others left its key for attempt 2 (a late peer: matchmaking.py
+    ``Retried``): the next attempt is 2, with no wait for the records in between (``ahead_wait`` is 0.7 s
+    here). Attempts are counted per peer: a joiner that went on to attempt 1 looked where nobody was,
+    and the others failed every attempt waiting for it (big_model.py, 200M, lab)."""
+    h = Harness([False, True], retried={0: 2})
+    began = time.monotonic()
+    assert run_async(h.driver.swarm_step())
+    assert [call["attempt"] for call in h.backend.calls] == [0, 2]
+    assert time.monotonic() - began < FAST.ahead_wait(2) / 2
+    assert h.tracker.local.epoch == 1 and h.driver.solo_steps == 0
+
+
+def test_a_retry_named_past_the_last_attempt_is_not_followed():
+    # any peer may lie in its record: it cannot send this one past the attempts the driver makes
+    h = Harness([False] * MAX_ROUND_ATTEMPTS, retried={0: 50})
+    assert run_async(h.driver.swarm_step())
+    assert [call["attempt"] for call in h.backend.calls] == list(range(MAX_ROUND_ATTEMPTS))
 
 
 def test_after_every_attempt_fails_the_peer_steps_alone():
