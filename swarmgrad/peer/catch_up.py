@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -58,6 +59,7 @@ REPLAY_DONORS = 3  # donors asked at once for a round's result: a median needs t
 # groups average different members, so honest results differ, but by less than their norm
 REPLAY_SPREAD = 1.0
 RATE_WEIGHT = 0.5  # of the latest round in the smoothed receive rate a replay's deadline is sized by
+COMBINE_ELEMENTS = 1 << 22  # donors' results are compared and combined this many elements at a time
 
 
 class Progress(Protocol):
@@ -70,9 +72,37 @@ class Progress(Protocol):
     def next_epoch(self, epoch: int, steps: int = 0, samples: int = 0) -> None: ...
 
 
-def dense(result: torch.Tensor | ResultPieces) -> torch.Tensor:
-    """A result as one float32 tensor: where several donors' are compared or combined."""
-    return result if isinstance(result, torch.Tensor) else result.dense()
+def _spans(total: int) -> Iterator[slice]:
+    for start in range(0, total, COMBINE_ELEMENTS):
+        yield slice(start, min(total, start + COMBINE_ELEMENTS))
+
+
+def median_of(results: list[torch.Tensor | ResultPieces]) -> tuple[torch.Tensor, list[float]]:
+    """Donors' results' coordinate-wise median, and each one's distance from it, a span at a time: one
+    float32 tensor of the result's size beside the frames, not a dense copy of each and their stack."""
+    median = torch.empty(results[0].numel(), dtype=torch.float32)
+    squares = [0.0] * len(results)
+    for span in _spans(median.numel()):
+        pieces = torch.stack([result[span] for result in results])
+        middle = median[span] = pieces.median(dim=0).values
+        for index, piece in enumerate(pieces):
+            squares[index] += float((piece - middle).square().sum(dtype=torch.float64))
+    return median, [math.sqrt(square) for square in squares]
+
+
+def mean_of_two(first: torch.Tensor | ResultPieces, second: torch.Tensor | ResultPieces
+                ) -> tuple[torch.Tensor, float, float]:
+    """Two donors' results' mean, how far apart they lie, and the larger one's norm, a span at a time
+    (at 201M parameters their dense copies, difference and mean held 28 bytes a parameter)."""
+    mean = torch.empty(first.numel(), dtype=torch.float32)
+    apart = norm_first = norm_second = 0.0
+    for span in _spans(mean.numel()):
+        one, other = first[span], second[span]
+        apart += float((one - other).square().sum(dtype=torch.float64))
+        norm_first += float(one.square().sum(dtype=torch.float64))
+        norm_second += float(other.square().sum(dtype=torch.float64))
+        torch.add(one, other, out=mean[span]).mul_(0.5)
+    return mean, math.sqrt(apart), math.sqrt(max(norm_first, norm_second))
 
 
 class CatchUp:
@@ -231,24 +261,22 @@ class CatchUp:
         handed = [(donor, outcome) for donor, outcome in zip(asked, outcomes) if not isinstance(outcome, BaseException)]
         if len(handed) == 1:
             return handed[0][1]  # as it came (in its frames, where it did)
-        served = [(donor, dense(result)) for donor, result in handed]
-        results = [result for _, result in served]
+        results = [result for _, result in handed]
         if not results:
             failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
             raise StateTransferError(f"no donor handed over the result of round {epoch} ({failure})")
+        # passes over the model's size: in a thread, not on the loop that serves this peer's streams
         if len(results) >= 3:
-            median = torch.stack(results).median(dim=0).values
+            median, distances = await asyncio.to_thread(median_of, results)
             spread = REPLAY_SPREAD * float(median.norm())
-            for donor, result in served:  # out-voted; blamed so that it is asked last next time
-                if float((result - median).norm()) > spread:
+            for (donor, _), distance in zip(handed, distances):  # out-voted; blamed so that it is asked last next time
+                if distance > spread:
                     self.runtime.admission.blame(donor, "digest disagreement", f"round {epoch}'s result")
             return median
-        if len(results) == 2:
-            first, second = results
-            if float((first - second).norm()) > REPLAY_SPREAD * max(float(first.norm()), float(second.norm())):
-                raise StateTransferError(f"the two donors' results of round {epoch} disagree")
-            return (first + second) / 2
-        return results[0]
+        mean, apart, larger = await asyncio.to_thread(mean_of_two, *results)
+        if apart > REPLAY_SPREAD * larger:
+            raise StateTransferError(f"the two donors' results of round {epoch} disagree")
+        return mean
 
     async def _result_by_digest(self, asked: list[str], epoch: int) -> torch.Tensor | ResultPieces | None:
         """The members of one group hold the very same result, so the donors are first asked only for

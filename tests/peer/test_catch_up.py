@@ -403,6 +403,44 @@ def test_two_donors_whose_results_disagree_hand_over_nothing(monkeypatch):
     torch.testing.assert_close(run_async(h.catch_up.agreed_result(["a", "b"], 0)), 1.1 * honest)
 
 
+class SlicedResult:
+    """A result held as frames would be: read a slice at a time; remembers the longest slice read."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values, self.longest = values, 0
+
+    def numel(self) -> int:
+        return self.values.numel()
+
+    def __getitem__(self, span: slice) -> torch.Tensor:
+        piece = self.values[span].clone()
+        self.longest = max(self.longest, piece.numel())
+        return piece
+
+
+def test_donors_results_are_combined_a_span_at_a_time(monkeypatch):
+    """Where no two donors name the same digest, their results are compared and combined a span at a
+    time: one float32 result beside their frames (at 201M parameters the dense copies of two donors'
+    results, their difference and their mean held a joiner at 28 bytes a parameter)."""
+    monkeypatch.setattr(catch_up_module, "COMBINE_ELEMENTS", 7)
+    h = Harness(swarm_epoch=1, monkeypatch=monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    honest = torch.randn(h.policy.layout.total, generator=generator)
+    assert honest.numel() > 3 * 7  # several spans
+    two = {"a": SlicedResult(honest), "b": SlicedResult(honest * 1.2)}
+    results_from(monkeypatch, two)
+    torch.testing.assert_close(run_async(h.catch_up.agreed_result(["a", "b"], 0)), 1.1 * honest)
+    assert all(0 < result.longest <= 7 for result in two.values())
+
+    nearby = honest + 0.01 * torch.randn(honest.shape, generator=generator)
+    three = {"a": SlicedResult(honest), "b": SlicedResult(nearby), "liar": SlicedResult(-10 * honest)}
+    results_from(monkeypatch, three)
+    expected = torch.stack([result.values for result in three.values()]).median(dim=0).values
+    torch.testing.assert_close(run_async(h.catch_up.agreed_result(["a", "b", "liar"], 0)), expected)
+    assert all(0 < result.longest <= 7 for result in three.values())
+    assert h.misbehaviour.score("liar") > 0 and h.misbehaviour.score("a") == h.misbehaviour.score("b") == 0
+
+
 def test_a_replays_deadline_is_its_bytes_at_the_rate_the_peers_rounds_received(monkeypatch):
     """A replay gets control_timeout plus the results' bytes: before any round at the assumed rate
     (bounded by a download cap), after rounds at the rate they received (10 MB of bfloat16 at 5 Mbit/s
