@@ -4,8 +4,8 @@ A peer behind (its round failed while the others' succeeded, it was paused for a
 state download ended with the swarm rounds further) replays the rounds it missed: it takes each
 round's result from the peers that applied it (donors keep their last ``KEPT_RESULTS``,
 ``StateServer.publish_result``, and, for a joiner whose download of their state they served, every
-round since its state's version, within a byte cap: ``ResultHolds``) and applies it to its own state, as if it had averaged with them,
-keeping the local steps it made since its last round on top (``Policy.apply_keeping_progress``, as
+round since its state's version, within a byte cap: ``ResultHolds``) and applies it to its own state,
+as if it had averaged with them, keeping the local steps it made since its last round on top (``Policy.apply_keeping_progress``, as
 overlap's land does): they, and their samples as weight, go into its next round.
 No donor alone decides what it applies (``CatchUp.agreed_result``): three are asked (those with the
 lowest misbehaviour scores here, so that peers seen clipped or cut are not asked while others can
