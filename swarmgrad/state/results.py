@@ -122,7 +122,8 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
                         digest: str | None, decoder: ResultFrames | None) -> torch.Tensor | ResultPieces:
     element = torch.empty(0, dtype=RESULT_DTYPE).element_size()
     channel = await transport.open(donor, protocol)
-    clean, result, received = False, None, None
+    clean = False
+    result: torch.Tensor | ResultPieces  # its frames, or the bfloat16 copy as it came
     try:
         await channel.send({"t": "result", "epoch": epoch, "chunks": True,
                             **({"frames": True} if decoder is not None else {})})
@@ -141,8 +142,8 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
                 raise FrameError(f"the result's frames hold {framed.numel()} values, expected {numel}")
             result = framed
         else:
-            received = torch.empty(numel, dtype=RESULT_DTYPE)
-            target = memoryview(received.view(torch.uint8).numpy())
+            result = torch.empty(numel, dtype=RESULT_DTYPE)
+            target = memoryview(result.view(torch.uint8).numpy())
             if "chunks" in header:
                 if length:
                     raise FrameError("a result in chunks with a payload")
@@ -155,21 +156,20 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
         clean = True
     finally:
         await (channel.close() if clean else channel.abort())
-    return await asyncio.to_thread(_checked_result, epoch, result, received, digest)
+    return await asyncio.to_thread(_checked_result, epoch, result, digest)
 
 
-def _checked_result(epoch: int, framed: ResultPieces | None, received: torch.Tensor | None,
-                    digest: str | None) -> torch.Tensor | ResultPieces:
-    """The result a donor handed over, once its digest (given one) and, for a bfloat16 copy, its
-    values are checked; in a thread: a pass over every byte."""
-    if digest is not None and result_digest(framed if received is None else received) != digest:
+def _checked_result(epoch: int, result: torch.Tensor | ResultPieces, digest: str | None) -> torch.Tensor | ResultPieces:
+    """The result a donor handed over (its frames, or its bfloat16 copy), once its digest (given one)
+    and, for a bfloat16 copy, its values are checked; in a thread: a pass over every byte."""
+    if digest is not None and result_digest(result) != digest:
         raise StateTransferError(f"the result of round {epoch} it served is not the one it and others described")
-    if received is None:
-        return framed
-    result = received.to(torch.float32)
-    if not bool(torch.isfinite(result).all()):
+    if not isinstance(result, torch.Tensor):
+        return result
+    values = result.to(torch.float32)
+    if not bool(torch.isfinite(values).all()):
         raise StateTransferError(f"the result of round {epoch} has NaN or Inf; not using it")
-    return result
+    return values
 
 
 async def _read_frames(channel: Channel, decoder: ResultFrames, first: int, count: int) -> list[tuple[dict, bytes]]:
