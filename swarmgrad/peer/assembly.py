@@ -174,7 +174,8 @@ class PeerAssembly:
         if isinstance(averager, Averager) and averager.matchmaker is not None:
             averager.matchmaker.available = lambda: not catch_up.running  # not waited for while taking the state
         driver = RoundDriver(policy, backend, self.tracker, timing, catch_up, self.counters.record, run_id=self.run_id,
-                             keep_result=server.publish_result, overlap=getattr(config.strategy, "overlap", "off"))
+                             keep_result=server.publish_result, overlap=getattr(config.strategy, "overlap", "off"),
+                             replayer=catch_up)
         checkpoints = self.local.checkpoints
         checkpointer = None if checkpoints.dir is None else Checkpointer(
             checkpoints.dir, self.run_id, checkpoints.every, lambda: server.latest, self._checkpoint_extra,

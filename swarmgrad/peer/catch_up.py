@@ -220,26 +220,43 @@ class CatchUp:
         while donors and applied < most:
             epoch = self.epoch
             try:
-                asked = self.runtime.admission.misbehaviour.least_suspect_first(self.runtime.reachable_first(donors))
-                result = await self.agreed_result(asked, epoch)
+                result = await self.fetch_missed(donors, epoch)
             except StateTransferError as error:
                 logger.info("could not replay round %d: %s", epoch, error)
                 break
             local = self.tracker.local
             carried = (local.steps, local.samples)  # the work since its last round, sent in its next one
-            if not self.policy.apply_keeping_progress(result):
+            if not self.apply_missed(epoch, result):
                 carried = (0, 0)
-            # a peer behind this one may replay it here (in the frames it came in, where it did)
-            self.server.publish_result(epoch, result, getattr(result, "frames", None))
             self.tracker.next_epoch(epoch + 1, *carried)
             applied += 1
             donors = self.tracker.ahead_of(epoch + 1)
         if applied:
-            self.replayed += applied
             self.publish_state()
             logger.info("replayed %d round(s) the swarm finished without this peer; now at epoch %d", applied,
                         self.epoch)
         return applied
+
+    def replays_beside(self) -> bool:
+        """Whether the result of the one round this peer missed may be fetched while it trains on into the
+        next one, and applied once that one's all-reduce is done (``RoundDriver``): where it could replay."""
+        return self.policy.synchronous and self.in_step and self.runtime.transport is not None \
+            and self.server is not None
+
+    async def fetch_missed(self, donors: list[str], epoch: int) -> torch.Tensor | ResultPieces:
+        """The result of round ``epoch`` as donors (least suspect first) agree on it; StateTransferError
+        when they do not hand it over."""
+        asked = self.runtime.admission.misbehaviour.least_suspect_first(self.runtime.reachable_first(donors))
+        return await self.agreed_result(asked, epoch)
+
+    def apply_missed(self, epoch: int, result: torch.Tensor | ResultPieces) -> bool:
+        """Apply the result of round ``epoch`` that this peer missed, its local progress kept on top (True
+        where there was such progress), and keep it for a peer further behind (in the frames it came in,
+        where it did). The caller moves the epoch on."""
+        kept_progress = self.policy.apply_keeping_progress(result)
+        self.server.publish_result(epoch, result, getattr(result, "frames", None))
+        self.replayed += 1
+        return kept_progress
 
     async def agreed_result(self, donors: list[str], epoch: int) -> torch.Tensor | ResultPieces:
         """The result of round ``epoch`` as ``REPLAY_DONORS`` of ``donors`` at once hand it over, so

@@ -27,6 +27,7 @@ import torch
 
 from swarmgrad.averaging import Averager, GossipAverager
 from swarmgrad.averaging.report import RoundReport
+from swarmgrad.peer.missed_round import MissedRound, Replayer
 from swarmgrad.peer.overlap import Flight, OverlapMode, PhaseClock
 from swarmgrad.peer.progress import SwarmProgress
 from swarmgrad.peer.strategies.base import Policy
@@ -141,15 +142,18 @@ class RoundDriver:
     applied, with the frames it travelled in (None when alone or lossless): a peer that missed the
     round replays it from there. ``run_id`` only names the run in warnings.
     ``overlap``: whether the policy's rounds may travel behind the next inner phase (overlap.py).
+    ``replayer``: fetches the one round this peer missed while it trains on into the next (missed_round.py).
     """
 
     def __init__(self, policy: Policy, backend: AveragingBackend, tracker: Tracker, timing: Timing,
                  catch_up: CatchUp, record: Callable[[RoundOutcome], None] = lambda outcome: None,
                  run_id: str = "",
                  keep_result: Callable[[int, torch.Tensor, list | None], None] = lambda epoch, result, frames: None,
-                 overlap: OverlapMode = "off"):
+                 overlap: OverlapMode = "off", replayer: Replayer | None = None):
         self.policy, self.backend, self.tracker, self.timing = policy, backend, tracker, timing
         self.catch_up, self.record, self.run_id, self.keep_result = catch_up, record, run_id, keep_result
+        self.replayer = replayer
+        self.missed: MissedRound | None = None  # the round this peer missed, fetched while it trains on
         self.solo_steps = 0  # epochs this peer finished alone
         self.overlapped = 0  # rounds that travelled behind an inner phase
         # samples this peer sent as weight in rounds that succeeded (its own, and those carried from a
@@ -187,7 +191,16 @@ class RoundDriver:
             return True
         ahead = self.tracker.ahead_of(epoch)
         if ahead:  # the swarm moved on without us: take its state instead of averaging stale values
+            if self.missed is not None:  # the round before first (its result is on its way)
+                await self._settle_missed()
+                epoch = self.tracker.local.epoch
+                return await self._try_catch_up(self.tracker.ahead_of(epoch) or ahead, epoch + 1)
+            self.missed = MissedRound.start(self.replayer, self.tracker, ahead, epoch)
+            if self.missed is not None:
+                return False  # trains on into the next round, which it reaches with the others
             return await self._try_catch_up(ahead, epoch + 1)
+        if self.missed is not None:
+            return await self._round_beside_missed(epoch)
         alone = not self.tracker.others_at(epoch) and not self.tracker.others_at(epoch - 1)
         if not alone:
             self.tracker.set_averaging(True)
@@ -240,6 +253,34 @@ class RoundDriver:
         self.solo_steps += 1
         self.tracker.next_epoch(epoch + 1)
         return True
+
+    async def _round_beside_missed(self, epoch: int) -> bool:
+        """``epoch``'s round, in turn, while the result of the one before it, which this peer missed, is
+        fetched (missed_round.py); that result is applied once the all-reduce is done with the
+        contribution, then this round's average on top, in the swarm's order."""
+        self.tracker.set_averaging(True)
+        self.clock.round_began()
+        began = self.clock.clock()
+        outcome, ahead = await self._attempts(epoch, MAX_ROUND_ATTEMPTS, self.policy.weight(),
+                                              self.policy.prepare_round)
+        average = outcome.average if outcome is not None else None
+        if isinstance(average, torch.Tensor) and \
+                average.untyped_storage().data_ptr() == self.policy.contribution.untyped_storage().data_ptr():
+            average = average.clone()  # landed in the contribution, which the replay's step releases
+        if not await self._settle_missed():  # back at the epoch it missed: this round's average cannot land
+            return await self._try_catch_up(self.tracker.ahead_of(epoch - 1) or ahead, epoch)
+        if outcome is None:  # the missed round is in; this one failed: judged afresh at the next swarm step
+            return True
+        self.clock.round_took(self.clock.clock() - began)
+        self.keep_result(epoch, average, outcome.frames)
+        self.policy.apply(average)
+        self.tracker.next_epoch(epoch + 1)
+        return True
+
+    async def _settle_missed(self) -> bool:
+        missed, self.missed = self.missed, None
+        assert missed is not None and self.replayer is not None
+        return await missed.settle(self.replayer, self.tracker)
 
     async def _attempts(self, epoch: int, attempts: int, weight: float, prepare: Callable[[], None],
                         first: int = 0, settle: bool = True) -> tuple[RoundOutcome | None, list[str]]:
@@ -405,6 +446,9 @@ class RoundDriver:
         """Drop the round in flight (leaving): nothing of it is applied, even if it is already back;
         the parameters keep the local progress and the epoch stays as it was. Only while the
         training side does not run."""
+        missed, self.missed = self.missed, None
+        if missed is not None:
+            await missed.drop()
         flight, self.flight = self.flight, None
         if flight is None:
             return
