@@ -194,11 +194,8 @@ class RoundDriver:
             if self.missed is not None:  # the round before first (its result is on its way)
                 await self._settle_missed()
                 epoch = self.tracker.local.epoch
-                return await self._try_catch_up(self.tracker.ahead_of(epoch) or ahead, epoch + 1)
-            self.missed = MissedRound.start(self.replayer, self.tracker, ahead, epoch)
-            if self.missed is not None:
-                return False  # trains on into the next round, which it reaches with the others
-            return await self._try_catch_up(ahead, epoch + 1)
+                ahead = self.tracker.ahead_of(epoch) or ahead
+            return await self._fall_in(ahead, epoch)
         if self.missed is not None:
             return await self._round_beside_missed(epoch)
         alone = not self.tracker.others_at(epoch) and not self.tracker.others_at(epoch - 1)
@@ -237,7 +234,7 @@ class RoundDriver:
             self.tracker.next_epoch(epoch + 1)
             return True
         if ahead:
-            return await self._try_catch_up(ahead, epoch + 1)
+            return await self._fall_in(ahead, epoch)
         if retries_travel and self.tracker.others_at(epoch):
             # the first attempt failed: the retries travel behind the next inner phase, so a failing
             # round holds the training loop for one attempt, not three (issue 38: 18-32 s stalls)
@@ -253,6 +250,15 @@ class RoundDriver:
         self.solo_steps += 1
         self.tracker.next_epoch(epoch + 1)
         return True
+
+    async def _fall_in(self, ahead: list[str], epoch: int) -> bool:
+        """The swarm finished ``epoch`` without this peer: one round ahead, its result is fetched while
+        this peer trains on into the next round (missed_round.py; False: nothing applied yet); further
+        ahead, or where this peer cannot replay, it catches up now."""
+        self.missed = MissedRound.start(self.replayer, self.tracker, ahead, epoch)
+        if self.missed is not None:
+            return False
+        return await self._try_catch_up(ahead, epoch + 1)
 
     async def _round_beside_missed(self, epoch: int) -> bool:
         """``epoch``'s round, in turn, while the result of the one before it, which this peer missed, is
@@ -424,7 +430,7 @@ class RoundDriver:
             self.policy.land(outcome.average)
         elif ahead:
             self.policy.withdraw()  # the swarm's state (or its rounds replayed) replaces this peer's
-            return await self._try_catch_up(ahead, flight.epoch + 1)
+            return await self._fall_in(ahead, flight.epoch)
         elif self.tracker.rejoin_from(flight.epoch):
             self.policy.withdraw()
             return bool(await self._rejoin(flight.epoch))

@@ -288,3 +288,17 @@ def test_a_missed_round_whose_fetch_fails_puts_the_peer_back_and_the_next_round_
     assert run_async(h.driver.swarm_step())  # the round ran; its average cannot land on epoch 0's state
     assert replayer.applied == [] and h.catch_ups == [(["ahead"], 1)]
     torch.testing.assert_close(h.policy.start, start)
+
+
+def test_a_round_the_others_finish_during_its_attempt_is_fetched_while_training_on():
+    """The attempt itself finds the swarm past this epoch (the lab's q2 joiner, rounds 26-28: each
+    replayed in turn, each next round missed): fetched beside the next round, as at the step's start."""
+    h, replayer = behind_by_one(torch.zeros(1), [False, True])
+    replayer.result = torch.full((h.policy.layout.total,), 0.5)
+    h.tracker.others = (peer_at(0, "other"),)
+    h.backend.on_call = lambda calls: setattr(h.tracker, "others", (peer_at(1, "finished"),))
+    assert not run_async(h.driver.swarm_step())
+    assert len(h.backend.calls) == 1 and h.catch_ups == [] and h.tracker.local.epoch == 1
+    h.backend.on_call = None
+    assert run_async(h.driver.swarm_step())
+    assert replayer.applied == [0] and h.tracker.local.epoch == 2 and h.catch_ups == []
