@@ -8,6 +8,7 @@ choice between replay and download); the last runs two real peers on loopback.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -254,6 +255,21 @@ async def train_until(peer: sg.Peer, model: torch.nn.Module, check, seconds: flo
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def three_q2_peers_at_epoch_2(run_id: str, models: list, **settings):
+    """Three real DiLoCo peers (q2, overlap off) of ``run_id`` that trained to epoch 2 together."""
+    settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "q2", "timing": TIMING,
+                **settings}
+    async with sg.Peer(*models[0], run_id=run_id, **settings) as a:
+        async with sg.Peer(*models[1], run_id=run_id, initial_peers=a.maddrs, **settings) as b, \
+                sg.Peer(*models[2], run_id=run_id, initial_peers=a.maddrs, **settings) as c:
+            peers = (a, b, c)
+            await asyncio.gather(*(peer.await_peers(3, 20) for peer in peers))
+            await asyncio.gather(*(train_until(peer, model, lambda peer=peer: peer.epoch >= 2, 60, "epoch 2", seed)
+                                   for seed, (peer, (model, _)) in enumerate(zip(peers, models))))
+            yield peers
+
+
 def test_a_peer_that_missed_a_round_replays_it_from_a_real_donor_and_matches_its_model():
     async def scenario() -> None:
         (model_a, opt_a), (model_b, opt_b) = real_model_and_optimizer(), real_model_and_optimizer()
@@ -313,42 +329,34 @@ def test_a_replayed_round_comes_in_the_frames_it_travelled_in_and_leaves_no_roun
 
     async def scenario() -> None:
         models = [real_model_and_optimizer() for _ in range(3)]
-        settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "q2", "timing": TIMING}
-        async with sg.Peer(*models[0], run_id="frames-run", **settings) as a:
-            async with sg.Peer(*models[1], run_id="frames-run", initial_peers=a.maddrs, **settings) as b, \
-                    sg.Peer(*models[2], run_id="frames-run", initial_peers=a.maddrs, **settings) as c:
-                peers = (a, b, c)
-                await asyncio.gather(*(peer.await_peers(3, 20) for peer in peers))
-                await asyncio.gather(*(train_until(peer, model, lambda peer=peer: peer.epoch >= 2, 60,
-                                                   "epoch 2", seed) for seed, (peer, (model, _)) in
-                                       enumerate(zip(peers, models))))
-                await b.apause()
-                epoch_b, before = b.epoch, a.status()
-                await asyncio.gather(*(train_until(peer, models[index][0], lambda peer=peer: peer.epoch > epoch_b,
-                                                   60, "a round without b", 10 + index)
-                                       for index, peer in ((0, a), (2, c))))
-                after = a.status()  # a averaged with c (a round with frames), not alone
-                assert after.rounds_ok > before.rounds_ok and after.solo_steps == before.solo_steps
-                assert a.epoch - epoch_b <= KEPT_RESULTS
+        async with three_q2_peers_at_epoch_2("frames-run", models) as (a, b, c):
+            await b.apause()
+            epoch_b, before = b.epoch, a.status()
+            await asyncio.gather(*(train_until(peer, models[index][0], lambda peer=peer: peer.epoch > epoch_b,
+                                               60, "a round without b", 10 + index)
+                                   for index, peer in ((0, a), (2, c))))
+            after = a.status()  # a averaged with c (a round with frames), not alone
+            assert after.rounds_ok > before.rounds_ok and after.solo_steps == before.solo_steps
+            assert a.epoch - epoch_b <= KEPT_RESULTS
 
-                async def b_sees_them_ahead() -> bool:
-                    return len(b.tracker.ahead_of(epoch_b)) == 2
+            async def b_sees_them_ahead() -> bool:
+                return len(b.tracker.ahead_of(epoch_b)) == 2
 
-                await eventually(b_sees_them_ahead, 30)
-                await b.aresume()
-                downloads = b.status().state_downloads
-                x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-                torch.nn.functional.cross_entropy(models[1][0](x), y).backward()
-                await b.astep(batch_size=16)
-                status = b.status()
-                assert status.rounds_replayed == a.epoch - epoch_b and status.state_downloads == downloads
-                assert b.epoch == a.epoch
-                assert in_parts == [2] * status.rounds_replayed, in_parts  # each round from both donors at once
-                kept = b.training.server.results  # the replayed rounds: kept as frames, not as bfloat16
-                assert all(epoch in kept and kept[epoch].framed for epoch in range(epoch_b, b.epoch)), \
-                    (kept.epochs(), epoch_b)
-                for pa, pb in zip(models[0][0].parameters(), models[1][0].parameters()):
-                    assert torch.allclose(pa, pb, atol=1e-6, rtol=0), (pa - pb).abs().max()
+            await eventually(b_sees_them_ahead, 30)
+            await b.aresume()
+            downloads = b.status().state_downloads
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            torch.nn.functional.cross_entropy(models[1][0](x), y).backward()
+            await b.astep(batch_size=16)
+            status = b.status()
+            assert status.rounds_replayed == a.epoch - epoch_b and status.state_downloads == downloads
+            assert b.epoch == a.epoch
+            assert in_parts == [2] * status.rounds_replayed, in_parts  # each round from both donors at once
+            kept = b.training.server.results  # the replayed rounds: kept as frames, not as bfloat16
+            assert all(epoch in kept and kept[epoch].framed for epoch in range(epoch_b, b.epoch)), \
+                (kept.epochs(), epoch_b)
+            for pa, pb in zip(models[0][0].parameters(), models[1][0].parameters()):
+                assert torch.allclose(pa, pb, atol=1e-6, rtol=0), (pa - pb).abs().max()
 
     run_async(scenario())
 
@@ -372,36 +380,28 @@ def test_a_peer_one_round_behind_takes_part_in_the_next_round_and_ends_on_the_sw
     async def scenario() -> None:
         models = [real_model_and_optimizer() for _ in range(3)]
         # the mean: a pair forms once b missed a window (no quorum of three to wait for it another attempt)
-        settings = {"strategy": sg.DiLoCo(inner_steps=INNER, overlap="off"), "compression": "q2", "timing": TIMING,
-                    "aggregator": "mean"}
-        async with sg.Peer(*models[0], run_id="missed-run", **settings) as a:
-            async with sg.Peer(*models[1], run_id="missed-run", initial_peers=a.maddrs, **settings) as b, \
-                    sg.Peer(*models[2], run_id="missed-run", initial_peers=a.maddrs, **settings) as c:
-                peers = (a, b, c)
-                await asyncio.gather(*(peer.await_peers(3, 20) for peer in peers))
-                await asyncio.gather(*(train_until(peer, model, lambda peer=peer: peer.epoch >= 2, 60,
-                                                   "epoch 2", seed) for seed, (peer, (model, _)) in
-                                       enumerate(zip(peers, models))))
-                missed = b.epoch  # b stops stepping; a and c finish this epoch's round without it
-                await asyncio.gather(*(train_until(peer, models[index][0], lambda peer=peer: peer.epoch > missed,
-                                                   60, "a round without b", 10 + index)
-                                       for index, peer in ((0, a), (2, c))))
-                assert a.epoch == c.epoch == missed + 1
-                rounds_b, downloads = b.status().rounds_ok, b.status().state_downloads
+        async with three_q2_peers_at_epoch_2("missed-run", models, aggregator="mean") as peers:
+            a, b, c = peers
+            missed = b.epoch  # b stops stepping; a and c finish this epoch's round without it
+            await asyncio.gather(*(train_until(peer, models[index][0], lambda peer=peer: peer.epoch > missed,
+                                               60, "a round without b", 10 + index)
+                                   for index, peer in ((0, a), (2, c))))
+            assert a.epoch == c.epoch == missed + 1
+            rounds_b, downloads = b.status().rounds_ok, b.status().state_downloads
 
-                async def b_sees_them_ahead() -> bool:
-                    return len(b.tracker.ahead_of(missed)) == 2
+            async def b_sees_them_ahead() -> bool:
+                return len(b.tracker.ahead_of(missed)) == 2
 
-                await eventually(b_sees_them_ahead, 30)
-                await asyncio.gather(*(train_until(peer, model, lambda peer=peer: peer.epoch >= missed + 2, 60,
-                                                   "the round after", 20 + seed) for seed, (peer, (model, _)) in
-                                       enumerate(zip(peers, models))))
-                status = b.status()
-                assert status.rounds_replayed == 1 and status.state_downloads == downloads
-                assert status.rounds_ok == rounds_b + 1 and status.last_report["peers"] == 3  # in the round after
-                for peer_model in (models[1][0], models[2][0]):
-                    for pa, pb in zip(models[0][0].parameters(), peer_model.parameters()):
-                        assert torch.allclose(pa, pb, atol=1e-6, rtol=0), (pa - pb).abs().max()
+            await eventually(b_sees_them_ahead, 30)
+            await asyncio.gather(*(train_until(peer, model, lambda peer=peer: peer.epoch >= missed + 2, 60,
+                                               "the round after", 20 + seed) for seed, (peer, (model, _)) in
+                                   enumerate(zip(peers, models))))
+            status = b.status()
+            assert status.rounds_replayed == 1 and status.state_downloads == downloads
+            assert status.rounds_ok == rounds_b + 1 and status.last_report["peers"] == 3  # in the round after
+            for peer_model in (models[1][0], models[2][0]):
+                for pa, pb in zip(models[0][0].parameters(), peer_model.parameters()):
+                    assert torch.allclose(pa, pb, atol=1e-6, rtol=0), (pa - pb).abs().max()
 
     run_async(scenario())
 
