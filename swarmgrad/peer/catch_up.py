@@ -5,8 +5,10 @@ state download ended with the swarm rounds further) replays the rounds it missed
 round's result from the peers that applied it (donors keep their last ``KEPT_RESULTS``,
 ``StateServer.publish_result``, and, for a joiner whose download of their state they served, every
 round since its state's version, within a byte cap: ``ResultHolds``) and applies it to its own state,
-as if it had averaged with them, keeping the local steps it made since its last round on top (``Policy.apply_keeping_progress``, as
-overlap's land does): they, and their samples as weight, go into its next round.
+as if it had averaged with them, keeping the local steps it made since its last round on top
+(``Policy.apply_keeping_progress``, as overlap's land does): they, and their samples as weight, go
+into its next round. One round behind, the round driver fetches the result while the peer trains on
+into the next round, and applies it once that round's all-reduce is done (missed_round.py).
 No donor alone decides what it applies (``CatchUp.agreed_result``): three are asked (those with the
 lowest misbehaviour scores here, so that peers seen clipped or cut are not asked while others can
 be) for the digest of the result they keep; the members of one group hold the very same one, so
