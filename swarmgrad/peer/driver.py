@@ -192,7 +192,7 @@ class RoundDriver:
         ahead = self.tracker.ahead_of(epoch)
         if ahead:  # the swarm moved on without us: take its state instead of averaging stale values
             if self.missed is not None:  # the round before first (its result is on its way)
-                await self._settle_missed()
+                await self.settle_missed()
                 epoch = self.tracker.local.epoch
                 ahead = self.tracker.ahead_of(epoch) or ahead
             return await self._fall_in(ahead, epoch)
@@ -273,7 +273,7 @@ class RoundDriver:
         if isinstance(average, torch.Tensor) and \
                 average.untyped_storage().data_ptr() == self.policy.contribution.untyped_storage().data_ptr():
             average = average.clone()  # landed in the contribution, which the replay's step releases
-        if not await self._settle_missed():  # back at the epoch it missed: this round's average cannot land
+        if not await self.settle_missed():  # back at the epoch it missed: this round's average cannot land
             return await self._try_catch_up(self.tracker.ahead_of(epoch - 1) or ahead, epoch)
         if outcome is None:  # the missed round is in; this one failed: judged afresh at the next swarm step
             return True
@@ -283,9 +283,13 @@ class RoundDriver:
         self.tracker.next_epoch(epoch + 1)
         return True
 
-    async def _settle_missed(self) -> bool:
+    async def settle_missed(self) -> bool:
+        """Apply the missed round whose result is on its way (missed_round.py), before anything else
+        reads the epoch (a resume's catch-up). False where its fetch failed: back at that epoch."""
         missed, self.missed = self.missed, None
-        assert missed is not None and self.replayer is not None
+        if missed is None:
+            return True
+        assert self.replayer is not None
         return await missed.settle(self.replayer, self.tracker)
 
     async def _attempts(self, epoch: int, attempts: int, weight: float, prepare: Callable[[], None],

@@ -288,6 +288,7 @@ class Peer:
         training, self._resynced = self.training, True
         if training.driver.flight is not None:
             await training.driver.land()  # the round cancelled by the pause: withdrawn, nothing applied
+        await training.driver.settle_missed()  # the epoch is the state's again before it is compared
         await self.runtime.presence.read()
         epoch = self.tracker.local.epoch
         donors = self.tracker.ahead_of(epoch)

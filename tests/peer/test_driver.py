@@ -302,3 +302,15 @@ def test_a_round_the_others_finish_during_its_attempt_is_fetched_while_training_
     h.backend.on_call = None
     assert run_async(h.driver.swarm_step())
     assert replayer.applied == [0] and h.tracker.local.epoch == 2 and h.catch_ups == []
+
+
+def test_a_missed_round_on_its_way_is_settled_before_a_resume_compares_epochs():
+    """Paused while the missed round's result is on its way, the peer's epoch is one past its state's:
+    the resume's catch-up settles it first (Peer._resync), else it would replay from the wrong round."""
+    h, replayer = behind_by_one(torch.zeros(1), [])
+    replayer.result = torch.full((h.policy.layout.total,), 0.5)
+    start = h.policy.start.clone()
+    assert not run_async(h.driver.swarm_step())
+    assert run_async(h.driver.settle_missed()) and replayer.applied == [0] and h.driver.missed is None
+    torch.testing.assert_close(h.policy.start, start - replayer.result)
+    assert h.tracker.local.epoch == 1 and run_async(h.driver.settle_missed())  # nothing on its way: nothing to do
