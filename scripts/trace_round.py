@@ -75,7 +75,9 @@ NOTES = {
     ("averaging.moshpit", "averaging.result_frames"): "the average handed over as the frames it travelled in "
                                                       "(`FramedAverage`): no float32 result of the model's size",
     ("peer.strategies", "averaging.result_frames"): "the outer step walks the average a frame at a time",
-    ("peer.driver", "averaging.moshpit"): "the round key from this peer's cell of the grid (no network)",
+    ("peer.driver", "peer.backends"): "one attempt through the moshpit adapter, which names the attempt it goes on to "
+                                      "if this one fails (a late peer follows it there)",
+    ("peer.backends", "averaging.moshpit"): "the round key from this peer's cell of the grid (no network)",
     ("averaging.matchmaking", "averaging.attendance"): "whom to wait for: slice members seen alive (declared, "
                                                        "invited, accepted or answered a probe); the others are "
                                                        "probed in the background, never waited for",
@@ -93,7 +95,7 @@ NOTES = {
     ("averaging.invitations", "averaging.attendance"): "the members that accepted are seen alive",
     ("averaging.invitations", "averaging.rules"): "the quorum: from how many rows the run's rule out-votes a liar "
                                                   "(no pairs while that many are here)",
-    ("averaging.moshpit", "peer.driver"): "as the all-reduce begins: is this a round in turn (not one that became a "
+    ("averaging.moshpit", "peer.backends"): "as the all-reduce begins: is this a round in turn (not one that became a "
                                           "flight meanwhile, whose contribution the launch filled)",
     ("averaging.moshpit", "averaging.allreduce"): "the all-reduce: each part's chunks encoded and streamed to its "
                                                   "owner, this peer's part reduced, the averages received",

@@ -8,8 +8,8 @@ import time
 import torch
 
 from swarmgrad.averaging.report import RoundReport
+from swarmgrad.peer.backends import RoundOutcome
 from swarmgrad.peer.config import RunConfig
-from swarmgrad.peer.driver import RoundOutcome
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
 from swarmgrad.peer.strategies.registry import make_policy
 

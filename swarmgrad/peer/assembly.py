@@ -37,11 +37,12 @@ from swarmgrad.dht.node import SwarmNode
 from swarmgrad.dht.tickets import Ticket
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.network_runtime import NetworkRuntime
+from swarmgrad.peer.backends import AveragingBackend, GossipBackend, MoshpitBackend
 from swarmgrad.peer.catch_up import CatchUp
 from swarmgrad.peer.checkpoint import Checkpointer
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.counters import Counters
-from swarmgrad.peer.driver import AveragingBackend, GossipBackend, MoshpitBackend, RoundDriver
+from swarmgrad.peer.driver import RoundDriver
 from swarmgrad.peer.manifest import MANIFEST_TTL, RunManifest, publish_manifest, settle_from_dht
 from swarmgrad.peer.peer_config import PeerConfig
 from swarmgrad.peer.progress import ProgressTracker

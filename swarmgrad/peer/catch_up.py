@@ -37,7 +37,7 @@ import torch
 
 from swarmgrad.eventloop import timeout
 from swarmgrad.net.network_runtime import NetworkRuntime
-from swarmgrad.peer.driver import RoundOutcome
+from swarmgrad.peer.backends import RoundOutcome
 from swarmgrad.peer.state import TrainingState, not_optimizer
 from swarmgrad.peer.strategies.base import Policy
 from swarmgrad.state.kept import KEPT_RESULTS

@@ -11,7 +11,7 @@ import torch
 
 from swarmgrad.averaging.moshpit import UNREACHABLE_GROUP
 from swarmgrad.net.accountability import Misbehaviour
-from swarmgrad.peer.driver import RoundOutcome
+from swarmgrad.peer.backends import RoundOutcome
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from swarmgrad.version import __version__
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from swarmgrad.peer.driver import RoundOutcome
+    from swarmgrad.peer.backends import RoundOutcome
     from swarmgrad.peer.peer import Peer
 
 # a gossip step takes milliseconds, a moshpit round seconds, a round on a slow uplink minutes

@@ -20,7 +20,7 @@ from swarmgrad.errors import ConfigError
 from swarmgrad.net.accountability import WEIGHTS, Accountability, Misbehaviour
 from swarmgrad.net.admission import BANNED, NOT_ADMITTED, Admission
 from swarmgrad.net.wire import FrameError
-from swarmgrad.peer.driver import RoundOutcome
+from swarmgrad.peer.backends import RoundOutcome
 from swarmgrad.state import snapshot as state_snapshot
 from swarmgrad.state.landing import StateLanding
 from swarmgrad.state.snapshot import StateSnapshot, StateTransferError

@@ -19,8 +19,8 @@ from swarmgrad.averaging import Averager, GossipAverager
 from swarmgrad.errors import ConfigError
 from swarmgrad.net.accountability import Accountability
 from swarmgrad.peer.assembly import PeerAssembly
+from swarmgrad.peer.backends import GossipBackend, MoshpitBackend
 from swarmgrad.peer.config import RunConfig
-from swarmgrad.peer.driver import GossipBackend, MoshpitBackend
 from swarmgrad.peer.keywords import option_paths, peer_settings
 from swarmgrad.peer.open_run import OpenRun
 from swarmgrad.peer.peer_config import PeerConfig, Stop

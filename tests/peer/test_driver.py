@@ -12,7 +12,8 @@ from conftest import run_async
 from peer_fakes import FakeBackend, FakeTracker, attach, model_and_optimizer, set_grads
 
 from swarmgrad.averaging.settings import Gossip
-from swarmgrad.peer.driver import MAX_ROUND_ATTEMPTS, RoundDriver
+from swarmgrad.peer.backends import MAX_ROUND_ATTEMPTS
+from swarmgrad.peer.driver import RoundDriver
 from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.peer.strategies.gossip import GossipSGD

@@ -17,7 +17,8 @@ from conftest import FakeClock
 from peer_fakes import FakeTracker, attach, model_and_optimizer, set_grads
 
 from swarmgrad.averaging.report import RoundReport
-from swarmgrad.peer.driver import MAX_ROUND_ATTEMPTS, RoundDriver, RoundOutcome
+from swarmgrad.peer.backends import MAX_ROUND_ATTEMPTS, RoundOutcome
+from swarmgrad.peer.driver import RoundDriver
 from swarmgrad.peer.overlap import PhaseClock
 from swarmgrad.peer.progress import PeerProgress
 from swarmgrad.peer.strategies.diloco import DiLoCo

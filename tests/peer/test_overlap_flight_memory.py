@@ -10,7 +10,7 @@ import torch
 from test_overlap import AVERAGE, GatedBackend, Harness, _settle
 
 from swarmgrad.averaging.report import RoundReport
-from swarmgrad.peer.driver import RoundOutcome
+from swarmgrad.peer.backends import RoundOutcome
 
 
 class ReadingBackend(GatedBackend):
