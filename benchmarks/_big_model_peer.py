@@ -283,9 +283,11 @@ def run_worker(cfg: WorkerConfig, send: Any) -> None:
 
     import swarmgrad as sg
     from swarmgrad.eventloop import configure_logging
+    from swarmgrad.hostmemory import tune_allocator
 
     configure_logging(logging.INFO)
     torch.set_num_threads(1)
+    tune_allocator()  # as sg.Peer will: what the allocator keeps of the training's own step is the baseline's
     deadline = time.monotonic() + cfg.deadline_s
     model, optimizer, batches = build_model(cfg)
     allocate_training_state(model, optimizer, batches[0])

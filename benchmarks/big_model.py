@@ -48,7 +48,9 @@ What each peer process measures and reports to the parent (one JSON line):
 * host RAM beyond model, gradients and optimizer, in bytes per parameter. Baseline: VmRSS of
   /proc/self/status after the model was built, one forward/backward pass left its gradients and one
   Adam step allocated both moments (16 bytes per parameter in all), after ``gc.collect()`` and before
-  the ``Peer`` exists. ``steady``: VmRSS read right before each ``step()`` call that ran a swarm step
+  the ``Peer`` exists, with glibc's thresholds set first as the ``Peer`` sets them
+  (``swarmgrad.hostmemory.tune_allocator``: what the allocator keeps of the training's own step is
+  the training's, not the swarm's). ``steady``: VmRSS read right before each ``step()`` call that ran a swarm step
   (after ``backward()``: gradients present, as in the baseline), the median of those after the first
   round, minus the baseline. ``peak``: the largest VmRSS a thread sampling every 50 ms saw from the
   baseline on, minus the baseline (VmHWM minus the baseline is in the JSON too). The p2pd daemon a

@@ -35,7 +35,7 @@ import torch
 from swarmgrad.dht.evaluations import Evaluation, evaluation
 from swarmgrad.dht.membership import reachability
 from swarmgrad.eventloop import BackgroundLoop
-from swarmgrad.hostmemory import return_freed_memory
+from swarmgrad.hostmemory import release_freed_memory, tune_allocator
 from swarmgrad.peer.assembly import PeerAssembly, Training, check_privacy
 from swarmgrad.peer.config import RunConfig
 from swarmgrad.peer.keywords import peer_settings
@@ -90,7 +90,7 @@ class Peer:
                 batch_size: int | None, dataset_size: int | None, background: BackgroundLoop | None) -> None:
         self.assembly, self.model, self.optimizer = assembly, model, optimizer
         self.batch_size, self.dataset_size = batch_size, dataset_size
-        return_freed_memory()  # a round's freed buffers go back to the system (hostmemory.py)
+        tune_allocator()  # freed blocks reused while training, handed back after each round (hostmemory.py)
         self.run_id, self.timing = assembly.run_id, assembly.timing
         self.runtime, self.node, self.tracker = assembly.runtime, assembly.node, assembly.tracker
         self.counters, self.evaluations = assembly.counters, assembly.evaluations
@@ -200,6 +200,7 @@ class Peer:
         except BaseException:
             await self.assembly.close()
             raise
+        _hand_back_freed_memory()  # what building the peer freed: its first round would otherwise stack on it
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -467,3 +468,9 @@ class Peer:
             training.publish_state()
             if training.checkpointer is not None and training.checkpointer.due():
                 training.checkpointer.save()  # on a thread: the step goes on
+            _hand_back_freed_memory()  # what the round freed
+
+
+def _hand_back_freed_memory() -> None:
+    """Free heap pages go back to the system on a worker thread (hostmemory.py): the step goes on."""
+    asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
