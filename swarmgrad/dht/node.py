@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 
 from swarmgrad.dht.addresses import listen_address
 from swarmgrad.dht.config import NodeConfig
+from swarmgrad.dht.daemon import daemon_class
 from swarmgrad.dht.identity import Identity
 from swarmgrad.dht.reachability import DialBackServer, ask_dial_back
 from swarmgrad.dht.records import BodyT, RecordError, SignedRecord, SignedRecordValidator, open_envelope, seal
@@ -402,7 +403,7 @@ class SwarmNode:
         with _identity_file(self.identity) as identity_path:
             while True:
                 try:
-                    return await _daemon_class(config, serve_relay=self.dialable, static_relays="trusted_relays" in relays).create(
+                    return await daemon_class(config, serve_relay=self.dialable, static_relays="trusted_relays" in relays).create(
                         initial_peers=config.initial_peers or None,
                         host_maddrs=[str(listen_address(config.host, config.port))],
                         announce_maddrs=config.announce_maddrs or None,
@@ -472,25 +473,6 @@ def _varint(value: int) -> bytes:
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
-
-
-def _daemon_class(config: NodeConfig, *, serve_relay: bool, static_relays: bool) -> type[P2P]:
-    """hivemind's P2P, with the relay service's bounds on its p2pd command line (P2P.create has no
-    parameters for them); a node nobody can dial relays for nobody. With ``static_relays`` it
-    reserves on the trusted relays at once (p2pd's relay discovery waits for 4 candidates or 3
-    minutes before it reserves anywhere)."""
-    if not config.use_relay:
-        return P2P
-    flags = [f"-relayService={int(serve_relay)}"] + (["-relayDiscovery=0"] if static_relays else [])
-    if serve_relay:
-        flags += [f"-relayMaxReservations={config.relay_reservations}", f"-relayMaxCircuits={config.relay_circuits}",
-                  f"-relayDataLimit={int(config.relay_mbytes * 2**20)}", f"-relayTimeLimit={config.relay_seconds:g}s"]
-
-    class BoundedRelayP2P(P2P):
-        def _make_process_args(self, *args, **kwargs) -> list[str]:  # hivemind calls it on the instance
-            return P2P._make_process_args(*args, **kwargs) + flags
-
-    return BoundedRelayP2P
 
 
 @contextlib.contextmanager
