@@ -45,6 +45,7 @@ from swarmgrad.state.results import (
     RESULT_DTYPE,
     ResultFrames,
     ResultPieces,
+    digest_seconds,
     download_result,
     download_result_digest,
     download_result_in_parts,
@@ -305,7 +306,7 @@ class CatchUp:
         gone): the caller then takes every donor's result and their median."""
         assert self.runtime.transport is not None
         try:
-            async with timeout(self.timing.control_timeout):
+            async with timeout(self.timing.control_timeout + digest_seconds(self.policy.layout.total)):
                 named = await asyncio.gather(*(download_result_digest(
                     self.runtime.transport, self.server.protocol, donor, epoch) for donor in asked),
                     return_exceptions=True)

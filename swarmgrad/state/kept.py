@@ -16,12 +16,13 @@ disk), the result stays in memory, as before, and the log says so once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 import torch
 
@@ -98,15 +99,17 @@ class ResultHolds:
 
 class KeptResult:
     """One round's result as served: its frames (``headers`` and payloads) or bfloat16 chunks
-    (``headers`` None), its sha256 (a future while a thread computes it), in memory or on disk."""
+    (``headers`` None), its sha256 (or how to compute it, in a thread when first asked), in memory or
+    on disk."""
 
     def __init__(self, numel: int, headers: list[dict] | None, payloads: Sequence[bytes | memoryview],
-                 digest: str | asyncio.Future[str]):
+                 digest: str | Callable[[], str]):
         self.numel, self.headers, self.digest = numel, headers, digest
         self.nbytes = sum(len(payload) for payload in payloads)
         self._payloads: list[bytes | memoryview] | None = list(payloads)
         self._file: IO[bytes] | None = None
         self._spans: list[tuple[int, int]] = []  # (offset, length) of each payload in the file
+        self._naming: asyncio.Future[str] | None = None  # the digest being computed for the first asker
 
     @property
     def framed(self) -> bool:
@@ -164,8 +167,20 @@ class KeptResult:
         return KeptFrames(self)
 
     async def named(self) -> str:
+        """Its sha256; a framed result's is computed when first asked (``KeptResults.add``)."""
         digest = self.digest
-        return digest if isinstance(digest, str) else await asyncio.shield(digest)
+        if isinstance(digest, str):
+            return digest
+        if self._naming is None:
+            self._naming = asyncio.ensure_future(asyncio.to_thread(digest))
+            self._naming.add_done_callback(self._named)
+        return await asyncio.shield(self._naming)
+
+    def _named(self, naming: asyncio.Future[str]) -> None:
+        if naming.cancelled() or naming.exception() is not None:
+            self._naming = None  # the next asker tries again
+        else:
+            self.digest = naming.result()
 
 
 class KeptFrames(Sequence[Frame]):
@@ -226,26 +241,16 @@ class KeptResults:
             kept = KeptResult(result.numel(), None, [data[start : start + size] for start in range(0, len(data), size)],
                               result_digest(copy))
         else:
+            # its digest decodes every frame (at 201M: 0.6-0.75 CPU-seconds, a tenth of a round's CPU): a
+            # peer that replays the round asks for it, most rounds nobody does
             kept = KeptResult(result.numel(), [header for header, _ in frames], [payload for _, payload in frames],
-                              self._digest(result))
+                              functools.partial(result_digest, result))
             read_from = getattr(result, "read_from", None)
             if read_from is not None:  # the average reads them where they are kept: it pins no copy
                 read_from(kept.frames())
         self._results[epoch] = kept
         self._drop_old()
         self._write(kept)
-
-    @staticmethod
-    def _digest(result: ResultPieces) -> str | asyncio.Future[str]:
-        """A framed result's digest, decoded in a thread (a pass over the model's size, which the outer
-        step would wait for) when an event loop runs."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # called from plain code: now
-            return result_digest(result)
-        named = asyncio.ensure_future(asyncio.to_thread(result_digest, result))
-        named.add_done_callback(lambda done: done.cancelled() or done.exception())  # dropped unasked: retrieved
-        return named
 
     def _write(self, kept: KeptResult) -> None:
         """To disk: in a thread where an event loop runs, else now."""

@@ -45,6 +45,15 @@ class ResultPieces(Protocol):
 
 
 DIGEST_ELEMENTS = 1 << 22  # converted to bfloat16 this many at a time: no copy of the whole result
+# a donor computes a framed result's digest when first asked (state/kept.py): every frame decoded, then
+# bfloat16 and sha256: 2.8 (int8) to 3.7 (q2) CPU-nanoseconds an element, measured beside a lab run
+# (201M, q2: 0.75 s); an asker waits ten times that beside its control timeout (a donor's cores are busy)
+DIGEST_SECONDS_PER_ELEMENT = 40e-9
+
+
+def digest_seconds(numel: int) -> float:
+    """How long a donor may take to name a result of ``numel`` elements (beyond the exchange itself)."""
+    return numel * DIGEST_SECONDS_PER_ELEMENT
 
 
 def result_digest(result: torch.Tensor | ResultPieces) -> str:

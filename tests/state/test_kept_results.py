@@ -67,6 +67,39 @@ def test_a_kept_result_moves_to_an_unlinked_file_and_reads_back_to_the_byte(tmp_
     assert os.listdir(tmp_path) == []  # unlinked at once: nothing is left behind if the process dies
 
 
+def test_a_framed_results_digest_is_computed_once_when_a_peer_first_asks_for_it(tmp_path):
+    """Decoding every frame for the digest is a tenth of a round's CPU at 201M, and most rounds no
+    peer replays: it waits for the first asker; two at once share one computation; a failed one is
+    computed again for the next asker."""
+    values = torch.randn(20_000, generator=torch.Generator().manual_seed(5))
+    frames = frames_of(values, 8_000)
+    computed = []
+
+    class Counted(Framed):
+        def pieces(self):
+            computed.append(len(computed))
+            if len(computed) == 1:
+                raise OSError("the first computation fails")
+            yield from super().pieces()
+
+    async def scenario():
+        results = KeptResults(ResultHolds(60.0), directory=str(tmp_path))
+        results.add(3, Counted(values, frames), frames)
+        await written(results, 3)
+        unasked = len(computed)
+        try:
+            await results[3].named()
+        except OSError:
+            pass
+        names = await asyncio.gather(results[3].named(), results[3].named())
+        return unasked, names, await results[3].named()
+
+    unasked, names, again = asyncio.run(scenario())
+    assert unasked == 0  # kept and written: no digest yet
+    assert names == [result_digest(values)] * 2 and again == names[0]
+    assert len(computed) == 2  # the failed one, then one for both askers and the third
+
+
 def test_an_average_kept_as_its_frames_reads_them_from_the_file_once_written(tmp_path):
     """An average that outlives its round (an outer step a download reads past holds it) reads its
     frames where they are kept: once they are on disk it pins none of them in memory."""
