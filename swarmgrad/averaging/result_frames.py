@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -65,16 +65,20 @@ class ResultDecoder:
             result[chunk.start : chunk.start + chunk.length] = decode_chunk(self.codec, header, payload, chunk.view)
         return result
 
-    def framed(self, frames: Sequence[Frame]) -> FramedAverage:
+    def framed(self, frames: Sequence[Frame], each: Callable[[torch.Tensor], None] | None = None) -> FramedAverage:
         """The result held as its frames (``FramedAverage``: no float32 copy of it), each decoded once
-        here to check it; FrameError as ``decode``'s, or for a value that is NaN or Inf."""
+        here to check it, and handed to ``each`` in order where given (the digest is taken on the same
+        pass: state/results.py); FrameError as ``decode``'s, or for a value that is NaN or Inf."""
         if len(frames) != self.frames:
             raise FrameError(f"a result of {len(frames)} frames, expected {self.frames}")
         for index, ((header, payload), chunk) in enumerate(zip(frames, self.schema.chunks)):
             self.check_header(index, header)
-            low, high = torch.aminmax(decode_chunk(self.codec, header, payload, chunk.view))
+            values = decode_chunk(self.codec, header, payload, chunk.view)
+            low, high = torch.aminmax(values)
             if not (math.isfinite(float(low)) and math.isfinite(float(high))):
                 raise FrameError(f"the result's chunk {index} holds NaN or Inf")
+            if each is not None:
+                each(values.reshape(-1))
         return FramedAverage(frames, self.schema, self._round_codec)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -61,13 +61,25 @@ def result_digest(result: torch.Tensor | ResultPieces) -> str:
     digest = hashlib.sha256()
     if not isinstance(result, torch.Tensor):  # frames: each decoded once, no copy of it
         for _, piece in result.pieces():
-            digest.update(memoryview(piece.to(RESULT_DTYPE).view(torch.uint8).numpy()))
+            _hash_piece(digest, piece)
         return digest.hexdigest()
     flat = result.detach().reshape(-1)
     for start in range(0, flat.numel(), DIGEST_ELEMENTS):
         piece = flat[start : start + DIGEST_ELEMENTS].to("cpu").to(RESULT_DTYPE)
         digest.update(memoryview(piece.view(torch.uint8).numpy()))
     return digest.hexdigest()
+
+
+def _hash_piece(digest: Any, piece: torch.Tensor) -> None:  # digest: a hashlib sha256
+    digest.update(memoryview(piece.to(RESULT_DTYPE).view(torch.uint8).numpy()))
+
+
+def framed_and_named(decoder: ResultFrames, frames: Sequence[tuple[dict, bytes]]) -> tuple[ResultPieces, str]:
+    """Received frames as a result (checked: ``decoder.framed``) and their digest (``result_digest``),
+    each frame decoded once for both (a replayed round at 201M: one pass over the model's size less)."""
+    digest = hashlib.sha256()
+    framed = decoder.framed(frames, each=lambda values: _hash_piece(digest, values))
+    return framed, digest.hexdigest()
 
 
 async def download_result_digest(transport: Transport, protocol: str, donor: str, epoch: int) -> str:
@@ -98,7 +110,8 @@ class ResultFrames(Protocol):
 
     def decode(self, frames: Sequence[tuple[dict, bytes]]) -> torch.Tensor: ...
 
-    def framed(self, frames: Sequence[tuple[dict, bytes]]) -> ResultPieces: ...
+    def framed(self, frames: Sequence[tuple[dict, bytes]],
+               each: Callable[[torch.Tensor], None] | None = None) -> ResultPieces: ...
 
 
 async def download_result(transport: Transport, protocol: str, donors: list[str], epoch: int, numel: int, *,
@@ -133,6 +146,7 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
     channel = await transport.open(donor, protocol)
     clean = False
     result: torch.Tensor | ResultPieces  # its frames, or the bfloat16 copy as it came
+    named = None  # the frames' digest, taken as they were checked
     try:
         await channel.send({"t": "result", "epoch": epoch, "chunks": True,
                             **({"frames": True} if decoder is not None else {})})
@@ -145,8 +159,8 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
                 raise FrameError("a result in frames that were not asked for, or with a payload")
             int_field(header, "frames", decoder.frames, decoder.frames)
             frames = await _read_frames(channel, decoder, 0, decoder.frames)
-            # each frame decoded once: checked, finite; off the event loop (seconds at 200M parameters)
-            framed = await asyncio.to_thread(decoder.framed, frames)
+            # each frame decoded once: checked, finite, and hashed; off the event loop (seconds at 200M)
+            framed, named = await asyncio.to_thread(framed_and_named, decoder, frames)
             if framed.numel() != numel:
                 raise FrameError(f"the result's frames hold {framed.numel()} values, expected {numel}")
             result = framed
@@ -165,13 +179,15 @@ async def _fetch_result(transport: Transport, protocol: str, donor: str, epoch: 
         clean = True
     finally:
         await (channel.close() if clean else channel.abort())
-    return await asyncio.to_thread(_checked_result, epoch, result, digest)
+    return await asyncio.to_thread(_checked_result, epoch, result, digest, named)
 
 
-def _checked_result(epoch: int, result: torch.Tensor | ResultPieces, digest: str | None) -> torch.Tensor | ResultPieces:
-    """The result a donor handed over (its frames, or its bfloat16 copy), once its digest (given one)
-    and, for a bfloat16 copy, its values are checked; in a thread: a pass over every byte."""
-    if digest is not None and result_digest(result) != digest:
+def _checked_result(epoch: int, result: torch.Tensor | ResultPieces, digest: str | None,
+                    named: str | None = None) -> torch.Tensor | ResultPieces:
+    """The result a donor handed over (its frames, or its bfloat16 copy), once its digest (given one:
+    against ``named``, where its frames were hashed as they were checked) and, for a bfloat16 copy,
+    its values are checked; in a thread: a pass over every byte."""
+    if digest is not None and (named or result_digest(result)) != digest:
         raise StateTransferError(f"the result of round {epoch} it served is not the one it and others described")
     if not isinstance(result, torch.Tensor):
         return result
@@ -219,11 +235,11 @@ async def download_result_in_parts(transport: Transport, protocol: str, donors: 
         for fetch in fetches:
             fetch.cancel()
         await asyncio.gather(*fetches, return_exceptions=True)
-    try:  # off the event loop: each frame decoded once (finite), then again for the digest
-        framed = await asyncio.to_thread(decoder.framed, [frame for part in parts for frame in part])
+    try:  # off the event loop: each frame decoded once, checked (finite) and hashed
+        framed, named = await asyncio.to_thread(framed_and_named, decoder, [frame for part in parts for frame in part])
     except FrameError as error:
         raise StateTransferError(f"the result of round {epoch} in parts: {error}") from error
-    if framed.numel() != numel or await asyncio.to_thread(result_digest, framed) != digest:
+    if framed.numel() != numel or named != digest:
         raise StateTransferError(f"the result of round {epoch} in parts is not the one its donors described")
     return framed
 

@@ -48,3 +48,21 @@ def test_a_framed_average_needs_every_frame():
     schema, codec, frames = travelled(torch.randn(2_500), "int8")
     with pytest.raises(ValueError, match="2 frames, expected 3"):
         FramedAverage(frames[:2], schema, codec)
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "q2"])
+def test_received_frames_are_checked_and_named_on_one_decoding_pass(codec_name, monkeypatch):
+    """A replayed round's frames are decoded once for the finite check and the digest together
+    (state/results.py ``framed_and_named``): at 201M a pass over the model's size less per round."""
+    import swarmgrad.averaging.result_frames as result_frames
+    from swarmgrad.state.results import framed_and_named
+
+    values = torch.randn(4_321, generator=torch.Generator().manual_seed(4))
+    schema, codec, frames = travelled(values, codec_name)
+    decoded = []
+    real = result_frames.decode_chunk
+    monkeypatch.setattr(result_frames, "decode_chunk", lambda *args: decoded.append(1) or real(*args))
+    framed, named = framed_and_named(ResultDecoder(schema, codec), frames)
+    assert len(decoded) == len(frames)  # each frame once
+    monkeypatch.setattr(result_frames, "decode_chunk", real)
+    assert named == result_digest(framed) == result_digest(ResultDecoder(schema, codec).decode(frames))
