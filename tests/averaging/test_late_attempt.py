@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 from conftest import run_async
 
 from swarmgrad.averaging.group_plan import GroupPlan
-from swarmgrad.averaging.matchmaking import Matchmaker, Retried
+from swarmgrad.averaging.matchmaking import Matchmaker, Retried, split_groups
 from swarmgrad.dht import NodeConfig
 from swarmgrad.net.network_runtime import NetworkRuntime
 from swarmgrad.timing import Timing
@@ -28,8 +28,16 @@ WINDOW = 1.5
 PROTOCOL = "late-attempt/match"
 
 
-def key(attempt: int) -> str:
-    return "late-attempt/r0" if attempt == 0 else f"late-attempt/r0.{attempt}"
+def key(attempt: int, round_name: str) -> str:
+    return round_name if attempt == 0 else f"{round_name}.{attempt}"
+
+
+def round_led_by(peer: str, members: frozenset[str]) -> str:
+    """A round name under which ``peer`` is its group's expected leader at the first attempt: the case
+    where the two that came on time must both see that they are too few without it, at the same moment
+    (one of them used to go on at once and the other a plan's wait later, and they missed each other)."""
+    return next(name for name in (f"late-attempt/r{index}" for index in range(1000))
+                if split_groups(sorted(members), 4, name)[0][0] == peer)
 
 
 async def three_peers_one_late() -> tuple[list[tuple[int, GroupPlan | None]], object, float, object]:
@@ -48,10 +56,11 @@ async def three_peers_one_late() -> tuple[list[tuple[int, GroupPlan | None]], ob
             for peer in members - {matchmaker.node.peer_id}:
                 matchmaker.attendance.seen_alive(peer)
         *starters, late = matchmakers
+        round_name = round_led_by(late.node.peer_id, members)
         retrying, in_retry = [], asyncio.Event()
 
         async def find(matchmaker: Matchmaker, attempt: int) -> GroupPlan | Retried | None:
-            return await matchmaker.find_group(key(attempt), group_size=4, min_group_size=2, window=WINDOW,
+            return await matchmaker.find_group(key(attempt, round_name), group_size=4, min_group_size=2, window=WINDOW,
                                                share=1.0, expected_members=members)
 
         async def start(matchmaker: Matchmaker) -> tuple[int, GroupPlan | None]:
@@ -66,7 +75,7 @@ async def three_peers_one_late() -> tuple[list[tuple[int, GroupPlan | None]], ob
                 plan = await find(matchmaker, attempt)
                 if plan is not None:
                     return attempt, plan
-                matchmaker.leave(key(attempt), attempt + 1)
+                matchmaker.leave(key(attempt, round_name), attempt + 1)
             return 3, None
 
         async def come_late() -> tuple[object, float, object]:
