@@ -163,7 +163,10 @@ class Matchmaker:
         6 s, window, grace and a plan's wait, for a group nobody else was looking for any more)."""
         me = self.node.peer_id
         latency = self.node.dht_latency
-        patience = Patience(straggler_cap(self.rounds.period, window, latency), paces or {},
+        paces = paces or {}
+        own = paces.get(me)  # this peer's own record: its seconds a step floor the cap
+        step = 1.0 / own.steps_per_second if own is not None and own.steps_per_second > 0 else None
+        patience = Patience(straggler_cap(self.rounds.period, window, latency, step), paces,
                             shown_after=CAP_LATENCIES * latency)
         self.rounds.started()
         waited = None

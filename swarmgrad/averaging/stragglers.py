@@ -6,8 +6,9 @@ in the round; waiting too long costs every faster peer its time. So, once this p
 own round period (the median gap between the starts of its last rounds, ``RoundClock``), a member
 whose presence record carries a pace (``Pace``: its claimed step rate, and whether it has started
 averaging) is waited for only up to a cap, ``straggler_cap``: ``STRAGGLER_SHARE`` of that period,
-never less than a few of this node's DHT request times (a declaration takes that long to show) and
-never more than the matchmaking window; and a declaration made at the cap's last moment is looked
+never less than a few of this node's DHT request times (a declaration takes that long to show) nor
+than one and a half of this peer's own steps (a member as fast comes within one), and never more
+than the matchmaking window; and a declaration made at the cap's last moment is looked
 for as long as a declaration takes to show. A member whose claimed pace says it cannot arrive within
 the cap (one of its steps, unless it is averaging already, takes longer) is not waited for at all:
 it replays the round when it comes and keeps its local progress for the next one (catch_up.py).
@@ -36,6 +37,12 @@ from typing import Callable, Iterable, Mapping
 STRAGGLER_SHARE = 0.1
 # a declaration shows after a store and a read: this many DHT request times (matchmaking.GRACE_LATENCIES)
 CAP_LATENCIES = 3
+# A member as fast as this peer comes within one of its steps of the round being due (it checks only
+# between steps), so the cap is never less than this many of this peer's own steps: a tenth of a
+# period of a few steps is less than one, and every member of equal pace that was not averaging yet
+# when half had declared was left out of the round (a test's 3 peers at H=4: one of them every few
+# runs under load). A 10x slower member's step is still far past it: not waited for.
+OWN_STEPS = 1.5
 ROUNDS_KEPT = 9  # round gaps the period is the median of: a retry's short gap moves it little
 
 
@@ -74,11 +81,12 @@ class RoundClock:
         return statistics.median(self._gaps) if self._gaps else None
 
 
-def straggler_cap(period: float | None, window: float, latency: float) -> float | None:
-    """The longest wait for a straggler (None: no cap measured yet, the window rules)."""
+def straggler_cap(period: float | None, window: float, latency: float, step: float | None = None) -> float | None:
+    """The longest wait for a straggler (None: no cap measured yet, the window rules). ``step``: this
+    peer's own seconds a step, by its record: the cap is at least ``OWN_STEPS`` of them."""
     if period is None:
         return None
-    return min(window, max(STRAGGLER_SHARE * period, CAP_LATENCIES * latency))
+    return min(window, max(STRAGGLER_SHARE * period, CAP_LATENCIES * latency, OWN_STEPS * (step or 0.0)))
 
 
 def half_declared(alive: frozenset[str], declared: set[str]) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from matchmaking_fakes import DeclaredNode
 
 from swarmgrad.averaging.matchmaking import Matchmaker
-from swarmgrad.averaging.stragglers import STRAGGLER_SHARE, Pace, Patience, RoundClock, straggler_cap
+from swarmgrad.averaging.stragglers import OWN_STEPS, STRAGGLER_SHARE, Pace, Patience, RoundClock, straggler_cap
 
 WINDOW = 20.0  # the window a straggler would otherwise cost
 PERIOD = 1.0  # this peer's measured round period: the cap is STRAGGLER_SHARE of it
@@ -46,6 +46,20 @@ def test_the_cap_is_a_share_of_the_period_at_least_a_few_dht_requests_at_most_th
     assert straggler_cap(10.0, 2.0, 0.01) == pytest.approx(STRAGGLER_SHARE * 10.0)
     assert straggler_cap(10.0, 0.5, 0.01) == 0.5
     assert straggler_cap(0.1, 2.0, 0.05) == pytest.approx(0.15)  # a declaration takes that long to show
+    # a period of a few steps: a tenth of it is less than one step, and a member as fast comes within one
+    assert straggler_cap(0.2, 2.0, 0.001, step=0.05) == pytest.approx(OWN_STEPS * 0.05)
+    assert straggler_cap(0.2, 2.0, 0.001, step=10.0) == 2.0  # never past the window
+
+
+def test_a_member_as_fast_as_this_peer_is_waited_for_however_short_the_round_period():
+    """Rounds every few steps (DiLoCo H=4 at 50 steps/s: a 0.1 s period): a tenth of the period is
+    less than one step, so a member of equal pace that had not declared when half had was never
+    waited for. Here ``me`` steps 50 times a second too; the straggler declares 30 ms (1.5 steps) late."""
+    group, no_shows = find_group(Pace(50.0, False), declares_after=0.03, period=0.1, own=Pace(50.0, True))
+    assert sorted(group) == ["me", "other", "slow"] and no_shows == {}
+    # a member 10x slower is not waited for, and the one as fast is, only as long as one of its steps
+    group, no_shows = find_group(Pace(5.0, False), declares_after=0.03, period=0.1, own=Pace(50.0, True))
+    assert group == ["me", "other"] and no_shows == {}
 
 
 def test_a_straggler_is_waited_for_up_to_the_cap_only_when_its_pace_fits():
@@ -73,9 +87,11 @@ def test_a_declaration_made_at_the_caps_last_moment_is_looked_for_while_it_takes
 
 
 def find_group(pace: Pace, declares_after: float | None, measured: bool = True,
-               stragglers: tuple[str, ...] = ("slow",)) -> tuple[list[str] | None, dict]:
+               stragglers: tuple[str, ...] = ("slow",), period: float = PERIOD,
+               own: Pace | None = None) -> tuple[list[str] | None, dict]:
     """One round with ``me`` and ``other`` declared and ``stragglers`` (seen alive, claiming ``pace``)
-    declaring after ``declares_after`` seconds (None: never); the group ``me`` leads and the no-shows."""
+    declaring after ``declares_after`` seconds (None: never); the group ``me`` leads and the no-shows.
+    ``period``: the round period ``me`` measured; ``own``: the pace ``me``'s own record claims."""
     async def scenario():
         node = DeclaredNode(["me", "other"])
         matchmaker = Matchmaker(node, SimpleNamespace(admission=None), "test", schema_digest="schema",
@@ -85,7 +101,7 @@ def find_group(pace: Pace, declares_after: float | None, measured: bool = True,
         if measured:
             for _ in range(3):
                 matchmaker.rounds.started()
-                clock.now += PERIOD
+                clock.now += period
         for member in ("other", *stragglers):  # all averaged before: alive
             matchmaker.attendance.seen_alive(member)
 
@@ -103,7 +119,8 @@ def find_group(pace: Pace, declares_after: float | None, measured: bool = True,
         plan = await asyncio.wait_for(matchmaker.find_group(
             "round", group_size=8, min_group_size=2, window=WINDOW, share=1.0, expected=2 + len(stragglers),
             expected_members=frozenset({"me", "other", *stragglers}), unreachable=frozenset({"other", *stragglers}),
-            paces={"other": Pace(100.0, True), **{peer: pace for peer in stragglers}}), BOUND)
+            paces={"other": Pace(100.0, True), **{peer: pace for peer in stragglers},
+                   **({"me": own} if own is not None else {})}), BOUND)
         return plan, matchmaker.attendance.no_shows
 
     return asyncio.run(scenario())
