@@ -237,17 +237,23 @@ def test_sparse_keeps_zeros_exact_when_a_chunk_has_fewer_than_k_nonzeros() -> No
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 5, 7, 8, 9])
 def test_bit_packing_round_trips_and_refuses_set_padding(bits: int, count: int) -> None:
-    from swarmgrad.averaging.codecs.bits import pack, packed_size, unpack
+    from swarmgrad.averaging.codecs.bits import byte_table, lookup, pack, packed_size, unpack
 
     codes = (np.arange(count) % (1 << bits)).astype(np.uint8)
     packed = pack(codes, bits)
     assert len(packed) == packed_size(count, bits) and np.array_equal(unpack(packed, count, bits), codes)
+    values = np.linspace(-1, 1, 1 << bits, dtype=np.float32) * 3  # a table lookup gives each code's value
+    if bits < 8:
+        table = byte_table(values, bits)
+        assert np.array_equal(lookup(packed, count, bits, table), values[codes])
     fields = np.arange(count, dtype=np.int64) * 37 % (1 << 11)
     assert np.array_equal(unpack_fields(pack_fields(fields, 11), count, 11), fields)
     if count * bits % 8:
         spoiled = packed[:-1] + bytes([packed[-1] | 0x80])
         with pytest.raises(CodecError, match="padding bits"):
             unpack(spoiled, count, bits)
+        with pytest.raises(CodecError, match="padding bits"):
+            lookup(spoiled, count, bits, table)
     if count * 11 % 8:
         raw = pack_fields(fields, 11)
         with pytest.raises(CodecError, match="padding bits"):

@@ -68,7 +68,8 @@ class BlockCodec(Codec):
         raise NotImplementedError
 
     def code_values(self, codes: bytes, numel: int) -> np.ndarray:
-        """Each element's code as the multiple of its block's scale it decodes to."""
+        """Each element's code as the multiple of its block's scale it decodes to: float32 that the
+        decoder may overwrite (the decoded tensor is then made in it), or a read-only view."""
         raise NotImplementedError
 
     def _meta_for(self, shape: tuple[int, ...], numel: int) -> dict[str, int | float]:
@@ -88,12 +89,13 @@ class BlockCodec(Codec):
             if not (0.0 <= low and high <= self.max_scale):  # NaN fails both comparisons
                 raise CodecError(f"{self.name} block scales must be finite and in [0, {self.max_scale:.3g}]")
         values = self.code_values(parts["q"], numel)
-        out = torch.empty(numel, dtype=torch.float32)
-        out_np, scale_np = out.numpy(), array_from(parts[self.scale_part], np.float32)
+        # scaled where the codes' values lie when they are float32 of its own (one array, one pass less)
+        out_np = values if values.dtype == np.float32 and values.flags.writeable else np.empty(numel, np.float32)
+        scale_np = array_from(parts[self.scale_part], np.float32)
         full = numel // block * block
         if full:
             np.multiply(values[:full].reshape(-1, block), scale_np[: full // block, None],
                         out=out_np[:full].reshape(-1, block))
         if full < numel:
             np.multiply(values[full:], scale_np[-1], out=out_np[full:])
-        return out
+        return torch.from_numpy(out_np)
