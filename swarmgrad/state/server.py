@@ -23,7 +23,8 @@ reading the answers (state/transfer.py keeps ``PIPELINE_PARTS`` part requests in
 ``describe`` without a version describes the latest snapshot. A sketch reads the parts asked for,
 at most ``SKETCH_PARTS`` (state/sketch.py; an older joiner's request without ``parts`` gets every
 part), so its cost does not grow with the state (measured: 1.6-4 ms per MiB read idle, up to 70 on
-a loaded 2-core machine); it runs off the event loop, one at a time; donors keep the last
+a loaded 2-core machine); its parts are read on the event loop, between the owner's outer steps, and
+projected off it, one sketch at a time; donors keep the last
 ``SKETCH_CACHE`` by (version, seed, parts) and answer at most ``SKETCHES_PER_CHANNEL`` per channel
 (one to compare, one per verification pass); past that the request is an invalid frame. A result asked for in chunks travels in frames of at most
 ``RESULT_CHUNK_BYTES`` (state/results.py): one frame is one AES-GCM message, which holds under 2 GiB.
@@ -266,11 +267,19 @@ class StateServer:
 
     async def _sketch(self, snapshot: StateSnapshot | ServedState, seed: int, parts: tuple[int, ...]) -> bytes:
         """The sketch of ``parts`` of ``snapshot`` for ``seed``, computed off the event loop, one at a
-        time, kept for reuse."""
+        time, kept for reuse. The parts are read on the loop, a part at a time, as served parts are:
+        the owner's outer steps change the live tensors in place there, and a state read past them
+        (state/served.py) is whole only between two steps. Read on a worker thread, a sketch taken
+        during a step undid it on pieces it had not reached yet (lab, q2, 201M parameters: both
+        donors' sketches were off, and a joiner's 5-minute download failed its verification)."""
         key = (snapshot.version, seed, parts)
         async with self._sketching:
             if key not in self._sketches:
-                drawn = await asyncio.to_thread(sketch, snapshot.read_part, snapshot.specs, seed, parts)
+                read: dict[int, torch.Tensor] = {}  # at most SKETCH_PARTS parts (64 MiB)
+                for index in parts:
+                    read[index] = snapshot.read_part(index)
+                    await asyncio.sleep(0)  # one part's read at a time on the loop
+                drawn = await asyncio.to_thread(sketch, read.__getitem__, snapshot.specs, seed, parts)
                 self._sketches[key] = drawn.numpy().tobytes()
                 while len(self._sketches) > SKETCH_CACHE:
                     self._sketches.pop(next(iter(self._sketches)))

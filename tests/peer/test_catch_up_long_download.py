@@ -12,6 +12,8 @@ operations.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +34,7 @@ from swarmgrad.peer.state import TrainingState
 from swarmgrad.peer.strategies.diloco import DiLoCo
 from swarmgrad.state.kept import KEPT_RESULTS
 from swarmgrad.state.server import StateServer
+from swarmgrad.state.sketch import sketch
 from swarmgrad.state.snapshot import layout, part_count
 from swarmgrad.timing import Timing
 
@@ -200,7 +203,8 @@ def test_a_fresh_diloco_joiner_may_leave_the_donors_inner_optimizer_state_and_st
 
 # ---- a state read past the donor's outer steps (issue 35: no copies of start and momentum) -----------
 
-def framed(values: torch.Tensor, codec_name: str = "int8", chunk_elements: int = 7) -> FramedAverage:
+def framed(values: torch.Tensor, codec_name: str = "int8", chunk_elements: int = 7,
+           kind: type[FramedAverage] = FramedAverage) -> FramedAverage:
     """``values`` as a round's average held in the frames it travelled in (several frames)."""
     schema = Schema.of([("flat", values)], chunk_elements=chunk_elements)
     codec = get_codec(codec_name)
@@ -209,7 +213,7 @@ def framed(values: torch.Tensor, codec_name: str = "int8", chunk_elements: int =
         header, payload = encode_chunk(codec.average_codec(),
                                        values[chunk.start : chunk.start + chunk.length].view(chunk.view))
         frames.append(({"t": "avg", "c": chunk.index, **header}, bytes(payload)))
-    return FramedAverage(frames, schema, codec)
+    return kind(frames, schema, codec)
 
 
 def served_values(state) -> dict[str, torch.Tensor]:
@@ -290,3 +294,47 @@ def test_a_joiner_downloading_across_framed_outer_steps_takes_the_version_it_ask
     assert torch.allclose(start, version_3[0], rtol=1e-5, atol=1e-6)
     assert torch.allclose(momentum, version_3[1], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(s.donor.start, version_3[0], rtol=1e-3, atol=1e-4)
+
+
+class SlowFrames(FramedAverage):
+    """An average whose frames decode slowly: an outer step on it holds the loop thread a while."""
+
+    def pieces(self):
+        for offset, values in super().pieces():
+            time.sleep(0.01)  # the GIL is free meanwhile: a reader on another thread runs
+            yield offset, values
+
+
+def test_a_donors_sketch_is_never_read_half_way_through_an_outer_step():
+    """A donor's state is read past its outer steps (start and momentum changed in place on the loop
+    thread, undone on reading). A sketch whose parts were read on a worker thread while a step ran
+    undid that step on pieces it had not changed yet: in the lab (q2, 201M) both donors' sketches were
+    off and a joiner's 5-minute download failed its verification. The parts are read on the loop, a
+    part at a time, so every one is read wholly before or wholly after a step: the sketch taken across
+    the step is the one of the version as it was."""
+    tracker = FakeTracker()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)  # 8 parts of 1 MiB (parameters and momentum)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = attach(DiLoCo(inner_steps=2, outer_lr=0.7, outer_momentum=0.9), model, optimizer, tracker)
+    policy.momentum.copy_(torch.randn(policy.layout.total, generator=torch.Generator().manual_seed(1)))
+    state = TrainingState(model, optimizer, policy).capture(VERSION, {})
+    server = StateServer(SimpleNamespace(), "sketch-race")
+    server.publish(state)
+    server._reading(None, VERSION)  # a download reads it: the state reads past the step, without copies
+    policy.before_outer_step = server.retire
+    parts = tuple(range(part_count(state.nbytes)))
+    assert len(parts) >= 8
+    expected = sketch(state.read_part, state.specs, 7, parts)  # version 3, before any step
+    total = policy.layout.total
+    step = framed(0.5 * torch.randn(total), chunk_elements=1 << 14, kind=SlowFrames)
+
+    async def scenario() -> torch.Tensor:
+        sketching = asyncio.ensure_future(server._sketch(state, 7, parts))
+        await asyncio.sleep(0)  # the sketch is under way
+        policy.apply(step)  # on the loop thread, 64 pieces, 0.6 s
+        return torch.frombuffer(bytearray(await sketching), dtype=torch.float32).view(expected.shape)
+
+    drawn = asyncio.run(scenario())
+    assert state.frozen and server.held_bytes()["served_state_copies"] == 0  # read past the step, no copies
+    assert torch.allclose(drawn.double(), expected.double(), rtol=1e-4, atol=1e-3), (drawn - expected).abs().max()
