@@ -75,16 +75,39 @@ class WorkerConfig:
 
 
 class PeakSampler(threading.Thread):
-    """The largest VmRSS of this process, read every ``SAMPLE_S`` seconds."""
+    """The largest VmRSS of this process, read every ``SAMPLE_S`` seconds, and where each thread was
+    when it was seen (``where``: the innermost swarmgrad frames of each; what to chunk next)."""
 
     def __init__(self) -> None:
         super().__init__(name="rss-sampler", daemon=True)
         self.peak = proc_status("self", "VmRSS")
+        self.where: dict[str, list[str]] = {}
+        self.recent = self.peak  # the largest since ``since``: one step() call's
         self.stopped = threading.Event()
+
+    def since(self, rss: int) -> None:
+        self.recent = rss
 
     def run(self) -> None:
         while not self.stopped.wait(SAMPLE_S):
-            self.peak = max(self.peak, proc_status("self", "VmRSS"))
+            rss = proc_status("self", "VmRSS")
+            self.recent = max(self.recent, rss)
+            if rss > self.peak:
+                self.peak, self.where = rss, _swarm_frames()
+
+
+def _swarm_frames(depth: int = 4) -> dict[str, list[str]]:
+    """Each thread's innermost ``depth`` frames in swarmgrad's code, as file:line function."""
+    import traceback
+
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    where = {}
+    for ident, frame in sys._current_frames().items():
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)
+                  if "/swarmgrad/" in f.filename]
+        if frames:
+            where[names.get(ident, str(ident))] = frames[-depth:]
+    return where
 
 
 class Commands(threading.Thread):
@@ -217,7 +240,8 @@ def thread_schedstat() -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
-def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: Any, deadline: float) -> dict:
+def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: Any, deadline: float,
+          sampler: PeakSampler) -> dict:
     """Step until the parent's end epoch; every step() call timed, swarm steps told apart."""
     steps: list[float] = []
     step_epochs: list[int] = []  # the epoch each of those steps ran in
@@ -234,6 +258,7 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
         rss, before, link_before = proc_status("self", "VmRSS"), status_counts(peer), link_bytes()
         cpu_before, runq_before = thread_schedstat()
         process_before = time.process_time()
+        sampler.since(rss)
         started = time.perf_counter()
         peer.step(batch_size=BATCH, loss=loss)
         seconds = time.perf_counter() - started
@@ -244,6 +269,7 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
         if any(after[name] != before[name] for name in STATUS_FIELDS):
             report = peer.status().last_report or {}  # the averaging step's own timing, where one ran
             rounds.append({"epoch": after["epoch"], "seconds": seconds, "rss_before": rss, "cpu_s": process_cpu,
+                           "rss_rise": max(sampler.recent, proc_status("self", "VmRSS")) - rss,
                            "averaging_s": report.get("seconds"), "allreduce_s": report.get("allreduce_seconds"),
                            "ok": after["rounds_ok"] - before["rounds_ok"],
                            "failed": after["rounds_failed"] - before["rounds_failed"],
@@ -316,10 +342,10 @@ def run_worker(cfg: WorkerConfig, send: Any) -> None:
             peer.wait_for_peers(2, 60)
         daemon = threading.Thread(target=_sample_daemons, args=(daemon_rss, commands.leave), daemon=True)
         daemon.start()
-        record = train(peer, model, batches, commands, send, deadline)
+        record = train(peer, model, batches, commands, send, deadline, sampler)
         status, memory = peer.status(), swarm_memory(peer)
         result = {"role": cfg.role, "index": cfg.index, "params": sum(p.numel() for p in model.parameters()),
-                  "baseline_rss": baseline, "peak_rss": sampler.peak, "hwm": proc_status("self", "VmHWM"),
+                  "baseline_rss": baseline, "peak_rss": sampler.peak, "peak_where": sampler.where, "hwm": proc_status("self", "VmHWM"),
                   "enter_s": enter_s, "rounds_ok": status.rounds_ok, "rounds_failed": status.rounds_failed,
                   "state_downloads": status.state_downloads, "epoch": status.epoch, "swarm_memory": memory,
                   "daemon_rss": statistics.median(daemon_rss) if daemon_rss else None,

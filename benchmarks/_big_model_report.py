@@ -85,7 +85,10 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
         "rounds_ok": result["rounds_ok"], "rounds_failed": result["rounds_failed"], **round_figures(rounds, rate),
         "steady_bytes_per_param": per_param(steady, params),
         "peak_bytes_per_param": per_param(result["peak_rss"] - baseline, params),
-        "hwm_bytes_per_param": per_param(result["hwm"] - baseline, params),
+        "hwm_bytes_per_param": per_param(result["hwm"] - baseline, params), "peak_where": result.get("peak_where"),
+        # how far RSS rose within each swarm-step call above where it started (the round's own
+        # transient memory, apart from what the process held before it): the median over those calls
+        "round_rise_bytes_per_param": per_param(median([r["rss_rise"] for r in rounds if "rss_rise" in r]), params),
         "baseline_rss": baseline, "daemon_rss": result["daemon_rss"], "swarm_memory": result["swarm_memory"],
         "stall_s": stall, "stall_epoch": stall_epoch, "median_step_s": typical,
         "stall_ratio": stall / typical if stall is not None and typical else None,

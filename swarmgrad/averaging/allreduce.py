@@ -272,7 +272,10 @@ class GroupAllReduce:
     def _encode_contribution(self, chunk: Chunk) -> tuple[dict, bytes | memoryview]:
         values = self._own(chunk).view(chunk.view)
         if self.feedback is not None:
-            return encoded_to_frame(self.feedback.encode(f"c{chunk.index}", values))
+            # a contribution read where it lives is read again when the round commits (feedback.py):
+            # no residual is staged beside the committed one meanwhile
+            source = (lambda: self._own(chunk).view(chunk.view)) if self.read is not None else None
+            return encoded_to_frame(self.feedback.encode(f"c{chunk.index}", values, source))
         return encode_chunk(self.codec, values, known_finite=self.contribution_checked)
 
     def _decode_chunk(self, header: dict, payload: bytes | memoryview, chunk: Chunk, codec: Codec) -> torch.Tensor:

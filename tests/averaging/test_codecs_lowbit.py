@@ -441,6 +441,37 @@ def test_error_feedback_makes_the_decoded_sum_track_the_input_sum(spec: str) -> 
     assert plain_errors[-1] >= 4 * residuals[-1] and plain_errors[-1] >= 1.3 * plain_errors[199]  # grows without
 
 
+@pytest.mark.parametrize("spec", ["int8", "q2", "sparse", "powersgd"])
+def test_error_feedback_read_again_at_commit_keeps_the_same_residuals_and_stages_only_the_encoding(spec) -> None:
+    """``encode(..., source)``: the residual is formed at commit from the values read again, in the
+    committed one's place. Round by round (a failed one between) it is the residual staged the
+    usual way to the bit, and until the commit only the encoding is held beside the committed one."""
+    codec = get_codec(spec)
+    staged, deferred = ErrorFeedback(codec), ErrorFeedback(codec)
+    generator = torch.Generator().manual_seed(3)
+    shape = (48, 64)
+    for t in range(6):
+        update = torch.randn(shape, generator=generator)
+        held = deferred.held_bytes()
+        one = staged.encode("w", update)
+        read_again = update.clone()
+        other = deferred.encode("w", update.clone(), source=lambda: read_again)
+        assert one.parts == other.parts  # the same encoding either way
+        if codec.residual_dtype == torch.bfloat16 and t > 0:
+            # the encoding beside the committed residual, not a second residual of 2 bytes an element
+            assert deferred.held_bytes() - held == other.nbytes() < update.numel() * 2
+        if t == 3:  # a failed round: nothing staged is kept, either way
+            staged.discard()
+            deferred.discard()
+            continue
+        committed = deferred._residual.get("w")
+        staged.commit()
+        deferred.commit()
+        assert torch.equal(staged._residual["w"], deferred._residual["w"])
+        if committed is not None and committed.dtype == deferred._residual["w"].dtype:
+            assert deferred._residual["w"] is committed  # written in its place
+
+
 # ---- the return path ------------------------------------------------------------------------------
 
 

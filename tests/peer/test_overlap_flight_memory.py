@@ -73,3 +73,26 @@ def test_a_flight_read_where_it_lives_holds_what_it_sent_as_bfloat16_and_resends
     assert not advanced and h.policy.held_bytes()["flight"] == 0
     torch.testing.assert_close(h.policy.start, start)
     torch.testing.assert_close(h.flat_params(), start - sent + meanwhile)  # where it was sent from, as sent
+
+
+def test_a_round_that_becomes_a_flight_during_its_all_reduce_reads_on_what_it_was_sending():
+    """The averager binds the reader when its all-reduce starts; where the driver launches that round
+    as a flight meanwhile (its first attempt outlasted the matchmaking window), the parameters take
+    the provisional step, and the chunks read after it are what was being sent, not start less the
+    moved parameters."""
+    h = Harness([], outer_lr=0.7, outer_momentum=0.9)
+    h.policy.read_contributions = True
+    h.policy.prepare_round()
+    h.train(2)
+    start, at_launch = h.policy.start.clone(), h.flat_params()
+    read = h.policy.contribution_reader()
+    assert read is not None
+    total = h.policy.layout.total
+    half = total // 2
+    before = read(0, half)
+    h.policy.launch(refill=False)
+    assert not torch.equal(h.flat_params(), at_launch)  # the provisional step moved them
+    after = read(half, total - half)
+    pseudo_gradient = start - at_launch
+    assert torch.equal(before, pseudo_gradient[:half])
+    assert torch.equal(after, pseudo_gradient[half:].to(torch.bfloat16).float())  # as the flight holds it

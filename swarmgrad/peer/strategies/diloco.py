@@ -135,11 +135,15 @@ class DiLoCoPolicy(Policy):
     @no_grad
     def _read_contribution(self, offset: int, length: int) -> torch.Tensor:
         """start - parameters over ``[offset, offset + length)`` (a chunk: part of one parameter, or
-        several small ones)."""
+        several small ones). Once the round became a flight (``launch`` during its all-reduce, which
+        read this way from its start) the parameters have taken the provisional step: what was
+        sent is read from the flight's copy, taken before they moved."""
         import torch
 
         from swarmgrad.averaging.codecs.base import all_finite
 
+        if self._sent is not None:
+            return self._read_sent(offset, length)
         values = self.start[offset:offset + length].clone()
         at, index = offset, bisect.bisect_right(self._offsets, offset) - 1
         while at < offset + length:
