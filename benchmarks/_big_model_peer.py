@@ -345,7 +345,8 @@ def run_worker(cfg: WorkerConfig, send: Any) -> None:
         record = train(peer, model, batches, commands, send, deadline, sampler)
         status, memory = peer.status(), swarm_memory(peer)
         result = {"role": cfg.role, "index": cfg.index, "params": sum(p.numel() for p in model.parameters()),
-                  "baseline_rss": baseline, "peak_rss": sampler.peak, "peak_where": sampler.where, "hwm": proc_status("self", "VmHWM"),
+                  "baseline_rss": baseline, "peak_rss": sampler.peak, "peak_where": sampler.where,
+                  "hwm": proc_status("self", "VmHWM"),
                   "enter_s": enter_s, "rounds_ok": status.rounds_ok, "rounds_failed": status.rounds_failed,
                   "state_downloads": status.state_downloads, "epoch": status.epoch, "swarm_memory": memory,
                   "daemon_rss": statistics.median(daemon_rss) if daemon_rss else None,
