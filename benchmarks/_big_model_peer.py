@@ -287,6 +287,34 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
             "rounds": rounds}
 
 
+PROFILE_ENV = "BIG_MODEL_PROFILE_DIR"  # where each peer writes its event loop thread's CPU profile
+
+
+def profile_event_loops(path: Path) -> None:
+    """Diagnostics: the peer's event loop thread runs under cProfile timed by that thread's CPU time
+    (not wall time: three peers on two cores wait for a core, which a sampling profiler counts as
+    busy); the stats are written when the loop stops (``python -m pstats PATH``)."""
+    import cProfile
+
+    from swarmgrad import eventloop
+
+    def profiled(run_forever: Any) -> Any:
+        def run() -> None:
+            profile = cProfile.Profile(time.thread_time)
+            try:
+                profile.runcall(run_forever)
+            finally:
+                profile.dump_stats(path)
+        return run
+
+    def init(self: Any, name: str = "swarmgrad-loop") -> None:  # BackgroundLoop's, its thread profiled
+        self._loop = eventloop.new_event_loop()
+        self._thread = threading.Thread(target=profiled(self._loop.run_forever), name=name, daemon=True)
+        self._thread.start()
+
+    eventloop.BackgroundLoop.__init__ = init
+
+
 def worker(cfg: WorkerConfig) -> None:
     """One peer process: model, baseline, Peer, training, one JSON result line to the parent."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
@@ -313,6 +341,8 @@ def run_worker(cfg: WorkerConfig, send: Any) -> None:
 
     configure_logging(logging.INFO)
     torch.set_num_threads(1)
+    if os.environ.get(PROFILE_ENV):
+        profile_event_loops(Path(os.environ[PROFILE_ENV]) / f"loop-{cfg.role}{cfg.index}.prof")
     tune_allocator()  # as sg.Peer will: what the allocator keeps of the training's own step is the baseline's
     deadline = time.monotonic() + cfg.deadline_s
     model, optimizer, batches = build_model(cfg)

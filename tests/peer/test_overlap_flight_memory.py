@@ -5,12 +5,16 @@ issue 35). The fakes are test_overlap.py's."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 
 import torch
+from peer_fakes import attach
 from test_overlap import AVERAGE, GatedBackend, Harness, _settle
 
 from swarmgrad.averaging.report import RoundReport
 from swarmgrad.peer.backends import RoundOutcome
+from swarmgrad.peer.strategies.diloco import DiLoCo
 
 
 class ReadingBackend(GatedBackend):
@@ -96,3 +100,31 @@ def test_a_round_that_becomes_a_flight_during_its_all_reduce_reads_on_what_it_wa
     pseudo_gradient = start - at_launch
     assert torch.equal(before, pseudo_gradient[:half])
     assert torch.equal(after, pseudo_gradient[half:].to(torch.bfloat16).float())  # as the flight holds it
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Resident bytes of the whole pages inside ``tensor``'s storage (``mincore``: exactly its range)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.untyped_storage().data_ptr()
+    first, last = -(-start // page) * page, (start + tensor.untyped_storage().nbytes()) // page * page
+    pages = max(0, (last - first) // page)
+    vector = (ctypes.c_ubyte * max(1, pages))()
+    if pages and libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(byte & 1 for byte in vector[:pages]) * page
+
+
+def test_a_diloco_peer_holds_no_contribution_memory_until_a_round_fills_it():
+    """The contribution is made without touching its pages (``prepare`` writes all of it before it is
+    read, a round in turn reads none of it): zeroed, they were resident from the start, 12 bytes a
+    parameter with start and momentum before the first round, every big_model run's peak."""
+    model = torch.nn.Linear(2048, 2048)  # 16 MiB of float32: its own mapping, whatever the allocator's thresholds
+    policy = attach(DiLoCo(inner_steps=2), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    size = policy.contribution.untyped_storage().nbytes()
+    assert size == 4 * policy.layout.total
+    assert resident_bytes(policy.contribution) == 0
+    whole_pages = size - 2 * os.sysconf("SC_PAGE_SIZE")  # its first and last pages may be shared
+    assert resident_bytes(policy.start) >= whole_pages  # the start is written: the parameters' copy
+    policy.prepare()  # a round that needs it whole (a lossless codec, privacy): written, then resident
+    assert resident_bytes(policy.contribution) >= whole_pages

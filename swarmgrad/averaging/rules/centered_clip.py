@@ -6,7 +6,8 @@ the others: a row far from the rest with less than half the weight never is) and
 ``TAU_FACTOR`` x the median of the rows' distances ||x_i - s|| (at least half the rows must be far
 for τ to be large). It then iterates
   v <- v + Σ w_i (x_i - v) min(1, τ / ||x_i - v||) / Σ w_i
-until a step is shorter than ``TOLERANCE`` x τ, or for ``MAX_ITERATIONS`` steps. A row pulls the
+until a step is shorter than ``TOLERANCE`` x τ, or for ``MAX_ITERATIONS`` steps (on the coefficients of
+the rows, through their Gram matrix: ``_in_span``; a step costs no pass over them). A row pulls the
 result by at most its weight share x τ, whatever it sent; when no row is farther than τ from the
 weighted mean, the result is the weighted mean. Rows then farther than ``REJECT_FACTOR`` x τ from
 the result are *rejected* (while fewer than half the rows are) and the iteration goes on from there
@@ -44,7 +45,7 @@ from swarmgrad.averaging.rules.base import Aggregate, GossipForm, Rule, median
 TAU_FACTOR = 1.5  # honest rows of a high-dimensional chunk sit at about the same distance: none is clipped
 REJECT_FACTOR = 3.0  # a row this many τ from the result is left out (honest rows: mostly within ~τ / 1.5)
 TOLERANCE = 1e-4  # relative to τ: the last step moved the result by less than this fraction of τ
-MAX_ITERATIONS = 50  # a step is ~3 passes over the stack; steps shrink about as the clipped weight share
+MAX_ITERATIONS = 50  # steps shrink about as the clipped weight share (each on the rows' n x n Gram matrix: ``_in_span``)
 CLIP_WINDOW = 16  # senders remembered: more than a peer's in-neighbours on the exponential graph of 2^16 peers
 
 

@@ -125,7 +125,7 @@ class Policy(ABC):
         from swarmgrad.device.boundary import DeviceBoundary
 
         self.boundary = DeviceBoundary.of(self.params)  # every copy between the parameters and the host
-        self.contribution = self.layout.zeros()  # what a round averages; the averager reads it in place
+        self.contribution = self._new_contribution()  # what a round averages; the averager reads it in place
         # called before the strategy changes what ``outer_params`` and ``state_tensors`` view: the
         # state server drops a state served from them, or keeps them for its readers and says so
         # (True: the strategy goes on with copies; state/served.py), or reads past ``step`` where given
@@ -136,6 +136,10 @@ class Policy(ABC):
         # fp16's loss scaler (``Peer(grad_scaler=...)``): gradients arrive scaled, and a step whose
         # gradients overflowed is skipped: not stepped, not counted, never sent
         self.grad_scaler: torch.amp.GradScaler | None = None
+
+    def _new_contribution(self) -> torch.Tensor:
+        """The contribution buffer, zeroed (a strategy that accumulates into it relies on that)."""
+        return self.layout.zeros()
 
     def contribution_views(self) -> dict[str, torch.Tensor]:
         """The contribution as one named view per parameter (the averaging schema keeps their shapes)."""

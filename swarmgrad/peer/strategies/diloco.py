@@ -74,6 +74,15 @@ class DiLoCoPolicy(Policy):
         self._filled = False  # the contribution buffer holds this epoch's pseudo-gradient
         self._offsets = [0, *itertools.accumulate(self.layout.numels)]  # where each parameter starts, flat
 
+    def _new_contribution(self) -> torch.Tensor:
+        """Never zeroed: ``prepare`` writes all of it before anything reads it, and a round in turn reads
+        none of it (``prepare_round`` lets it go). Zeroed, its pages were touched when the peer started:
+        start, momentum and it, 12 bytes a parameter before the first round, the peak of every
+        big_model run in the lab (16.0-16.7 bytes a parameter at 201M, against 11-11.7 steady)."""
+        import torch
+
+        return torch.empty(self.layout.total, dtype=torch.float32)
+
     def weight_cap(self, batch_size: int | None) -> float | None:
         return None if batch_size is None else WEIGHT_SLACK * self.settings.inner_steps * batch_size
 
