@@ -12,6 +12,7 @@ import torch
 from test_codecs import f32, random_tensor, sample, with_part
 
 from swarmgrad.averaging.codecs import CodecError, Encoded, ErrorFeedback, get_codec
+from swarmgrad.averaging.codecs.base import all_finite
 from swarmgrad.averaging.codecs.int8 import Int8Codec
 from swarmgrad.averaging.codecs.powersgd import PowerSGDCodec
 from swarmgrad.averaging.codecs.topk import TopKCodec
@@ -375,3 +376,17 @@ def test_structure_limits_are_inclusive():
         check_structure(dataclasses.replace(encoded, **change))
     with pytest.raises(CodecError, match="^can only encode torch tensors, got list$"):
         get_codec("none").encode([1.0])  # type: ignore[arg-type]
+
+
+def test_all_finite_is_exact_where_the_sum_it_tries_first_is_not():
+    """A finite sum proves every element finite; where finite values add up past float32's range
+    (or cancel an inf), the exact min/max check decides."""
+    huge = torch.full((1000,), 3e38)
+    assert not math.isfinite(float(huge.sum())) and all_finite(huge)
+    assert all_finite(torch.tensor([3e38, -3e38, 3e38, 3e38]))
+    for bad in (math.inf, -math.inf, math.nan):
+        for neighbours in (torch.zeros(9), torch.full((9,), 3e38)):
+            values = torch.cat([neighbours, torch.tensor([bad])])
+            assert not all_finite(values) and not all_finite(values.flip(0))
+    assert not all_finite(torch.tensor([math.inf, -math.inf]))  # a sum of nan
+    assert all_finite(torch.empty(0)) and all_finite(torch.arange(5))

@@ -119,7 +119,9 @@ def test_a_diloco_peer_holds_no_contribution_memory_until_a_round_fills_it():
     """The contribution is made without touching its pages (``prepare`` writes all of it before it is
     read, a round in turn reads none of it): zeroed, they were resident from the start, 12 bytes a
     parameter with start and momentum before the first round, every big_model run's peak."""
-    model = torch.nn.Linear(2048, 2048)  # 16 MiB of float32: its own mapping, whatever the allocator's thresholds
+    # 64 MiB of float32: past glibc's largest mmap threshold (32 MiB), so its own fresh mapping, never
+    # a heap block this process freed before (smaller ones may be: resident already, and small)
+    model = torch.nn.Linear(4096, 4096)
     policy = attach(DiLoCo(inner_steps=2), model, torch.optim.SGD(model.parameters(), lr=0.1))
     size = policy.contribution.untyped_storage().nbytes()
     assert size == 4 * policy.layout.total

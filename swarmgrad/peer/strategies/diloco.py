@@ -153,13 +153,13 @@ class DiLoCoPolicy(Policy):
 
         if self._sent is not None:
             return self._read_sent(offset, length)
-        values = self.start[offset:offset + length].clone()
+        values = torch.empty(length, dtype=torch.float32)
         at, index = offset, bisect.bisect_right(self._offsets, offset) - 1
         while at < offset + length:
             within = at - self._offsets[index]
             span = min(offset + length - at, self.layout.numels[index] - within)
-            piece = values[at - offset : at - offset + span]
-            torch.sub(piece, self.boundary.read_span(self.params[index], within, span), out=piece)
+            torch.sub(self.start[at : at + span], self.boundary.read_span(self.params[index], within, span),
+                      out=values[at - offset : at - offset + span])
             at, index = at + span, index + 1
         if not all_finite(values):  # finite parameters, but a difference past float32's range
             raise ValueError(f"the pseudo-gradient holds NaN or Inf in [{offset}, {offset + length}); not sending it")
