@@ -70,8 +70,8 @@ NOTES = {
     ("device.boundary", "peer.strategies"): "each piece as it arrives: checked finite; the new start's piece to write",
     ("averaging.moshpit", "peer.strategies"): "whether this round reads its contribution where it lives (nothing "
                                               "filled it)",
-    ("averaging.allreduce", "peer.strategies"): "each chunk of the contribution as it is encoded: start − params, "
-                                                "no model-sized copy",
+    ("averaging.allreduce", "peer.strategies"): "each chunk of the contribution as it is encoded (and again at "
+                                                "commit): start − params, no model-sized copy",
     ("averaging.moshpit", "averaging.result_frames"): "the average handed over as the frames it travelled in "
                                                       "(`FramedAverage`): no float32 result of the model's size",
     ("peer.strategies", "averaging.result_frames"): "the outer step walks the average a frame at a time",
@@ -99,7 +99,10 @@ NOTES = {
                                           "flight meanwhile, whose contribution the launch filled)",
     ("averaging.moshpit", "averaging.allreduce"): "the all-reduce: each part's chunks encoded and streamed to its "
                                                   "owner, this peer's part reduced, the averages received",
-    ("averaging.allreduce", "averaging.codecs"): "encode with error feedback (staged), decode what arrives",
+    ("averaging.allreduce", "averaging.codecs"): "encode with error feedback (the encoding staged: the new residual "
+                                                 "is formed at commit), decode what arrives",
+    ("averaging.codecs", "averaging.allreduce"): "at commit: each chunk of the contribution read again, its new "
+                                                 "residual written over the committed one (no second residual held)",
     ("averaging.allreduce", "averaging.rules"): "weights bounded; the part's aggregate by the run's rule (off the loop)",
     ("peer.driver", "state.server"): "**the round's result kept** for peers a round behind: the frames it travelled "
                                      "in (a bfloat16 copy where there are none)",
