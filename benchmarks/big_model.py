@@ -53,7 +53,11 @@ What each peer process measures and reports to the parent (one JSON line):
   the training's, not the swarm's). ``steady``: VmRSS read right before each ``step()`` call that ran a swarm step
   (after ``backward()``: gradients present, as in the baseline), the median of those after the first
   round, minus the baseline. ``peak``: the largest VmRSS a thread sampling every 50 ms saw from the
-  baseline on, minus the baseline (VmHWM minus the baseline is in the JSON too). The p2pd daemon a
+  baseline on, minus the baseline (VmHWM minus the baseline is in the JSON too; ``peak_where``: each
+  thread's innermost swarmgrad frames when the peak was seen; ``round_rise_bytes_per_param``: the median
+  over swarm-step calls of how far RSS rose within the call above where it started, a round's own
+  transient memory). ``BIG_MODEL_PROFILE_DIR=DIR`` makes each peer write a CPU-time profile of its
+  event loop thread there (``loop-ROLEINDEX.prof``, pstats). The p2pd daemon a
   peer starts is another process: its median RSS is reported apart (``daemon MB``), not in these.
   ``swarm mem``: whatever ``status()`` reports under a key holding "memory", if it has one.
 * the joiner's ``download s`` beside its state's bytes at the downlink rate: the time spent in
