@@ -288,6 +288,7 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
 
 
 PROFILE_ENV = "BIG_MODEL_PROFILE_DIR"  # where each peer writes its event loop thread's CPU profile
+DEBUG_ENV = "BIG_MODEL_DEBUG"  # comma-separated loggers (e.g. swarmgrad.averaging) each peer logs at DEBUG
 
 
 def profile_event_loops(path: Path) -> None:
@@ -340,6 +341,8 @@ def run_worker(cfg: WorkerConfig, send: Any) -> None:
     from swarmgrad.hostmemory import tune_allocator
 
     configure_logging(logging.INFO)
+    for name in filter(None, os.environ.get(DEBUG_ENV, "").split(",")):
+        logging.getLogger(name.strip()).setLevel(logging.DEBUG)
     torch.set_num_threads(1)
     if os.environ.get(PROFILE_ENV):
         profile_event_loops(Path(os.environ[PROFILE_ENV]) / f"loop-{cfg.role}{cfg.index}.prof")

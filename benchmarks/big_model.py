@@ -57,7 +57,8 @@ What each peer process measures and reports to the parent (one JSON line):
   thread's innermost swarmgrad frames when the peak was seen; ``round_rise_bytes_per_param``: the median
   over swarm-step calls of how far RSS rose within the call above where it started, a round's own
   transient memory). ``BIG_MODEL_PROFILE_DIR=DIR`` makes each peer write a CPU-time profile of its
-  event loop thread there (``loop-ROLEINDEX.prof``, pstats). The p2pd daemon a
+  event loop thread there (``loop-ROLEINDEX.prof``, pstats); ``BIG_MODEL_DEBUG=swarmgrad.averaging,...``
+  makes each peer log those loggers at DEBUG (matchmaking says whom it waited for and why). The p2pd daemon a
   peer starts is another process: its median RSS is reported apart (``daemon MB``), not in these.
   ``swarm mem``: whatever ``status()`` reports under a key holding "memory", if it has one.
 * the joiner's ``download s`` beside its state's bytes at the downlink rate: the time spent in

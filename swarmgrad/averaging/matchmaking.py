@@ -234,6 +234,11 @@ class Matchmaker:
                     self.attendance.seen_alive(peer)
                 gave_up = patience.gave_up_on(was_alive - declared - {me}) if half_declared(was_alive, declared) \
                     else set()
+                if logger.isEnabledFor(logging.DEBUG) and was_alive - declared:
+                    logger.debug("%s: declared %s; alive and not declared %s, of them waited for %s (cap %s s, "
+                                 "paces %s)", key, sorted(declared), sorted(was_alive - declared),
+                                 sorted(waiting_for - declared), patience.cap,
+                                 {peer: paces[peer] for peer in was_alive - declared if peer in paces})
                 if not looking.committed:
                     # waited the window (or a straggler's cap) out: who did not come is not waited for again
                     missing = gave_up | (waiting_for - declared if time.time() >= ready_at else set())

@@ -168,7 +168,8 @@ class CatchUp:
         ``running`` says so meanwhile (matchmaking then answers probes that this peer cannot come)."""
         self.running = True
         try:
-            await self._catch_up(donors, min_version, rejoin)
+            with self.tracker.local.pace_held():  # it is not training meanwhile: not a slow pace
+                await self._catch_up(donors, min_version, rejoin)
         finally:
             self.running = False
 

@@ -38,8 +38,9 @@ import math
 import statistics
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from swarmgrad.dht.membership import Membership, Progress, TrainingStats
 
@@ -155,6 +156,7 @@ class LocalProgress:
     steps_per_second: float = 0.0
     averaging: bool = False
     _rate_mark: tuple[float, int, int] = field(default_factory=lambda: (time.monotonic(), 0, 0))
+    _pace_held: bool = False
 
     def add(self, samples: int) -> None:
         self.samples += samples
@@ -167,14 +169,29 @@ class LocalProgress:
         since, samples, steps = self._rate_mark
         if now - since < 0.2:
             return
-        sample_rate = (self.total_samples - samples) / (now - since)
-        step_rate = (self.total_steps - steps) / (now - since)
-        if self.samples_per_second == 0.0:
-            self.samples_per_second, self.steps_per_second = sample_rate, step_rate
-        else:
-            self.samples_per_second += RATE_SMOOTHING * (sample_rate - self.samples_per_second)
-            self.steps_per_second += RATE_SMOOTHING * (step_rate - self.steps_per_second)
+        self.samples_per_second = _smoothed(self.samples_per_second, (self.total_samples - samples) / (now - since))
+        if not self._pace_held:
+            self.steps_per_second = _smoothed(self.steps_per_second, (self.total_steps - steps) / (now - since))
         self._rate_mark = (now, self.total_samples, self.total_steps)
+
+    @contextmanager
+    def pace_held(self) -> Iterator[None]:
+        """Time in it (taking the swarm's state, replaying rounds) is not in the step rate, the pace others
+        wait for this peer by (stragglers.py): after minutes of catching up its average had decayed to
+        about 0, and for its first heartbeats of training it claimed a fraction of its pace (0.7^n of
+        the way short after n), which can put its arrival past the others' cap for stragglers just as it
+        comes to its first round. Its samples/s, only shown, stays what it is."""
+        self._pace_held = True
+        try:
+            yield
+        finally:
+            self._pace_held = False
+            self._rate_mark = (time.monotonic(), self.total_samples, self.total_steps)
+
+
+def _smoothed(average: float, newest: float) -> float:
+    """A rate's running average with ``newest`` (its first nonzero one replaces a 0)."""
+    return newest if average == 0.0 else average + RATE_SMOOTHING * (newest - average)
 
 
 class ProgressTracker:

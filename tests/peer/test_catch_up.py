@@ -172,6 +172,30 @@ def test_a_download_that_ends_with_the_swarm_a_round_further_replays_that_round(
     assert h.tracker.local.epoch == version + 1 and h.catch_up.replayed == 1
 
 
+def test_a_catch_up_holds_the_pace_the_peer_claims_while_it_downloads_and_replays(monkeypatch):
+    """Others wait for this peer by its claimed step rate (stragglers.py): a download and the replay
+    after it are not training, and leave that rate as it was."""
+    version = replay_reach(monkeypatch) + 1
+    h = Harness(swarm_epoch=version, monkeypatch=monkeypatch)
+    h.swarm_moves_during_download = 1
+    held: list[bool] = []
+    download_result, download_state = h.download_result, h.download_state
+
+    async def result_seen(*args, **kwargs):
+        held.append(h.tracker.local._pace_held)
+        return await download_result(*args, **kwargs)
+
+    async def state_seen(*args, **kwargs):
+        held.append(h.tracker.local._pace_held)
+        return await download_state(*args, **kwargs)
+
+    monkeypatch.setattr(catch_up_module, "download_result", result_seen)
+    monkeypatch.setattr(catch_up_module, "download_state", state_seen)
+    h.run()
+    assert h.downloads == 1 and h.catch_up.replayed == 1
+    assert held == [True, True] and not h.tracker.local._pace_held  # held in both, released after
+
+
 def test_a_peer_whose_oldest_missed_round_no_donor_kept_downloads_the_state(monkeypatch):
     """Past a donor's byte cap the oldest rounds go first: a peer that needs one of them cannot
     replay from where it is, and takes the state instead (then replays what is left)."""

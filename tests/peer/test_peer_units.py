@@ -19,6 +19,7 @@ from swarmgrad.averaging.settings import Gossip, Moshpit
 from swarmgrad.dht.membership import Progress
 from swarmgrad.errors import ConfigError
 from swarmgrad.peer import Peer
+from swarmgrad.peer import progress as progress_module
 from swarmgrad.peer.config import RunConfig, RunConfigMismatch, resolve_against_run, run_config
 from swarmgrad.peer.progress import LocalProgress, PeerProgress, SwarmProgress
 from swarmgrad.peer.state import StateMismatch, TrainingState
@@ -335,6 +336,37 @@ def test_local_progress_counts_and_rates():
     local.update_rates()  # 16 samples/s now; smoothed toward it
     assert local.samples_per_second == pytest.approx(6.0 + 0.3 * (16.0 - 6.0), rel=0.02)
     assert local.steps_per_second == pytest.approx(1.0 + 0.3 * (4.0 - 1.0), rel=0.02)
+
+
+def test_the_pace_a_peer_claims_leaves_out_its_catching_up(monkeypatch):
+    """Minutes of taking the state or replaying rounds are not a slow pace: others decide by the step
+    rate whether to wait for this peer (stragglers.py). Its samples/s still shows what it did."""
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+
+    def train(seconds: int) -> None:
+        for _ in range(seconds):  # a step of 4 samples a second, its rates measured every second
+            now[0] += 1.0
+            local.add(4)
+            local.update_rates()
+
+    def catch_up(seconds: int) -> None:
+        for _ in range(seconds):  # no steps; the heartbeat measures every second
+            now[0] += 1.0
+            local.update_rates()
+
+    local = LocalProgress()
+    train(5)
+    assert local.steps_per_second == pytest.approx(1.0)
+    with local.pace_held():
+        catch_up(120)
+    assert local.steps_per_second == pytest.approx(1.0)  # held: the pace it trains at
+    assert local.samples_per_second < 0.01  # shown as it is: nothing trained meanwhile
+    train(2)
+    assert local.steps_per_second == pytest.approx(1.0)
+    catch_up(120)  # not held: the pace it claims decays, and climbs back a heartbeat at a time
+    train(2)
+    assert local.steps_per_second < 0.6
 
 
 def progress(**changes):
