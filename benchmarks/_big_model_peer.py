@@ -167,17 +167,30 @@ def allocate_training_state(model: Any, optimizer: Any, batch: Any) -> None:
 
 def instrument_download() -> dict[str, Any]:
     """Wrap the joiner's state download and its verification pass to time them (see the docstring)."""
-    record: dict[str, Any] = {"download_s": None, "download_bytes": None, "verify_s": None}
+    record: dict[str, Any] = {"download_s": None, "download_bytes": None, "verify_s": None, "fetching": []}
     try:
         from swarmgrad.peer import catch_up
         from swarmgrad.state import transfer
     except ImportError:
         return record
     download, verify = getattr(catch_up, "download_state", None), getattr(transfer, "_verify", None)
+    fetch = getattr(getattr(catch_up, "CatchUp", None), "fetch_missed", None)
+
+    async def timed_fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        """A round's result fetched from donors (a replay, or a missed round beside training): the
+        wall-clock span, so the donors' rounds it overlapped are not counted quiet."""
+        began = time.time()
+        try:
+            return await fetch(self, *args, **kwargs)
+        finally:
+            record["fetching"].append((began, time.time()))
 
     async def timed_download(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        snapshot = await download(*args, **kwargs)
+        started, began = time.perf_counter(), time.time()
+        try:
+            snapshot = await download(*args, **kwargs)
+        finally:
+            record["fetching"].append((began, time.time()))
         record["download_s"] = (record["download_s"] or 0.0) + time.perf_counter() - started
         record["download_bytes"] = (record["download_bytes"] or 0) + int(snapshot.nbytes)
         return snapshot
@@ -191,6 +204,8 @@ def instrument_download() -> dict[str, Any]:
 
     if download is not None:
         catch_up.download_state = timed_download
+    if fetch is not None:
+        catch_up.CatchUp.fetch_missed = timed_fetch
     if verify is not None:
         transfer._verify = timed_verify
     return record
@@ -259,7 +274,7 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
         cpu_before, runq_before = thread_schedstat()
         process_before = time.process_time()
         sampler.since(rss)
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.time()
         peer.step(batch_size=BATCH, loss=loss)
         seconds = time.perf_counter() - started
         cpu_after, runq_after = thread_schedstat()
@@ -268,7 +283,8 @@ def train(peer: Any, model: Any, batches: list[Any], commands: Commands, send: A
         after = status_counts(peer)
         if any(after[name] != before[name] for name in STATUS_FIELDS):
             report = peer.status().last_report or {}  # the averaging step's own timing, where one ran
-            rounds.append({"epoch": after["epoch"], "seconds": seconds, "rss_before": rss, "cpu_s": process_cpu,
+            rounds.append({"epoch": after["epoch"], "seconds": seconds, "began": began, "rss_before": rss,
+                           "cpu_s": process_cpu,
                            "rss_rise": max(sampler.recent, proc_status("self", "VmRSS")) - rss,
                            "averaging_s": report.get("seconds"), "allreduce_s": report.get("allreduce_seconds"),
                            "ok": after["rounds_ok"] - before["rounds_ok"],

@@ -57,11 +57,24 @@ QUIET_LINK = 1.15  # a quiet round's link bytes at most this many times its own 
 
 
 def _quiet(round_: dict) -> bool:
-    """Whether the link carried at most ``QUIET_LINK`` times the round's own bytes over the call."""
-    if round_.get("link_sent") is None:
+    """Whether the link carried at most ``QUIET_LINK`` times the round's own bytes over the call, and
+    no joiner fetched state or a result meanwhile (``beside_joiner``: a replay's bytes may be few, but
+    serving them costs the donor CPU beside its round)."""
+    if round_.get("link_sent") is None or round_.get("beside_joiner"):
         return False
     own, carried = round_["bytes_sent"] + round_["bytes_received"], round_["link_sent"] + round_["link_received"]
     return own > 0 and carried <= QUIET_LINK * own
+
+
+def mark_joiner_fetches(results: list[dict]) -> None:
+    """Mark every round (``beside_joiner``) whose call overlapped a span in which a joiner fetched the
+    state or a round's result (its ``download["fetching"]``: wall-clock spans)."""
+    spans = [span for result in results for span in (result.get("download") or {}).get("fetching", [])]
+    for result in results:
+        for round_ in result["rounds"]:
+            if "began" in round_:
+                ended = round_["began"] + round_["seconds"]
+                round_["beside_joiner"] = any(began < ended and round_["began"] < end for began, end in spans)
 
 
 def summarize_peer(result: dict, rate: float | None) -> dict:
@@ -183,7 +196,7 @@ def render(record: dict, args: argparse.Namespace) -> Any:
         "averaging step (matchmaking and all-reduce) and its all-reduce, medians; wire s: max(sent/up, received/down) of that "
         "round at the link rate; link s: all the bytes the peer's link carried over that call (state served, "
         "replays) at the link rate; quiet round s: the median of the (n) rounds whose link carried at most 1.15x "
-        "their own bytes. B/param: host RSS beyond model, gradients and Adam (steady: before each "
+        "their own bytes, no joiner fetching meanwhile. B/param: host RSS beyond model, gradients and Adam (steady: before each "
         "swarm step after the first, median; peak: 50 ms samples). daemon MB: the peer's p2pd. download "
         "s: the joiner's state downloads (all of them, as state MB), beside their bytes at the link rate; "
         "verify: share spent in the verification pass. stall: the longest step() outside rounds (@ the epoch it ran in), beside the median step; its "

@@ -43,7 +43,9 @@ What each peer process measures and reports to the parent (one JSON line):
   the rate is in the JSON too (``wire_sum_s``). ``link s``: the same for all the bytes the peer's
   link carried over the call (``/proc/self/net/dev`` of its namespace, every interface but loopback:
   link-layer bytes, the state it served and the replays included); ``quiet round s (n)``: the
-  median of the n rounds whose link carried at most 1.15x their own bytes (no state served then).
+  median of the n rounds whose link carried at most 1.15x their own bytes (no state served then) and
+  during which no joiner fetched the state or a round's result (serving a replay's few bytes still
+  costs a donor CPU beside its round: at 201M, int8, round CPU 12-17 s against 8.5 before the joiner).
   ``n/a`` on loopback.
 * host RAM beyond model, gradients and optimizer, in bytes per parameter. Baseline: VmRSS of
   /proc/self/status after the model was built, one forward/backward pass left its gradients and one
@@ -105,7 +107,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its peer process and report modules
 
 from _big_model_peer import PARAMS_PER_LAYER, PEERS, WorkerConfig, group_pids, log, proc_status  # noqa: E402
-from _big_model_report import output, rerender, summarize_case, summarize_peer  # noqa: E402
+from _big_model_report import mark_joiner_fetches, output, rerender, summarize_case, summarize_peer  # noqa: E402
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "_big_model_peer.py"
 MODEL_BYTES_PER_PARAM = 16  # fp32 weights, gradients, Adam's two moments
@@ -418,6 +420,7 @@ def run_one(case: Case, args: argparse.Namespace, log_dir: Path) -> dict:
         log(f"{case.network}/{case.codec}/{case.size} failed: {error}")
         return record
     record.update(epochs)
+    mark_joiner_fetches(results)
     record["peers"] = [summarize_peer(result, rate) for result in results]
     record["summary"] = summarize_case(record["peers"])
     record["wall_s"] = time.monotonic() - started

@@ -21,6 +21,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "big_model.py"
 sys.path.insert(0, str(BENCHMARK.parent))
 
 import big_model as bm  # noqa: E402
+from _big_model_report import round_figures  # noqa: E402
 
 
 def test_sizes_become_whole_layers_of_2048_by_2048():
@@ -76,6 +77,20 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     assert (row["stall_cpu_s"], row["stall_runq_s"]) == (0.1, 0.3)
     assert row["stall_blocked_s"] == pytest.approx(0.1) and row["longest_blocked_s"] == pytest.approx(0.1)
     assert bm.summarize_peer(result, None)["wire_s"] is None  # loopback: no link rate
+
+
+def test_a_round_beside_a_joiners_fetch_is_not_quiet_whatever_its_link_carried():
+    """A replay's bytes may be few, but serving it costs the donor CPU beside its round."""
+    def round_at(began: float) -> dict:
+        return {"epoch": 1, "seconds": 10.0, "began": began, "rss_before": 0, "ok": 1, "failed": 0, "cpu_s": 1.0,
+                "bytes_sent": 1_000_000, "bytes_received": 1_000_000, "link_sent": 1_000_000, "link_received": 1_000_000}
+
+    starter = {"role": "starter", "rounds": [round_at(began) for began in (100.0, 200.0, 300.0)]}
+    joiner = {"role": "joiner", "rounds": [], "download": {"fetching": [(195.0, 201.0), (400.0, 450.0)]}}
+    bm.mark_joiner_fetches([starter, joiner])
+    assert [round_["beside_joiner"] for round_ in starter["rounds"]] == [False, True, False]
+    row = round_figures(starter["rounds"], 100e6 / 8)
+    assert row["quiet_rounds"] == 2
 
 
 class FakeGroup:
