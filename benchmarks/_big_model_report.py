@@ -114,6 +114,10 @@ def summarize_peer(result: dict, rate: float | None) -> dict:
         "download_s": download.get("download_s"), "download_bytes": download.get("download_bytes"),
         "verify_s": download.get("verify_s"),
         "rounds": rounds, "steps": len(steps),
+        # every step() outside rounds in order, [epoch, seconds, on a CPU, waiting for one]: where a stall
+        # came in its epoch (after a round? beside another peer's?) can be read back later
+        "step_log": [[epoch, round(wall, 4), round(on_cpu, 4), round(waiting, 4)]
+                     for epoch, wall, on_cpu, waiting in zip(step_epochs, steps, cpu, runq)] if split else [],
     }
     nbytes = row["download_bytes"]
     row["download_wire_s"] = nbytes / rate if rate and nbytes else None

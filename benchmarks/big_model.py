@@ -74,7 +74,8 @@ What each peer process measures and reports to the parent (one JSON line):
   into seconds on a CPU, seconds runnable but waiting for a core (``runq``: the other peers' work on
   a shared machine) and the rest, ``blocked``: the thread waited on something (a lock, a future, I/O).
   ``blocked s`` is the longest such wait of any call outside rounds: what the peer made the training
-  loop wait for, whatever the machine.
+  loop wait for, whatever the machine. Every such call is in the JSON (``step_log``: epoch, seconds,
+  on a CPU, waiting for one), to find where in its epoch a stall came.
 
 Before a size starts, the peers' memory is estimated as 3 x (16 + ``--swarm-bytes-per-param``) bytes
 per parameter plus 0.4 GB per process; a size that would not fit in MemAvailable less 1 GiB is skipped

@@ -50,7 +50,7 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     rate = 100e6 / 8
     result = {"role": "joiner", "index": 2, "params": 1000, "epoch": 5, "rounds_ok": 2, "rounds_failed": 1,
               "baseline_rss": 10_000, "peak_rss": 150_000, "hwm": 160_000, "daemon_rss": 5e7, "swarm_memory": None,
-              "state_downloads": 1, "enter_s": 3.0, "steps": [0.1, 0.1, 0.5],
+              "state_downloads": 1, "enter_s": 3.0, "steps": [0.1, 0.1, 0.5], "step_epochs": [3, 3, 4],
               "step_cpu": [0.1, 0.05, 0.1], "step_runq": [0.0, 0.05, 0.3],
               "download": {"download_s": 4.0, "download_bytes": 25_000_000, "verify_s": 1.0},
               "rounds": [{"epoch": e, "seconds": s, "rss_before": rss, "ok": 1, "failed": 0, "cpu_s": s / 2,
@@ -75,6 +75,7 @@ def test_a_peer_summary_reads_rounds_steps_memory_and_download():
     assert row["verify_share"] == pytest.approx(0.25)
     # the stall's 0.5 s: 0.1 on a CPU, 0.3 waiting for one, 0.1 blocked; the longest wait of any step
     assert (row["stall_cpu_s"], row["stall_runq_s"]) == (0.1, 0.3)
+    assert row["step_log"][2] == [4, 0.5, 0.1, 0.3] and row["stall_epoch"] == 4  # every step kept, to read back
     assert row["stall_blocked_s"] == pytest.approx(0.1) and row["longest_blocked_s"] == pytest.approx(0.1)
     assert bm.summarize_peer(result, None)["wire_s"] is None  # loopback: no link rate
 
