@@ -34,7 +34,14 @@ import torch
 
 from swarmgrad.averaging.codecs import Codec, ErrorFeedback
 from swarmgrad.averaging.codecs.base import all_finite
-from swarmgrad.averaging.frames import byte_view, check_raw_header, decode_chunk, encode_chunk, encoded_to_frame
+from swarmgrad.averaging.frames import (
+    byte_view,
+    check_chunk,
+    check_raw_header,
+    decode_chunk,
+    encode_chunk,
+    encoded_to_frame,
+)
 from swarmgrad.averaging.group_plan import GroupPlan
 from swarmgrad.averaging.layout import Chunk, Schema, assign_parts
 from swarmgrad.averaging.rules import get_rule
@@ -284,6 +291,12 @@ class GroupAllReduce:
         except FrameError as error:
             raise FrameError(f"chunk {chunk.index}: {error}") from None
 
+    def _check_chunk(self, header: dict, payload: bytes | memoryview, chunk: Chunk, codec: Codec) -> None:
+        try:
+            check_chunk(codec, header, payload, chunk.view)
+        except FrameError as error:
+            raise FrameError(f"chunk {chunk.index}: {error}") from None
+
     def _chunk_of(self, header: dict, allowed: dict[int, Chunk], done: set[int]) -> Chunk:
         index = int_field(header, "c", 0, len(self.schema.chunks) - 1)
         if index not in allowed or index in done:
@@ -320,9 +333,11 @@ class GroupAllReduce:
                 else:
                     payload = memoryview(bytearray(length))
                     await channel.recv_payload_into(payload)
-                    values = self._decode_chunk(header, payload, chunk, self.gather_codec)  # checked either way
                     if self.result is not None:
-                        self.result[chunk.start : chunk.start + chunk.length] = values
+                        self.result[chunk.start : chunk.start + chunk.length] = self._decode_chunk(
+                            header, payload, chunk, self.gather_codec)
+                    else:  # kept as the frames, decoded where they are applied: checked, not decoded, here
+                        self._check_chunk(header, payload, chunk, self.gather_codec)
                     self.result_frames[chunk.index] = (header, payload.tobytes())
                 done.add(chunk.index)
 

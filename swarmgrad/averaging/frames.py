@@ -74,22 +74,44 @@ def decode_chunk(codec: Codec, header: Mapping[str, Any], payload: bytes | bytea
     Raw float32 is returned as a view of the received buffer (no copy).
     """
     if codec.name == "none":
-        check_raw_header(header, len(payload), shape)
-        values = _view_float32(payload)
-        try:
-            check_finite(values, "received tensor")
-        except CodecError as error:
-            raise FrameError(str(error)) from None
-        return values
+        return _raw_values(header, payload, shape)
+    encoded = _expected(codec, header, payload, shape)
+    try:
+        return codec.decode(encoded, max_elements=max(1, _numel(shape))).reshape(-1)
+    except CodecError as error:
+        raise FrameError(str(error)) from None
+
+
+def check_chunk(codec: Codec, header: Mapping[str, Any], payload: bytes | bytearray, shape: tuple[int, ...]) -> None:
+    """FrameError wherever ``decode_chunk`` would raise, without decoding where the codec need not
+    (``Codec.check``): for frames kept as they are and decoded when they are used."""
+    if codec.name == "none":
+        _raw_values(header, payload, shape)
+        return
+    encoded = _expected(codec, header, payload, shape)
+    try:
+        codec.check(encoded, max_elements=max(1, _numel(shape)))
+    except CodecError as error:
+        raise FrameError(str(error)) from None
+
+
+def _raw_values(header: Mapping[str, Any], payload: bytes | bytearray, shape: tuple[int, ...]) -> torch.Tensor:
+    check_raw_header(header, len(payload), shape)
+    values = _view_float32(payload)
+    try:
+        check_finite(values, "received tensor")
+    except CodecError as error:
+        raise FrameError(str(error)) from None
+    return values
+
+
+def _expected(codec: Codec, header: Mapping[str, Any], payload: bytes | bytearray, shape: tuple[int, ...]) -> Encoded:
     encoded = encoded_from_frame(header, payload)
     if encoded.shape != shape or encoded.dtype != "float32" or encoded.codec != codec.name:
         raise FrameError(
             f"tensor is {encoded.codec}/{encoded.dtype}{list(encoded.shape)}, expected {codec.name}/float32{list(shape)}"
         )
-    try:
-        return codec.decode(encoded, max_elements=max(1, _numel(shape))).reshape(-1)
-    except CodecError as error:
-        raise FrameError(str(error)) from None
+    return encoded
 
 
 def check_raw_header(header: Mapping[str, Any], payload_length: int, shape: tuple[int, ...]) -> None:

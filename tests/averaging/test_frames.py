@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from swarmgrad.averaging.codecs import get_codec
+from swarmgrad.averaging.codecs.blocks import BlockCodec
 from swarmgrad.averaging.frames import (
+    check_chunk,
     check_raw_header,
     decode_chunk,
     encode_chunk,
@@ -184,3 +186,53 @@ def test_the_decoder_allows_exactly_the_expected_number_of_elements():
     assert decode_chunk(codec, header, payload, (64,)).numel() == 64
     with pytest.raises(FrameError, match=r"expected int8/float32\[32\]"):
         decode_chunk(codec, header, payload, (32,))
+
+
+def _lies() -> list[tuple[str, dict, bytes]]:
+    """Frames that decode_chunk refuses, one per way: (codec spec, header, payload)."""
+    frames = []
+    for spec in ("int8:8", "q2:8"):
+        codec = get_codec(spec)
+        header, payload = encoded_to_frame(codec.encode(values()))
+        frames.append((spec, {**header, "enc": {**header["enc"], "shape": [5, 6]}}, bytes(payload)))
+        scale = bytearray(payload)  # the first block's scale NaN
+        scale[0:4] = torch.tensor([float("nan")]).numpy().tobytes()
+        frames.append((spec, header, bytes(scale)))
+        frames.append((spec, header, bytes(payload)[:-1]))
+    header, payload = encoded_to_frame(get_codec("fp16").encode(values()))
+    bad = bytearray(payload)
+    bad[0:2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.int16).numpy().tobytes()
+    frames.append(("fp16", header, bytes(bad)))
+    header, payload = raw_frame(values())
+    nan = bytearray(payload)
+    nan[0:4] = torch.tensor([float("nan")]).numpy().tobytes()
+    frames.append(("none", header, bytes(nan)))
+    return frames
+
+
+@pytest.mark.parametrize("spec, header, payload", _lies())
+def test_a_check_refuses_every_frame_a_decode_refuses_with_the_same_error(spec, header, payload):
+    codec = get_codec(spec)
+    with pytest.raises(FrameError) as decoded:
+        decode_chunk(codec, header, payload, SHAPE)
+    with pytest.raises(FrameError) as checked:
+        check_chunk(codec, header, payload, SHAPE)
+    assert str(checked.value) == str(decoded.value)
+
+
+@pytest.mark.parametrize("spec", ["int8:8", "q2:8", "sign"])
+def test_a_block_codecs_frame_is_checked_by_its_scales_without_decoding_it(spec, monkeypatch):
+    """A peer that keeps a round's result as its frames decodes them when it applies them: the check on
+    arrival reads one scale a block, not the codes (one pass over the model less a round)."""
+    codec = get_codec(spec)
+    header, payload = encoded_to_frame(codec.encode(values()))
+    check_chunk(codec, header, bytes(payload), SHAPE)
+
+    def decoding(*args, **kwargs):
+        raise AssertionError("the check decoded the codes")
+
+    monkeypatch.setattr(type(codec), "code_values", decoding)
+    check_chunk(codec, header, bytes(payload), SHAPE)  # passes: the codes are never read
+    assert isinstance(codec, BlockCodec)
+    with pytest.raises(AssertionError, match="decoded the codes"):
+        decode_chunk(codec, header, bytes(payload), SHAPE)

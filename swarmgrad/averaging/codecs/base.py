@@ -245,6 +245,19 @@ class Codec(ABC):
     # ---- decoding -------------------------------------------------------------------------
     def decode(self, encoded: Encoded, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
         """Validate everything, then decode to a fresh float32 tensor of `encoded.shape`."""
+        numel = self._validated(encoded, max_elements)
+        return self._decode(encoded.parts, encoded.shape, numel, encoded.meta).view(encoded.shape)
+
+    def check(self, encoded: Encoded, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+        """Raise CodecError wherever ``decode`` would, without the decoded tensor where the codec can
+        tell from its parts (``_check_values``): a peer that keeps a round's result as the frames it
+        travelled in decodes them when it applies them, and checking them on arrival by decoding
+        was one more pass over the model each round."""
+        numel = self._validated(encoded, max_elements)
+        self._check_values(encoded.parts, encoded.shape, numel, encoded.meta)
+
+    def _validated(self, encoded: Encoded, max_elements: int) -> int:
+        """Everything about ``encoded`` but its values; its element count."""
         check_structure(encoded)
         if encoded.codec != self.name:
             raise CodecError(f"codec {self.name!r} cannot decode a tensor encoded by {encoded.codec!r:.80}")
@@ -257,7 +270,12 @@ class Codec(ABC):
         for key, size in expected.items():
             if len(encoded.parts[key]) != size:
                 raise CodecError(f"{self.name} part {key!r} has {len(encoded.parts[key])} bytes, expected {size}")
-        return self._decode(encoded.parts, encoded.shape, numel, encoded.meta).view(encoded.shape)
+        return numel
+
+    def _check_values(self, parts: Mapping[str, bytes], shape: tuple[int, ...], numel: int,
+                      meta: Mapping[str, int | float]) -> None:
+        """CodecError where ``_decode`` would raise (non-finite values); by default by decoding."""
+        self._decode(parts, shape, numel, meta)
 
     @abstractmethod
     def _part_sizes(self, shape: tuple[int, ...], numel: int, meta: Mapping[str, int | float]) -> dict[str, int]:

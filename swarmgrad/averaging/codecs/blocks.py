@@ -79,15 +79,21 @@ class BlockCodec(Codec):
         block = meta_int(meta, "block", 1, MAX_BLOCK_SIZE)
         return {self.scale_part: 4 * -(-numel // block), "q": self.code_bytes(numel)}
 
-    def _decode(
-        self, parts: Mapping[str, bytes], shape: tuple[int, ...], numel: int, meta: Mapping[str, int | float]
-    ) -> torch.Tensor:
-        block = int(meta["block"])
+    def _check_values(self, parts: Mapping[str, bytes], shape: tuple[int, ...], numel: int,
+                      meta: Mapping[str, int | float]) -> None:
+        """The scales alone: every code's value is bounded, so scales in [0, ``max_scale``] make every
+        decoded value finite (one float per block read, not the block)."""
         scale = tensor_from(parts[self.scale_part], torch.float32)  # small: one float per block
         if scale.numel():
             low, high = (float(value) for value in torch.aminmax(scale))
             if not (0.0 <= low and high <= self.max_scale):  # NaN fails both comparisons
                 raise CodecError(f"{self.name} block scales must be finite and in [0, {self.max_scale:.3g}]")
+
+    def _decode(
+        self, parts: Mapping[str, bytes], shape: tuple[int, ...], numel: int, meta: Mapping[str, int | float]
+    ) -> torch.Tensor:
+        block = int(meta["block"])
+        self._check_values(parts, shape, numel, meta)
         values = self.code_values(parts["q"], numel)
         # scaled where the codes' values lie when they are float32 of its own (one array, one pass less)
         out_np = values if values.dtype == np.float32 and values.flags.writeable else np.empty(numel, np.float32)
