@@ -84,7 +84,8 @@ def test_a_round_beside_a_joiners_fetch_is_not_quiet_whatever_its_link_carried()
     """A replay's bytes may be few, but serving it costs the donor CPU beside its round."""
     def round_at(began: float) -> dict:
         return {"epoch": 1, "seconds": 10.0, "began": began, "rss_before": 0, "ok": 1, "failed": 0, "cpu_s": 1.0,
-                "bytes_sent": 1_000_000, "bytes_received": 1_000_000, "link_sent": 1_000_000, "link_received": 1_000_000}
+                "bytes_sent": 1_000_000, "bytes_received": 1_000_000,
+                "link_sent": 1_000_000, "link_received": 1_000_000}
 
     starter = {"role": "starter", "rounds": [round_at(began) for began in (100.0, 200.0, 300.0)]}
     joiner = {"role": "joiner", "rounds": [], "download": {"fetching": [(195.0, 201.0), (400.0, 450.0)]}}
