@@ -15,9 +15,10 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
@@ -176,21 +177,24 @@ def instrument_download() -> dict[str, Any]:
     download, verify = getattr(catch_up, "download_state", None), getattr(transfer, "_verify", None)
     fetch = getattr(getattr(catch_up, "CatchUp", None), "fetch_missed", None)
 
-    async def timed_fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        """A round's result fetched from donors (a replay, or a missed round beside training): the
-        wall-clock span, so the donors' rounds it overlapped are not counted quiet."""
+    @contextmanager
+    def fetching() -> Iterator[None]:
+        """The wall-clock span of a fetch from donors (the state, a replayed or missed round's result), so
+        the donors' rounds it overlapped are not counted quiet."""
         began = time.time()
         try:
-            return await fetch(self, *args, **kwargs)
+            yield
         finally:
             record["fetching"].append((began, time.time()))
 
+    async def timed_fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with fetching():
+            return await fetch(self, *args, **kwargs)
+
     async def timed_download(*args: Any, **kwargs: Any) -> Any:
-        started, began = time.perf_counter(), time.time()
-        try:
+        started = time.perf_counter()
+        with fetching():
             snapshot = await download(*args, **kwargs)
-        finally:
-            record["fetching"].append((began, time.time()))
         record["download_s"] = (record["download_s"] or 0.0) + time.perf_counter() - started
         record["download_bytes"] = (record["download_bytes"] or 0) + int(snapshot.nbytes)
         return snapshot
